@@ -1,0 +1,40 @@
+"""functrain: pure, composable, compiled training steps for PyTorch.
+
+The whole training state is one pytree (:class:`TrainState`); a training step is
+a pure function ``step(state, batch) -> (state, metrics)``; features are
+transforms that wrap the step (:func:`accumulate`, :func:`mixed_precision`,
+:func:`clip`, :func:`ema`, ...); :func:`compile` compiles the step whole.
+
+Example::
+
+    import torch, functrain as ft
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    apply_fn, params, buffers = ft.functionalize(model)
+
+    def loss_fn(params, buffers, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(apply_fn(params, buffers, x), y)
+
+    step = ft.clip(1.0)(ft.train_step(loss_fn, ft.optim.adamw(lr=1e-3)))
+    state = step.init(params, buffers)
+    cstep = ft.compile(step)
+    state, metrics = cstep(state, (torch.randn(32, 8), torch.randn(32, 1)))
+"""
+from . import optim, tree
+from .compile import CompiledStep, GraphBreakError, compile
+from .driver import run, to_device
+from .module import functionalize, to_module
+from .state import TrainState
+from .step import STAGES, Step, StepContext, Transform, train_step
+from .transforms import (EmaState, LossScaleState, Policy, accumulate, clip, clip_value, ema, mixed_precision,
+                         skip_nonfinite)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TrainState", "Step", "StepContext", "Transform", "STAGES", "train_step",
+    "functionalize", "to_module", "compile", "CompiledStep", "GraphBreakError", "run", "to_device",
+    "accumulate", "clip", "clip_value", "ema", "EmaState", "skip_nonfinite", "mixed_precision", "Policy",
+    "LossScaleState", "optim", "tree",
+]

@@ -1,0 +1,135 @@
+"""``ft.compile``: the whole step under ``torch.compile``, one graph, optional buffer donation."""
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from .state import TrainState
+from .step import Step, check_inputs, with_rng
+
+__all__ = ["compile", "CompiledStep", "GraphBreakError"]
+
+
+class GraphBreakError(RuntimeError):
+    """The step cannot be captured as one graph under ``fullgraph=True``."""
+
+
+class _CountingBackend:
+    """A ``torch.compile`` backend that counts the graphs it compiles, then defers to the real one."""
+
+    def __init__(self, backend: Any):
+        self.backend = backend
+        self.count = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        self.count += 1
+        return self.backend(gm, example_inputs)
+
+    def __getattr__(self, name: str) -> Any:  # get_compiler_config, reset, ... of the inductor wrapper
+        return getattr(self.__dict__["backend"], name)
+
+
+def _make_backend(backend: Any, mode: str | None, options: dict | None, dynamic: bool | None) -> _CountingBackend:
+    if backend in (None, "inductor"):
+        wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
+        if wrapper is None:  # pragma: no cover - older torch: count through the registry's inductor
+            from torch._dynamo.backends.registry import lookup_backend
+            return _CountingBackend(lookup_backend("inductor"))
+        return _CountingBackend(wrapper(mode, options, dynamic))
+    if mode is not None or options is not None:
+        raise ValueError(f"ft.compile: mode/options apply to the inductor backend only; got backend={backend!r}")
+    if isinstance(backend, str):
+        from torch._dynamo.backends.registry import lookup_backend
+        backend = lookup_backend(backend)
+    return _CountingBackend(backend)
+
+
+class CompiledStep:
+    """A :class:`~functrain.Step` compiled whole by :func:`compile`; call it like the step.
+
+    Attributes:
+        step:      the eager step it compiles.
+        compiles:  how many graphs ``torch.compile`` has built for it so far (a
+                   recompile shows up as an increase after the first call).
+        donate:    whether calls donate the input state's storage.
+    """
+
+    def __init__(self, step: Step, *, donate: bool = False, fullgraph: bool = True, backend: Any = None,
+                 mode: str | None = None, options: dict | None = None, dynamic: bool | None = None,
+                 **kwargs: Any):
+        if not isinstance(step, Step):
+            raise TypeError(f"ft.compile takes a functrain Step (from ft.train_step); got {type(step).__name__}")
+        self.step = step
+        self.donate = bool(donate)
+        self.fullgraph = fullgraph
+        self._backend = _make_backend(backend, mode, options, dynamic)
+        fn = self._donating if self.donate else step.apply
+        self._compiled = torch.compile(fn, fullgraph=fullgraph, backend=self._backend, dynamic=dynamic, **kwargs)
+
+    @property
+    def compiles(self) -> int:
+        return self._backend.count
+
+    def init(self, params: Any, buffers: Any = None, **kwargs: Any) -> TrainState:
+        """Same as :meth:`Step.init`."""
+        return self.step.init(params, buffers, **kwargs)
+
+    def _donating(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        new, metrics = self.step.apply(state, batch)
+        old_leaves, spec = optree.tree_flatten(state)
+        for old, value in zip(old_leaves, spec.flatten_up_to(new)):
+            old.copy_(value)  # inductor writes the result straight into the donated buffer
+        return state, metrics
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        check_inputs(state, batch)
+        try:
+            new, metrics = with_rng(self._compiled, state, batch)
+        except torch._dynamo.exc.Unsupported as e:
+            raise self._explain(e, state, batch) from e
+        if self.donate:
+            new = optree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, new)
+            for leaf in optree.tree_leaves(state):
+                if torch.is_tensor(leaf):
+                    leaf.set_()  # the old state no longer owns storage: using it raises
+        return new, metrics
+
+    def _explain(self, error: Exception, state: TrainState, batch: Any) -> Exception:
+        # Dynamo reports an exception raised by user code (a bad loss, a bad batch) as
+        # "Unsupported"; running the step eagerly raises the real error with its message.
+        try:
+            with_rng(self.step.apply, state, batch)
+        except Exception as real:  # noqa: BLE001 - surface whatever the step itself raises
+            return real
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return GraphBreakError(
+            f"the step cannot be compiled as one graph (fullgraph=True): {first}. "
+            f"A step must have no host sync (.item(), print, Python branches on tensor values) and call only "
+            f"traceable code; fix the loss function, or pass fullgraph=False to ft.compile to allow graph "
+            f"breaks (slower). Dynamo said:\n{error}")
+
+    def __repr__(self) -> str:
+        return f"compile({self.step!r}, donate={self.donate})"
+
+
+def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, **torch_compile_kwargs: Any) -> CompiledStep:
+    """Compile the whole step with ``torch.compile`` (``fullgraph=True`` by default).
+
+    The result is called like the step and gives the same results (to float
+    rounding). Steps of the same shapes never recompile: the step counter and
+    every per-step value are tensors. ``donate=True`` lets the new state reuse
+    the input state's storage (peak memory near one state, as JAX's donation);
+    the input state is invalid afterwards and passing it to a step raises.
+    Other keyword arguments go to ``torch.compile`` (``mode``, ``options``,
+    ``dynamic``, ``backend``).
+
+    Example::
+
+        import functrain as ft
+        cstep = ft.compile(step)            # first call compiles (seconds), later calls are fast
+        state, metrics = cstep(state, batch)
+        cstep.compiles                      # 1
+    """
+    return CompiledStep(step, donate=donate, fullgraph=fullgraph, **torch_compile_kwargs)

@@ -1,0 +1,76 @@
+"""From an ``nn.Module`` to a pure function and back."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.func import functional_call
+
+__all__ = ["functionalize", "to_module"]
+
+
+def functionalize(module: torch.nn.Module) -> tuple[Callable[..., Any], dict, dict]:
+    """Split ``module`` into a pure function and its tensors.
+
+    Returns ``(apply_fn, params, buffers)`` where ``apply_fn(params, buffers, *args,
+    **kwargs)`` runs ``module(*args, **kwargs)`` with the given tensors (through
+    ``torch.func.functional_call``), ``params`` is ``{name: tensor}`` of the
+    trainable parameters and ``buffers`` of the buffers. The tensors are detached
+    and share storage with the module (no copy); functrain's steps never write
+    into them unless you opt into donation (``ft.compile(step, donate=True)``).
+    Tied parameters appear once, as ``named_parameters()`` lists them.
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> model = torch.nn.Linear(3, 1)
+        >>> apply_fn, params, buffers = ft.functionalize(model)
+        >>> apply_fn(params, buffers, torch.ones(2, 3)).shape
+        torch.Size([2, 1])
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"functionalize expects a torch.nn.Module; got {type(module).__name__}")
+    params = {name: p.detach() for name, p in module.named_parameters() if p.requires_grad}
+    frozen = {name: p.detach() for name, p in module.named_parameters() if not p.requires_grad}
+    buffers = {**frozen, **{name: b.detach() for name, b in module.named_buffers()}}
+
+    def apply_fn(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> Any:
+        tensors = {**(buffers or {}), **params}
+        return functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
+
+    apply_fn.module = module  # type: ignore[attr-defined]
+    return apply_fn, params, buffers
+
+
+def to_module(module: torch.nn.Module, params: dict, buffers: dict | None = None) -> torch.nn.Module:
+    """Copy trained ``params`` (and ``buffers``) into ``module`` in place and return it.
+
+    The way back from :func:`functionalize`: use the result for inference,
+    ``torch.save(module.state_dict())`` or export. Every name must exist in the
+    module with the same shape; a missing or extra name raises ``KeyError``.
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> model = torch.nn.Linear(3, 1)
+        >>> _, params, _ = ft.functionalize(model)
+        >>> _ = ft.to_module(model, {k: torch.zeros_like(v) for k, v in params.items()})
+        >>> float(model.weight.abs().sum())
+        0.0
+    """
+    own = dict(module.named_parameters())
+    own.update(dict(module.named_buffers()))
+    given = {**(buffers or {}), **params}
+    unknown = sorted(set(given) - set(own))
+    if unknown:
+        raise KeyError(f"to_module: {unknown} are not parameters or buffers of {type(module).__name__}; "
+                       f"it has {sorted(own)}")
+    with torch.no_grad():
+        for name, value in given.items():
+            target = own[name]
+            if target.shape != value.shape:
+                raise ValueError(f"to_module: {name!r} has shape {tuple(value.shape)}, "
+                                 f"the module's is {tuple(target.shape)}")
+            if target.data_ptr() != value.data_ptr():
+                target.copy_(value)
+    return module

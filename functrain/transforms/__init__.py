@@ -1,0 +1,9 @@
+"""The built-in step transforms."""
+from .accumulate import accumulate
+from .clip import clip, clip_value
+from .ema import EmaState, ema
+from .finite import skip_nonfinite
+from .precision import LossScaleState, Policy, mixed_precision
+
+__all__ = ["accumulate", "clip", "clip_value", "ema", "EmaState", "skip_nonfinite",
+           "mixed_precision", "Policy", "LossScaleState"]

@@ -1,0 +1,153 @@
+"""Gradient accumulation (stage ``grad``): several micro-batches, one optimizer update."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import optree
+import torch
+
+from .. import tree as T
+from ..step import StepContext, Transform
+
+__all__ = ["accumulate"]
+
+_SUMMED = ("loss", "denom", "weight", "num_items")
+
+
+def add_outs(a: dict, b: dict) -> dict:
+    """Combine two micro-batches' step outputs: sums add, the later buffers win."""
+    out = {k: a[k] + b[k] for k in _SUMMED if k in a}
+    out["aux"] = {k: a["aux"][k] + b["aux"][k] for k in a["aux"]}
+    out["buffers"] = b["buffers"]
+    return out
+
+
+def split_batch(batch: Any, n: int) -> list:
+    """Split every tensor leaf of ``batch`` along dim 0 into ``n`` equal micro-batches."""
+    leaves, spec = optree.tree_flatten(batch)
+    paths = optree.tree_paths(batch)
+    parts = []
+    for path, leaf in zip(paths, leaves):
+        if not torch.is_tensor(leaf) or leaf.dim() == 0:
+            parts.append([leaf] * n)
+            continue
+        if leaf.shape[0] % n:
+            name = "/".join(map(str, path)) or "<root>"
+            raise ValueError(f"accumulate({n}): batch leaf {name!r} has leading dimension {leaf.shape[0]}, "
+                             f"which is not divisible by {n}; give a batch of n * micro_batch rows")
+        parts.append(list(leaf.chunk(n)))
+    return [optree.tree_unflatten(spec, [p[i] for p in parts]) for i in range(n)]
+
+
+class Accumulate(Transform):
+    """Split the batch into ``n`` micro-batches and make one update from their gradients.
+
+    Law: for a mean loss the update equals the un-accumulated step on the whole
+    batch; with ``aux["num_items"]`` it equals the big batch's item-mean update
+    (gradients are summed and divided once by the total item count). Each
+    micro-batch's activations are freed before the next one runs.
+    ``metrics["loss"]`` is the mean over micro-batches (the big batch's loss).
+    """
+
+    name = "accumulate"
+    order = 0
+
+    def __init__(self, n: int):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"accumulate: n must be an int >= 1; got {n!r}")
+        self.n = n
+
+    def wrap_grad(self, grad_fn: Callable, ctx: StepContext) -> Callable:
+        n = self.n
+
+        def accumulated(params, buffers, batch):
+            grads = out = None
+            for micro in split_batch(batch, n):
+                g, o = grad_fn(params, buffers, micro)
+                buffers = o["buffers"]
+                if grads is None:
+                    grads, out = g, o
+                else:
+                    grads, out = T.tree_add(grads, g), add_outs(out, o)
+            return grads, out
+
+        return accumulated if n > 1 else grad_fn
+
+    def __repr__(self) -> str:
+        return f"accumulate({self.n})"
+
+
+class StreamingAccumulate(Transform):
+    """Accumulate micro-batches fed one call at a time; update on every ``n``-th call.
+
+    The slot holds the running gradient sum, loss, denominator and a counter.
+    Every call computes the update from the running sums, and a select on the
+    device keeps it only on the ``n``-th call (no host branch), then resets the
+    sums. Same law as :class:`Accumulate`. ``aux`` metrics are the current
+    micro-batch's; ``metrics["loss"]`` is the mean so far in the window.
+    """
+
+    name = "accumulate"
+    order = 0
+
+    def __init__(self, n: int):
+        Accumulate(n)  # same validation
+        self.n = n
+
+    def init(self, params, buffers) -> dict:
+        device = T.tree_leaves(params)[0].device
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        return {"grads": T.tree_zeros_like(params), "loss": zero, "denom": zero.clone(),
+                "weight": zero.clone(), "count": torch.zeros((), dtype=torch.int64, device=device)}
+
+    def wrap_grad(self, grad_fn: Callable, ctx: StepContext) -> Callable:
+        def streamed(params, buffers, batch):
+            g, o = grad_fn(params, buffers, batch)
+            s = ctx.slot(self)
+            count = s["count"] + 1
+            last = count >= self.n
+            ctx.keep_if(last)
+            ctx.boundary = last
+            grads = T.tree_add(s["grads"], g)
+            out = dict(o)
+            for k in ("loss", "denom", "weight"):
+                out[k] = s[k] + o[k]
+            if "num_items" in o:
+                out["num_items"] = out["denom"]
+            out["aux"] = {k: v * out["weight"] for k, v in o["aux"].items()}  # current micro-batch's
+            ctx.set_slot(self, {"grads": grads, "loss": out["loss"], "denom": out["denom"],
+                                "weight": out["weight"], "count": count})
+            return grads, out
+
+        return streamed
+
+    def commit(self, ctx: StepContext) -> None:
+        s = ctx.slot(self)
+        last = s["count"] >= self.n
+        ctx.set_slot(self, {
+            "grads": T.tree_map(lambda a: torch.where(last, torch.zeros_like(a), a), s["grads"]),
+            **{k: torch.where(last, torch.zeros_like(s[k]), s[k]) for k in ("loss", "denom", "weight")},
+            "count": torch.where(last, torch.zeros_like(s["count"]), s["count"]),
+        })
+
+    def __repr__(self) -> str:
+        return f"accumulate({self.n}, streaming=True)"
+
+
+def accumulate(n: int, streaming: bool = False) -> Transform:
+    """Accumulate gradients over ``n`` micro-batches per optimizer update.
+
+    ``accumulate(n)``: each step receives a batch whose tensor leaves have a
+    leading dimension divisible by ``n``, splits it into ``n`` micro-batches
+    and makes one update. ``accumulate(n, streaming=True)``: each call receives
+    one micro-batch and the update is made on every ``n``-th call.
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> step = ft.accumulate(4)(ft.train_step(lambda p, b, x: (p["w"] * x).mean(), ft.optim.sgd(0.1)))
+        >>> state, metrics = step(step.init({"w": torch.ones(3)}), torch.ones(8, 3))
+        >>> state.params["w"]
+        tensor([0.9667, 0.9667, 0.9667])
+    """
+    return StreamingAccumulate(n) if streaming else Accumulate(n)

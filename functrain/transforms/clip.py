@@ -1,0 +1,84 @@
+"""Gradient clipping: by global L2 norm and by value (stage ``transform``)."""
+from __future__ import annotations
+
+import torch
+
+from .. import tree as T
+from ..step import StepContext, Transform
+
+__all__ = ["clip", "clip_value"]
+
+
+def _positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
+        raise ValueError(f"{name} must be a positive number; got {value!r}")
+    return float(value)
+
+
+class Clip(Transform):
+    """Scale the whole gradient pytree so that its global L2 norm is at most ``max_norm``.
+
+    Law: the clipped gradient is ``g * min(1, max_norm / (|g| + 1e-6))`` (as
+    ``torch.nn.utils.clip_grad_norm_``), so its norm is ``min(|g|, max_norm)`` up
+    to that epsilon and its direction is unchanged. It acts on the normalised,
+    unscaled, process-reduced gradient whatever the wrapping order.
+    ``metrics["grad_norm"]`` is the norm before clipping.
+    """
+
+    name = "clip"
+    order = 10
+
+    def __init__(self, max_norm: float):
+        self.max_norm = _positive("clip: max_norm", max_norm)
+
+    def transform(self, ctx: StepContext) -> None:
+        norm = T.global_norm(ctx.grads)
+        ctx.metrics["grad_norm"] = norm
+        coef = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
+        ctx.grads = T.tree_scale(ctx.grads, coef)
+
+    def __repr__(self) -> str:
+        return f"clip({self.max_norm})"
+
+
+class ClipValue(Transform):
+    """Clamp every gradient element to ``[-value, value]`` (after ``clip`` when both are used)."""
+
+    name = "clip_value"
+    order = 20
+
+    def __init__(self, value: float):
+        self.value = _positive("clip_value: value", value)
+
+    def transform(self, ctx: StepContext) -> None:
+        v = self.value
+        ctx.grads = T.tree_map(lambda g: torch.clamp(g, -v, v), ctx.grads)
+
+    def __repr__(self) -> str:
+        return f"clip_value({self.value})"
+
+
+def clip(max_norm: float) -> Clip:
+    """Clip gradients by their global L2 norm.
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> step = ft.clip(1.0)(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1)))
+        >>> _, metrics = step(step.init({"w": torch.zeros(4)}), torch.full((4,), 3.0))
+        >>> float(metrics["grad_norm"])
+        6.0
+    """
+    return Clip(max_norm)
+
+
+def clip_value(value: float) -> ClipValue:
+    """Clip every gradient element to ``[-value, value]``.
+
+    Example::
+
+        >>> import functrain as ft
+        >>> ft.clip_value(0.5)
+        clip_value(0.5)
+    """
+    return ClipValue(value)

@@ -1,0 +1,76 @@
+"""Exponential moving average of the parameters (stage ``after``)."""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from .. import tree as T
+from ..step import StepContext, Transform
+
+__all__ = ["ema", "EmaState"]
+
+
+class EmaState(NamedTuple):
+    """The ``"ema"`` slot: the averaged ``params`` and ``count``, the updates applied so far."""
+
+    params: Any
+    count: torch.Tensor
+
+
+class EMA(Transform):
+    """Keep ``ema = decay * ema + (1 - decay) * params`` after the optimizer update.
+
+    Law: counting applied updates ``k = 1, 2, ...``: while ``k <= start_step`` the
+    EMA copies the params; after that it blends on every ``k`` that is a
+    multiple of ``every``. For constant params ``p`` and ``m`` blends,
+    ``ema = decay**m * ema0 + (1 - decay**m) * p``. A skipped update (non-finite
+    fp16 step, a non-final streaming micro-batch) does not count and does not
+    touch the EMA. The choice is a select on the device.
+    """
+
+    name = "ema"
+    order = 0
+
+    def __init__(self, decay: float, every: int = 1, start_step: int = 0):
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
+            raise ValueError(f"ema: decay must be in (0, 1); got {decay!r}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"ema: every must be an int >= 1; got {every!r}")
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"ema: start_step must be an int >= 0; got {start_step!r}")
+        self.decay, self.every, self.start_step = float(decay), every, start_step
+
+    def init(self, params, buffers) -> EmaState:
+        leaves = T.tree_leaves(params)
+        return EmaState(T.tree_map(lambda p: p.detach().clone(), params),
+                        torch.zeros((), dtype=torch.int64, device=leaves[0].device))
+
+    def after(self, ctx: StepContext) -> None:
+        old: EmaState = ctx.slot(self)
+        applied = torch.ones((), dtype=torch.bool, device=old.count.device) if ctx.apply is None else ctx.apply
+        count = old.count + applied.to(torch.int64)
+        copy = applied & (count <= self.start_step)
+        blend = applied & (count > self.start_step) & (count % self.every == 0)
+        leaves, spec = T.tree_flatten(old.params)
+        new_params = spec.flatten_up_to(ctx.params)
+        blended = torch._foreach_lerp(leaves, new_params, 1.0 - self.decay)
+        out = [torch.where(blend, b, torch.where(copy, p, e)) for e, p, b in zip(leaves, new_params, blended)]
+        ctx.set_slot(self, EmaState(T.tree_unflatten(spec, out), count))
+
+    def __repr__(self) -> str:
+        return f"ema({self.decay}, every={self.every}, start_step={self.start_step})"
+
+
+def ema(decay: float, every: int = 1, start_step: int = 0) -> EMA:
+    """An EMA of the params in the state, read as ``state.ema``.
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> step = ft.ema(0.9)(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(1.0)))
+        >>> state, _ = step(step.init({"w": torch.zeros(1)}), torch.ones(1))
+        >>> state.params["w"], state.ema["w"]
+        (tensor([-1.]), tensor([-0.1000]))
+    """
+    return EMA(decay, every, start_step)

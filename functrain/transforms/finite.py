@@ -1,0 +1,52 @@
+"""Skip updates whose loss or gradients are not finite (stage ``check``)."""
+from __future__ import annotations
+
+import torch
+
+from .. import tree as T
+from ..step import StepContext, Transform
+
+__all__ = ["skip_nonfinite"]
+
+
+class SkipNonfinite(Transform):
+    """Drop the update of a step whose loss or gradient has an inf or NaN.
+
+    Params, optimizer state and EMA stay bitwise unchanged on such a step (the
+    choice is a select on the device, no host sync); ``metrics["skipped"]`` says
+    whether it happened and the slot counts the skipped steps
+    (``state.slots["skip_nonfinite"]["skipped"]``). For fp32 and bf16 runs;
+    ``mixed_precision("fp16")`` does this itself as part of loss scaling.
+    """
+
+    name = "skip_nonfinite"
+    order = 10
+
+    def init(self, params, buffers):
+        device = T.tree_leaves(params)[0].device
+        return {"skipped": torch.zeros((), dtype=torch.int64, device=device)}
+
+    def check(self, ctx: StepContext) -> None:
+        finite = T.tree_all_finite(ctx.grads) & torch.isfinite(ctx.metrics["loss"])
+        ctx.finite = finite if ctx.finite is None else ctx.finite & finite
+        ctx.keep_if(finite)
+        ctx.metrics["skipped"] = ~ctx.finite
+        ctx.set_slot(self, {"skipped": ctx.slot(self)["skipped"] + (~finite).to(torch.int64)})
+
+    def __repr__(self) -> str:
+        return "skip_nonfinite()"
+
+
+def skip_nonfinite() -> SkipNonfinite:
+    """Skip the update of any step whose loss or gradients are not finite.
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> step = ft.skip_nonfinite()(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1)))
+        >>> state = step.init({"w": torch.ones(2)})
+        >>> new, metrics = step(state, torch.tensor([1.0, float("inf")]))
+        >>> bool(metrics["skipped"]), bool(torch.equal(new.params["w"], state.params["w"]))
+        (True, True)
+    """
+    return SkipNonfinite()

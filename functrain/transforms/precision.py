@@ -1,0 +1,169 @@
+"""Mixed precision (stages ``loss``, ``check`` and ``commit``): policies and dynamic loss scaling."""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from .. import tree as T
+from ..step import StepContext, Transform
+
+__all__ = ["Policy", "LossScaleState", "mixed_precision"]
+
+_NAMES = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Policy(NamedTuple):
+    """Which dtype params are kept in, computed in, and the loss is returned in.
+
+    ``Policy(torch.float32, torch.bfloat16, torch.float32)`` keeps fp32 master
+    params, runs the model in bf16 and differentiates an fp32 loss.
+    """
+
+    param_dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype = torch.float32
+    output_dtype: torch.dtype = torch.float32
+
+
+class LossScaleState(NamedTuple):
+    """The ``"mixed_precision"`` slot: the current ``scale`` and the finite steps since the last change."""
+
+    scale: torch.Tensor
+    good_steps: torch.Tensor
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    return T.tree_map(lambda x: x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x, tree)
+
+
+class MixedPrecision(Transform):
+    """Compute the loss in a low-precision dtype from fp32 master params.
+
+    The loss stage casts params, buffers and the batch's floating tensors to
+    ``policy.compute_dtype``, runs the loss function, and casts the loss to
+    ``policy.output_dtype``; gradients flow back through the casts to the
+    master params in their own dtype. Buffers the forward pass changes
+    (BatchNorm statistics) are cast back to their dtype.
+
+    With fp16 a dynamic loss scale lives in the state: the loss is multiplied by
+    it, the gradients are unscaled in the ``check`` stage (after the
+    data-parallel reduction), a non-finite gradient drops the update (params,
+    optimizer state, EMA unchanged; ``metrics["skipped"]``) and multiplies the
+    scale by ``backoff_factor``, and ``growth_interval`` finite updates in a row
+    multiply it by ``growth_factor``. All of it is selected on the device.
+    """
+
+    name = "mixed_precision"
+    order = 0
+
+    def __init__(self, policy: Any = "bf16", init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, dynamic: bool | None = None):
+        self.policy = _policy(policy)
+        fp16 = self.policy.compute_dtype == torch.float16
+        self.dynamic = fp16 if dynamic is None else bool(dynamic)
+        if not (isinstance(init_scale, (int, float)) and init_scale > 0):
+            raise ValueError(f"mixed_precision: init_scale must be > 0; got {init_scale!r}")
+        if not (isinstance(growth_factor, (int, float)) and growth_factor >= 1):
+            raise ValueError(f"mixed_precision: growth_factor must be >= 1; got {growth_factor!r}")
+        if not (isinstance(backoff_factor, (int, float)) and 0 < backoff_factor < 1):
+            raise ValueError(f"mixed_precision: backoff_factor must be in (0, 1); got {backoff_factor!r}")
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"mixed_precision: growth_interval must be an int >= 1; got {growth_interval!r}")
+        self.init_scale, self.growth_factor = float(init_scale), float(growth_factor)
+        self.backoff_factor, self.growth_interval = float(backoff_factor), growth_interval
+
+    def init(self, params, buffers) -> LossScaleState | None:
+        for leaf in T.tree_leaves(params):
+            if leaf.dtype != self.policy.param_dtype:
+                raise TypeError(f"mixed_precision: params must be {self.policy.param_dtype} (the policy's "
+                                f"param_dtype); got a {leaf.dtype} leaf. Keep master params in fp32")
+        if not self.dynamic:
+            return None
+        device = T.tree_leaves(params)[0].device
+        return LossScaleState(torch.full((), self.init_scale, dtype=torch.float32, device=device),
+                              torch.zeros((), dtype=torch.int64, device=device))
+
+    @property
+    def _casts(self) -> bool:
+        return self.policy.compute_dtype != self.policy.param_dtype
+
+    def wrap_loss(self, loss_fn: Callable, ctx: StepContext) -> Callable:
+        policy, scale = self.policy, (ctx.slot(self).scale if self.dynamic else None)
+        if not self._casts and scale is None:
+            return loss_fn
+
+        def cast_loss(params, buffers, batch):
+            dtypes = T.tree_map(lambda b: b.dtype, buffers)
+            if self._casts:
+                params = _cast_floating(params, policy.compute_dtype)
+                buffers = _cast_floating(buffers, policy.compute_dtype)
+                batch = _cast_floating(batch, policy.compute_dtype)
+            objective, out = loss_fn(params, buffers, batch)
+            out = dict(out)
+            out["buffers"] = T.tree_map(lambda b, d: b.to(d), out["buffers"], dtypes)
+            objective = objective.to(policy.output_dtype)
+            return (objective * scale if scale is not None else objective), out
+
+        return cast_loss
+
+    def check(self, ctx: StepContext) -> None:
+        if not self.dynamic:
+            return
+        s: LossScaleState = ctx.slot(self)
+        ctx.grads = T.tree_scale(ctx.grads, 1.0 / s.scale)
+        finite = T.tree_all_finite(ctx.grads) & torch.isfinite(ctx.metrics["loss"])
+        ctx.finite = finite if ctx.finite is None else ctx.finite & finite
+        ctx.keep_if(finite)
+        ctx.metrics["skipped"] = ~ctx.finite
+        ctx.metrics["loss_scale"] = s.scale
+
+    def commit(self, ctx: StepContext) -> None:
+        if not self.dynamic:
+            return
+        s: LossScaleState = ctx.slot(self)
+        finite = ctx.finite
+        good = torch.where(finite, s.good_steps + 1, torch.zeros_like(s.good_steps))
+        grow = good >= self.growth_interval
+        scale = torch.where(finite, torch.where(grow, s.scale * self.growth_factor, s.scale),
+                            s.scale * self.backoff_factor)
+        good = torch.where(grow, torch.zeros_like(good), good)
+        if ctx.boundary is not None:  # within a streaming window the scale must not change
+            scale = torch.where(ctx.boundary, scale, s.scale)
+            good = torch.where(ctx.boundary, good, s.good_steps)
+        ctx.set_slot(self, LossScaleState(scale, good))
+
+    def __repr__(self) -> str:
+        return f"mixed_precision({self.policy})"
+
+
+def _policy(policy: Any) -> Policy:
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        key = policy.lower()
+        if key not in _NAMES:
+            raise ValueError(f"mixed_precision: unknown policy {policy!r}; use one of 'no', 'bf16', 'fp16' "
+                             f"or a functrain.Policy(param_dtype, compute_dtype, output_dtype)")
+        compute = _NAMES[key] or torch.float32
+        return Policy(torch.float32, compute, torch.float32)
+    raise TypeError(f"mixed_precision: policy must be 'no', 'bf16', 'fp16' or a functrain.Policy; "
+                    f"got {type(policy).__name__}")
+
+
+def mixed_precision(policy: Any = "bf16", **loss_scale: Any) -> MixedPrecision:
+    """Mixed-precision compute: ``"no"``, ``"bf16"``, ``"fp16"`` (dynamic loss scaling) or a :class:`Policy`.
+
+    Keyword arguments configure the fp16 loss scale: ``init_scale=2**16``,
+    ``growth_factor=2.0``, ``backoff_factor=0.5``, ``growth_interval=2000``,
+    ``dynamic`` (default: on for fp16 compute only). The slot is
+    ``state.slots["mixed_precision"]`` (``state.loss_scale``).
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> step = ft.mixed_precision("fp16")(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1)))
+        >>> state = step.init({"w": torch.ones(2)})
+        >>> float(state.loss_scale.scale)
+        65536.0
+    """
+    return MixedPrecision(policy, **loss_scale)

@@ -1,0 +1,141 @@
+"""Adam and AdamW matching ``torch.optim.Adam`` / ``torch.optim.AdamW`` (multi-tensor, pure)."""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import optree
+import torch
+
+from .base import (
+    Optimizer,
+    check_betas,
+    check_lr,
+    check_real,
+    flatten_params,
+    flatten_update,
+    init_count,
+    lr_value,
+    make_learning_rate,
+)
+
+__all__ = ["adam", "adamw", "AdamState"]
+
+
+class AdamState(NamedTuple):
+    """State of :func:`adam` / :func:`adamw`: the update ``count`` (int64 scalar) and the
+    first and second moment estimates (trees shaped like the params; torch's names).
+
+    Example::
+
+        >>> import torch
+        >>> from functrain.optim import adam
+        >>> state = adam(lr=1e-3).init({"w": torch.ones(2)})
+        >>> int(state.count), state.exp_avg["w"], state.exp_avg_sq["w"]
+        (0, tensor([0., 0.]), tensor([0., 0.]))
+    """
+
+    count: torch.Tensor
+    exp_avg: Any
+    exp_avg_sq: Any
+
+
+def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool) -> Optimizer:
+    lr = check_lr(lr)
+    beta1, beta2 = check_betas(betas)
+    eps = check_real("eps", eps, lo=0.0)
+    weight_decay = check_real("weight_decay", weight_decay, lo=0.0)
+
+    def init(params: Any) -> AdamState:
+        leaves, spec = flatten_params(params)
+        zeros = lambda: optree.tree_unflatten(spec, [torch.zeros_like(p) for p in leaves])  # noqa: E731
+        return AdamState(count=init_count(leaves), exp_avg=zeros(), exp_avg_sq=zeros())
+
+    def update(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState]:
+        count = state.count
+        unflatten, p, g, (m, v) = flatten_update(grads, params, state.exp_avg, state.exp_avg_sq)
+        if not p:
+            return params, state._replace(count=count + 1)
+        lr_t = lr_value(lr, count)
+        # torch.optim's scalars are Python floats (doubles): keep them float64 here.
+        step = (count + 1).to(torch.float64)
+
+        if weight_decay != 0:
+            if decoupled:
+                p = torch._foreach_mul(p, 1 - lr_t * weight_decay)
+            else:
+                g = torch._foreach_add(g, p, alpha=weight_decay)
+
+        m = torch._foreach_lerp(m, g, 1 - beta1)
+        v = torch._foreach_mul(v, beta2)
+        torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        step_size = lr_t / bias_correction1
+        bias_correction2_sqrt = bias_correction2.sqrt()
+
+        # p + (-step_size) * m / (sqrt(v) / bias_correction2_sqrt + eps), in torch's order.
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, bias_correction2_sqrt)
+        torch._foreach_add_(denom, eps)
+        delta = torch._foreach_mul(m, -step_size)
+        torch._foreach_div_(delta, denom)
+        new_p = torch._foreach_add(p, delta)
+
+        new_state = AdamState(
+            count=count + 1,
+            exp_avg=unflatten(m),
+            exp_avg_sq=unflatten(v),
+        )
+        return unflatten(new_p), new_state
+
+    return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr))
+
+
+def adam(
+    lr: float | Callable[[Any], Any],
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> Optimizer:
+    """Adam with L2 weight decay (added to the gradient), like ``torch.optim.Adam``.
+
+    ``lr`` is a float or a schedule ``callable(count) -> lr``.
+
+    Example::
+
+        >>> import torch
+        >>> from functrain.optim import adam
+        >>> opt = adam(lr=0.1)
+        >>> params = {"w": torch.tensor([1.0, -1.0])}
+        >>> state = opt.init(params)
+        >>> params, state = opt.update({"w": torch.tensor([2.0, -3.0])}, state, params)
+        >>> params["w"]  # the first Adam step moves each weight by ~lr
+        tensor([ 0.9000, -0.9000])
+    """
+    return _adam(lr, betas, eps, weight_decay, decoupled=False)
+
+
+def adamw(
+    lr: float | Callable[[Any], Any],
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+) -> Optimizer:
+    """AdamW: Adam with decoupled weight decay ``p *= 1 - lr * weight_decay``, like
+    ``torch.optim.AdamW``.
+
+    Example::
+
+        >>> import torch
+        >>> from functrain.optim import adamw, schedules
+        >>> opt = adamw(lr=schedules.warmup_cosine(1e-3, warmup_steps=10, total_steps=100))
+        >>> params = {"w": torch.ones(3)}
+        >>> state = opt.init(params)
+        >>> float(opt.learning_rate(state))  # warmup starts at 0
+        0.0
+        >>> params, state = opt.update({"w": torch.ones(3)}, state, params)
+        >>> float(opt.learning_rate(state))
+        0.0001
+    """
+    return _adam(lr, betas, eps, weight_decay, decoupled=True)

@@ -1,0 +1,188 @@
+"""The functional optimizer interface and the helpers the optimizers share.
+
+An optimizer is a pure ``(init, update)`` pair over pytrees. ``update`` returns
+the *new params* (not Optax-style updates) so that its arithmetic can follow
+``torch.optim`` operation for operation, and it never writes into its inputs,
+so a whole training step can be traced by ``torch.compile(fullgraph=True)``.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable, NamedTuple
+
+import optree
+import torch
+
+__all__ = ["Optimizer"]
+
+
+class Optimizer(NamedTuple):
+    """A functional optimizer: three pure functions over pytrees.
+
+    * ``init(params) -> opt_state``: a pytree (a ``NamedTuple`` of tensors and
+      trees of tensors) whose ``count`` field is an int64 scalar tensor on the
+      params' device holding the number of updates already taken (0 at first).
+    * ``update(grads, opt_state, params) -> (new_params, new_opt_state)``: one
+      step; ``grads`` has the structure of ``params``. Inputs are never modified.
+    * ``learning_rate(opt_state)``: the learning rate the *next* update will
+      use (a float for a constant lr, a float64 scalar tensor for a schedule).
+
+    Example::
+
+        >>> import torch
+        >>> from functrain.optim import sgd
+        >>> opt = sgd(lr=0.1)
+        >>> params = {"w": torch.ones(2)}
+        >>> state = opt.init(params)
+        >>> params, state = opt.update({"w": torch.ones(2)}, state, params)
+        >>> params["w"], int(state.count)
+        (tensor([0.9000, 0.9000]), 1)
+    """
+
+    init: Callable[[Any], Any]
+    update: Callable[[Any, Any, Any], tuple]
+    learning_rate: Callable[[Any], Any]
+
+
+# ----------------------------------------------------------------- validation
+
+
+def describe(value: Any) -> str:
+    """``'abc' (str)``: a value and its type, for error messages."""
+    return f"{value!r} ({type(value).__name__})"
+
+
+def is_real(value: Any) -> bool:
+    """A real Python/NumPy number that is not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_real(
+    name: str,
+    value: Any,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    hi_open: bool = False,
+    what: str | None = None,
+) -> float:
+    """Return ``float(value)`` or raise: TypeError for a non-number, ValueError out of range.
+
+    ``what`` describes the allowed values (defaults to a description of the range).
+    """
+    if what is None:
+        if lo is not None and hi is not None:
+            what = f"a float in [{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        elif lo is not None:
+            what = f"a float >= {lo:g}"
+        else:
+            what = "a finite float"
+    msg = f"{name} must be {what}; got {describe(value)}"
+    if not is_real(value):
+        raise TypeError(msg)
+    x = float(value)
+    if not math.isfinite(x):
+        raise ValueError(msg)
+    if lo is not None and x < lo:
+        raise ValueError(msg)
+    if hi is not None and (x >= hi if hi_open else x > hi):
+        raise ValueError(msg)
+    return x
+
+
+def check_steps(name: str, value: Any, *, minimum: int = 0) -> int:
+    """Return ``int(value)`` for an integer >= ``minimum`` or raise TypeError/ValueError."""
+    msg = f"{name} must be an int >= {minimum}; got {describe(value)}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(msg)
+    if int(value) < minimum:
+        raise ValueError(msg)
+    return int(value)
+
+
+def check_lr(lr: Any) -> float | Callable[[Any], Any]:
+    """A learning rate is a finite float >= 0 or a schedule ``callable(count) -> lr``."""
+    what = "a float >= 0 or a schedule callable(count) -> lr"
+    if callable(lr) and not isinstance(lr, torch.Tensor):
+        return lr
+    return check_real("lr", lr, lo=0.0, what=what)
+
+
+def check_betas(betas: Any) -> tuple[float, float]:
+    """Two floats, each in [0, 1)."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"betas must be a pair (beta1, beta2) of floats in [0, 1); got {describe(betas)}")
+    return tuple(check_real(f"betas[{i}]", b, lo=0.0, hi=1.0, hi_open=True) for i, b in enumerate(betas))
+
+
+# ----------------------------------------------------------------- pytrees
+
+
+def leaf_path(path: tuple) -> str:
+    """``("layer", "w")`` -> ``"layer/w"`` (the root is ``"<root>"``)."""
+    return "/".join(str(p) for p in path) or "<root>"
+
+
+def flatten_params(params: Any) -> tuple[list[torch.Tensor], Any]:
+    """Flatten ``params`` at ``init``, checking every leaf is a floating-point tensor."""
+    paths, leaves, spec = optree.tree_flatten_with_path(params)
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"params leaf {leaf_path(path)!r} must be a floating-point torch.Tensor; got {type(leaf).__name__}"
+            )
+        if not leaf.is_floating_point():
+            raise TypeError(
+                f"params leaf {leaf_path(path)!r} has dtype {leaf.dtype}; optimizers need floating-point "
+                "params (keep integer buffers out of the params tree)"
+            )
+    return leaves, spec
+
+
+def init_count(leaves: list[torch.Tensor]) -> torch.Tensor:
+    """The int64 step counter (0), on the device of the first param."""
+    device = leaves[0].device if leaves else None
+    return torch.zeros((), dtype=torch.int64, device=device)
+
+
+def flatten_update(grads: Any, params: Any, *trees: Any) -> tuple[Callable, list, list, list[list]]:
+    """Flatten ``params`` and bring ``grads`` and the state ``trees`` to its leaf order.
+
+    0-dim leaves are viewed as shape ``(1,)``: a float64 0-dim scalar tensor would
+    otherwise promote a 0-dim float32 leaf to float64 in ``_foreach_*(leaves, scalar)``
+    (dimensioned leaves keep their dtype). Returns ``unflatten(leaves) -> tree`` that
+    undoes both the flattening and those views.
+    """
+    p, spec = optree.tree_flatten(params)
+    is_0d = [x.dim() == 0 for x in p]
+
+    def lift(leaves: list) -> list:
+        return [x.reshape(1) if s else x for x, s in zip(leaves, is_0d)]
+
+    def unflatten(leaves: list) -> Any:
+        return optree.tree_unflatten(spec, [x.reshape(()) if s else x for x, s in zip(leaves, is_0d)])
+
+    return unflatten, lift(p), lift(spec.flatten_up_to(grads)), [lift(spec.flatten_up_to(t)) for t in trees]
+
+
+# ----------------------------------------------------------------- scalars
+
+
+def lr_value(lr: float | Callable[[Any], Any], count: torch.Tensor) -> float | torch.Tensor:
+    """The lr for the update taken at ``count``: the float, or ``schedule(count)`` as float64."""
+    if not callable(lr):
+        return lr
+    value = lr(count)
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype=torch.float64, device=count.device)
+    return torch.tensor(value, dtype=torch.float64, device=count.device)
+
+
+def make_learning_rate(lr: float | Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``learning_rate(opt_state)`` for an optimizer built with ``lr``."""
+
+    def learning_rate(opt_state: Any) -> float | torch.Tensor:
+        return lr_value(lr, opt_state.count)
+
+    return learning_rate

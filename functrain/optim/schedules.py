@@ -1,0 +1,183 @@
+"""Learning-rate schedules: pure tensor functions ``schedule(count) -> lr``.
+
+``count`` is the int64 step tensor of an optimizer state (the number of updates
+already taken), so update ``t`` (0-based) uses ``schedule(t)``, as with
+``torch.optim.lr_scheduler.LambdaLR``. Each schedule returns a float64 scalar
+tensor on ``count``'s device and uses no Python control flow on tensor values,
+so it traces under ``torch.compile(fullgraph=True)``. Python ints are accepted
+for ``count`` too, for convenience.
+
+Example::
+
+    >>> from functrain.optim import schedules
+    >>> s = schedules.warmup_cosine(1.0, warmup_steps=10, total_steps=110)
+    >>> [round(float(s(t)), 3) for t in (0, 5, 10, 60, 110, 200)]
+    [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .base import check_real, check_steps, describe
+
+__all__ = ["constant", "linear_warmup", "cosine_decay", "warmup_cosine", "join", "scale"]
+
+Schedule = Callable[[Any], torch.Tensor]
+
+
+def _count(count: Any) -> torch.Tensor:
+    """``count`` as a float64 tensor (on its device when it is a tensor)."""
+    if isinstance(count, torch.Tensor):
+        return count.to(torch.float64)
+    return torch.tensor(count, dtype=torch.float64)
+
+
+def _check_schedule(name: str, schedule: Any) -> Schedule:
+    if not callable(schedule) or isinstance(schedule, torch.Tensor):
+        raise TypeError(f"{name} must be a schedule callable(count) -> lr; got {describe(schedule)}")
+    return schedule
+
+
+def constant(value: float) -> Schedule:
+    """Always ``value``.
+
+    Example::
+
+        >>> from functrain.optim.schedules import constant
+        >>> float(constant(0.1)(1000))
+        0.1
+    """
+    value = check_real("constant: value", value)
+
+    def schedule(count: Any) -> torch.Tensor:
+        return torch.full_like(_count(count), value)
+
+    return schedule
+
+
+def linear_warmup(peak: float, warmup_steps: int, start: float = 0.0) -> Schedule:
+    """Linear from ``start`` (at count 0) to ``peak`` (at ``warmup_steps``), then ``peak``.
+
+    Example::
+
+        >>> from functrain.optim.schedules import linear_warmup
+        >>> s = linear_warmup(1.0, warmup_steps=4)
+        >>> [float(s(t)) for t in range(6)]
+        [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    """
+    peak = check_real("linear_warmup: peak", peak)
+    start = check_real("linear_warmup: start", start)
+    warmup_steps = check_steps("linear_warmup: warmup_steps", warmup_steps)
+    if warmup_steps == 0:
+        return constant(peak)
+
+    def schedule(count: Any) -> torch.Tensor:
+        frac = _count(count).clamp(0, warmup_steps) / warmup_steps
+        # lerp returns exactly ``start`` at 0 and exactly ``peak`` at 1.
+        return torch.lerp(torch.full_like(frac, start), torch.full_like(frac, peak), frac)
+
+    return schedule
+
+
+def cosine_decay(peak: float, decay_steps: int, final: float = 0.0) -> Schedule:
+    """Half a cosine from ``peak`` (at count 0) to ``final`` (at ``decay_steps``), then ``final``.
+
+    Example::
+
+        >>> from functrain.optim.schedules import cosine_decay
+        >>> s = cosine_decay(1.0, decay_steps=10, final=0.1)
+        >>> [round(float(s(t)), 6) for t in (0, 5, 10, 11)]
+        [1.0, 0.55, 0.1, 0.1]
+    """
+    peak = check_real("cosine_decay: peak", peak)
+    final = check_real("cosine_decay: final", final)
+    decay_steps = check_steps("cosine_decay: decay_steps", decay_steps, minimum=1)
+
+    def schedule(count: Any) -> torch.Tensor:
+        frac = _count(count).clamp(0, decay_steps) / decay_steps
+        weight = 0.5 * (1 + torch.cos(math.pi * frac))
+        return torch.lerp(torch.full_like(frac, final), torch.full_like(frac, peak), weight)
+
+    return schedule
+
+
+def warmup_cosine(
+    peak: float, warmup_steps: int, total_steps: int, final: float = 0.0, start: float = 0.0
+) -> Schedule:
+    """Linear warmup from ``start`` to ``peak`` over ``warmup_steps``, then cosine decay to
+    ``final`` at ``total_steps`` (which counts the warmup), then ``final``.
+
+    Example::
+
+        >>> from functrain.optim.schedules import warmup_cosine
+        >>> s = warmup_cosine(1.0, warmup_steps=2, total_steps=6)
+        >>> [round(float(s(t)), 6) for t in range(8)]
+        [0.0, 0.5, 1.0, 0.853553, 0.5, 0.146447, 0.0, 0.0]
+    """
+    warmup_steps = check_steps("warmup_cosine: warmup_steps", warmup_steps)
+    total_steps = check_steps("warmup_cosine: total_steps", total_steps)
+    if total_steps <= warmup_steps:
+        raise ValueError(
+            f"warmup_cosine: total_steps must be > warmup_steps={warmup_steps}; got {describe(total_steps)}"
+        )
+    return join(
+        [linear_warmup(peak, warmup_steps, start=start), cosine_decay(peak, total_steps - warmup_steps, final)],
+        [warmup_steps],
+    )
+
+
+def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
+    """Run ``schedules[0]`` until ``boundaries[0]``, then ``schedules[1]`` with the count
+    restarted at 0 (``count - boundaries[0]``), and so on (Optax's ``join_schedules``).
+
+    Example::
+
+        >>> from functrain.optim.schedules import join, constant, linear_warmup
+        >>> s = join([constant(1.0), linear_warmup(2.0, 2, start=1.0)], boundaries=[3])
+        >>> [float(s(t)) for t in range(6)]
+        [1.0, 1.0, 1.0, 1.0, 1.5, 2.0]
+    """
+    if not isinstance(schedules, (list, tuple)) or not schedules:
+        raise TypeError(f"join: schedules must be a non-empty list of schedules; got {describe(schedules)}")
+    schedules = [_check_schedule(f"join: schedules[{i}]", s) for i, s in enumerate(schedules)]
+    if not isinstance(boundaries, (list, tuple)):
+        raise TypeError(f"join: boundaries must be a list of ints; got {describe(boundaries)}")
+    if len(boundaries) != len(schedules) - 1:
+        raise ValueError(
+            f"join: needs len(schedules) - 1 = {len(schedules) - 1} boundaries; got {len(boundaries)}: "
+            f"{list(boundaries)!r}"
+        )
+    boundaries = [check_steps(f"join: boundaries[{i}]", b) for i, b in enumerate(boundaries)]
+    if any(b > c for b, c in zip(boundaries, boundaries[1:])):
+        raise ValueError(f"join: boundaries must be non-decreasing; got {boundaries!r}")
+
+    def schedule(count: Any) -> torch.Tensor:
+        if not isinstance(count, torch.Tensor):
+            count = torch.tensor(count, dtype=torch.int64)
+        out = _count(schedules[0](count))
+        for boundary, sched in zip(boundaries, schedules[1:]):
+            out = torch.where(count < boundary, out, _count(sched(count - boundary)))
+        return out
+
+    return schedule
+
+
+def scale(schedule: Schedule, factor: float) -> Schedule:
+    """``schedule(count) * factor``.
+
+    Example::
+
+        >>> from functrain.optim.schedules import scale, linear_warmup
+        >>> float(scale(linear_warmup(1.0, 4), 0.1)(2))
+        0.05
+    """
+    schedule = _check_schedule("scale: schedule", schedule)
+    factor = check_real("scale: factor", factor)
+
+    def scaled(count: Any) -> torch.Tensor:
+        return _count(schedule(count)) * factor
+
+    return scaled

@@ -1,6 +1,8 @@
 """``ft.compile``: the whole step under ``torch.compile``, one graph, optional buffer donation."""
 from __future__ import annotations
 
+import itertools
+import types
 from typing import Any
 
 import optree
@@ -46,6 +48,44 @@ def _make_backend(backend: Any, mode: str | None, options: dict | None, dynamic:
     return _CountingBackend(backend)
 
 
+def _apply(state: TrainState, batch: Any, step: Step = None) -> tuple[TrainState, dict]:
+    return step.apply(state, batch)
+
+
+_ids = itertools.count()
+
+
+def _own_code(fn: Any) -> Any:
+    """A copy of ``fn`` with its own code object and name.
+
+    Dynamo keeps its compiled graphs, recompile limit and automatic-dynamic
+    memory per code object, and its profile-guided state per (file, line, name):
+    a fresh code object with a unique name per compiled step keeps steps from
+    sharing, evicting, or turning dynamic each other's graphs (two steps whose
+    optimizers differ in a float, say).
+    """
+    name = f"{fn.__name__}_{next(_ids)}"
+    code = fn.__code__.replace(co_name=name)
+    if hasattr(code, "co_qualname"):
+        code = code.replace(co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def _leaves(tree: Any) -> list:
+    """The tensor leaves of a state, in a fixed order, traceable by Dynamo.
+
+    (Dynamo's optree polyfill fails on empty dicts, which states have whenever
+    a model has no buffers; the containers of a state are few and plain.)
+    """
+    if torch.is_tensor(tree):
+        return [tree]
+    if isinstance(tree, dict):
+        return [x for k in tree for x in _leaves(tree[k])]
+    if isinstance(tree, (list, tuple)):
+        return [x for item in tree for x in _leaves(item)]
+    return []
+
+
 class CompiledStep:
     """A :class:`~functrain.Step` compiled whole by :func:`compile`; call it like the step.
 
@@ -65,7 +105,8 @@ class CompiledStep:
         self.donate = bool(donate)
         self.fullgraph = fullgraph
         self._backend = _make_backend(backend, mode, options, dynamic)
-        fn = self._donating if self.donate else step.apply
+        fn = _own_code(self._donating if self.donate else _apply)
+        fn.__defaults__ = (step,)
         self._compiled = torch.compile(fn, fullgraph=fullgraph, backend=self._backend, dynamic=dynamic, **kwargs)
 
     @property
@@ -76,10 +117,14 @@ class CompiledStep:
         """Same as :meth:`Step.init`."""
         return self.step.init(params, buffers, **kwargs)
 
-    def _donating(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        new, metrics = self.step.apply(state, batch)
-        old_leaves, spec = optree.tree_flatten(state)
-        for old, value in zip(old_leaves, spec.flatten_up_to(new)):
+    @staticmethod
+    def _donating(state: TrainState, batch: Any, step: Step = None) -> tuple[TrainState, dict]:
+        new, metrics = step.apply(state, batch)
+        old_leaves, new_leaves = _leaves(state), _leaves(new)
+        if len(old_leaves) != len(new_leaves):
+            raise ValueError(f"donate=True needs the step to return a state of the input's structure; "
+                             f"got {len(new_leaves)} leaves for {len(old_leaves)}")
+        for old, value in zip(old_leaves, new_leaves):
             old.copy_(value)  # inductor writes the result straight into the donated buffer
         return state, metrics
 
@@ -87,7 +132,7 @@ class CompiledStep:
         check_inputs(state, batch)
         try:
             new, metrics = with_rng(self._compiled, state, batch)
-        except torch._dynamo.exc.Unsupported as e:
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
             raise self._explain(e, state, batch) from e
         if self.donate:
             new = optree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, new)

@@ -52,7 +52,8 @@ class TrainState(NamedTuple):
     @property
     def ema(self) -> Any:
         """The EMA parameters kept by :func:`functrain.ema`, or ``None`` without that transform."""
-        return self.slots.get("ema")
+        slot = self.slots.get("ema")
+        return None if slot is None else slot.params
 
     @property
     def loss_scale(self) -> Any:

@@ -21,14 +21,15 @@ Example::
     cstep = ft.compile(step)
     state, metrics = cstep(state, (torch.randn(32, 8), torch.randn(32, 1)))
 """
-from . import optim, tree
+from . import distributed, optim, tree
 from .compile import CompiledStep, GraphBreakError, compile
 from .driver import run, to_device
+from .launch import launch
 from .module import functionalize, to_module
 from .state import TrainState
 from .step import STAGES, Step, StepContext, Transform, train_step
-from .transforms import (EmaState, LossScaleState, Policy, accumulate, clip, clip_value, ema, mixed_precision,
-                         skip_nonfinite)
+from .transforms import (EmaState, LossScaleState, Policy, accumulate, clip, clip_value, data_parallel, ema,
+                         mixed_precision, skip_nonfinite)
 
 __version__ = "0.1.0"
 
@@ -36,5 +37,5 @@ __all__ = [
     "TrainState", "Step", "StepContext", "Transform", "STAGES", "train_step",
     "functionalize", "to_module", "compile", "CompiledStep", "GraphBreakError", "run", "to_device",
     "accumulate", "clip", "clip_value", "ema", "EmaState", "skip_nonfinite", "mixed_precision", "Policy",
-    "LossScaleState", "optim", "tree",
+    "LossScaleState", "optim", "tree", "data_parallel", "launch", "distributed",
 ]

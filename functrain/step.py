@@ -98,7 +98,8 @@ class Transform:
 
     A transform has a ``name`` (its slot in ``state.slots``; a step holds at most
     one transform of each name), an ``init(params, buffers)`` that returns its slot
-    state (``None`` for none), and overrides any of these hooks, each tied to a
+    state (``None`` for none), optionally a ``post_init(state) -> state`` run once on
+    the complete initial state, and overrides any of these hooks, each tied to a
     stage (see :data:`STAGES`); ``order`` sorts transforms within a stage (ties by
     name), so the wrapping order never matters:
 
@@ -141,6 +142,10 @@ class Transform:
     def init(self, params: Any, buffers: Any) -> Any:
         """The slot's initial state (``None``: the transform keeps no state)."""
         return None
+
+    def post_init(self, state: TrainState) -> TrainState:
+        """Adjust the complete initial state once, eagerly (data_parallel broadcasts it from rank 0)."""
+        return state
 
     def wrap_loss(self, loss_fn: Callable, ctx: StepContext) -> Callable:
         return loss_fn
@@ -226,7 +231,7 @@ class Step:
         leaves = T.tree_leaves(params)
         device = leaves[0].device if leaves else torch.device("cpu")
         slots = {t.name: t.init(params, buffers) for t in self.transforms}
-        return TrainState(
+        state = TrainState(
             params=params,
             buffers=buffers,
             opt_state=self.optimizer.init(params),
@@ -234,6 +239,9 @@ class Step:
             rng=None if seed is None else _rng_init(seed, device),
             slots=slots,
         )
+        for t in sorted(self.transforms, key=lambda t: (t.order, t.name)):
+            state = t.post_init(state)
+        return state
 
     # -- running ----------------------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:

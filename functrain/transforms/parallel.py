@@ -1,0 +1,110 @@
+"""Data parallelism (stage ``reduce``): the same step on N processes, gradients summed in the graph."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import tree as T
+from ..state import TrainState
+from ..step import StepContext, Transform
+
+__all__ = ["data_parallel"]
+
+
+def _world(group: Any) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+class DataParallel(Transform):
+    """Sum gradients, losses, item counts and aux metrics over the processes of ``group``.
+
+    Law: N ranks, each stepping on its 1/N of a batch, reach the same new state as
+    one process stepping on the whole batch. The reduction is a functional
+    all-reduce inside the step (one per dtype, over one flat buffer), so a
+    compiled step keeps it in its single graph; it runs before normalisation,
+    unscaling, the finiteness check and clipping, whatever the wrapping order, so
+    every rank takes the same decision (a non-finite gradient on one rank skips
+    the update on all). ``post_init`` broadcasts the initial state from rank 0
+    and gives each rank its own random stream (dropout masks differ by rank).
+    With a single process it does nothing.
+    """
+
+    name = "data_parallel"
+    order = 0
+
+    def __init__(self, group: Any = None):
+        self.group = group
+
+    def _group(self) -> Any:
+        return self.group if self.group is not None else dist.group.WORLD
+
+    def post_init(self, state: TrainState) -> TrainState:
+        if _world(self.group) == 1:
+            return state
+        group = self._group()
+        src = dist.get_global_rank(group, 0) if self.group is not None else 0
+
+        def broadcast(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach().clone()
+            dist.broadcast(t, src=src, group=group)
+            return t
+
+        rng = state.rng
+        state = T.tree_map(broadcast, state._replace(rng=None))
+        if rng is not None:  # the same seed everywhere, then a stream per rank
+            rng = _fold_in(rng, dist.get_rank(group))
+        return state._replace(rng=rng)
+
+    def reduce(self, ctx: StepContext) -> None:
+        if _world(self.group) == 1:
+            return
+        from torch.distributed import _functional_collectives as funcol
+
+        summed = {"grads": ctx.grads, "loss": ctx.loss, "denom": ctx.denom, "weight": ctx.weight}
+        if ctx.aux:  # (Dynamo's optree polyfill cannot flatten an empty dict inside a tree)
+            summed["aux"] = ctx.aux
+        leaves, spec = T.tree_flatten(summed)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, leaf in enumerate(leaves):
+            by_dtype.setdefault(leaf.dtype, []).append(i)
+        out = list(leaves)
+        for dtype, idx in by_dtype.items():
+            flat = torch.cat([leaves[i].reshape(-1) for i in idx])
+            flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", self._group()))
+            for i, part in zip(idx, flat.split([leaves[i].numel() for i in idx])):
+                out[i] = part.view(leaves[i].shape)
+        reduced = T.tree_unflatten(spec, out)
+        ctx.grads, ctx.loss, ctx.denom = reduced["grads"], reduced["loss"], reduced["denom"]
+        ctx.weight, ctx.aux = reduced["weight"], reduced.get("aux", {})
+
+    def __repr__(self) -> str:
+        return "data_parallel()"
+
+
+def _fold_in(rng: dict, rank: int) -> dict:
+    """Generator states derived from ``rng`` and ``rank``: deterministic, different on every rank."""
+    if rank == 0:
+        return rng
+    g = torch.Generator()
+    g.set_state(rng["cpu"])
+    seed = int(torch.randint(0, 2**62, (), generator=g)) + rank
+    return {dev: (torch.Generator() if dev == "cpu" else torch.Generator(device=dev)).manual_seed(seed).get_state()
+            for dev in rng}
+
+
+def data_parallel(group: Any = None) -> DataParallel:
+    """Average the step over processes (``pmap`` + ``pmean``, on ``torch.distributed``).
+
+    Run the script with ``python -m functrain.launch --nproc N script.py`` (or
+    torchrun) and call ``ft.distributed.init()`` first; each rank feeds its own
+    shard of the data. ``group`` is a process group (default: all processes).
+
+    Example::
+
+        >>> import functrain as ft
+        >>> ft.data_parallel()
+        data_parallel()
+    """
+    return DataParallel(group)

@@ -23,6 +23,7 @@ Example::
 """
 from . import distributed, optim, tree
 from .compile import CompiledStep, GraphBreakError, compile
+from .config import TrainConfig
 from .driver import run, to_device
 from .launch import launch
 from .module import functionalize, to_module
@@ -37,5 +38,5 @@ __all__ = [
     "TrainState", "Step", "StepContext", "Transform", "STAGES", "train_step",
     "functionalize", "to_module", "compile", "CompiledStep", "GraphBreakError", "run", "to_device",
     "accumulate", "clip", "clip_value", "ema", "EmaState", "skip_nonfinite", "mixed_precision", "Policy",
-    "LossScaleState", "optim", "tree", "data_parallel", "launch", "distributed",
+    "LossScaleState", "optim", "tree", "data_parallel", "launch", "distributed", "TrainConfig",
 ]

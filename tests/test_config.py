@@ -1,0 +1,98 @@
+"""TrainConfig: validation with clear errors, YAML/JSON round trips, diffs; PNG helpers."""
+import json
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import functrain as ft
+from functrain.images import image_grid, loss_curve, write_png
+
+
+def test_num_samples_must_be_a_perfect_square():
+    with pytest.raises(ValueError, match=r"num_samples must be a perfect square.*got 10"):
+        ft.TrainConfig(num_samples=10)
+    assert ft.TrainConfig(num_samples=36).num_samples == 36
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("train_batch_size", 0, "train_batch_size must be a positive int; got 0"),
+    ("gradient_accumulate_every", -2, "gradient_accumulate_every"),
+    ("train_num_steps", 1.5, "train_num_steps"),
+    ("train_lr", 0.0, "train_lr must be a positive number"),
+    ("ema_decay", 1.0, r"ema_decay must be in \(0, 1\); got 1.0"),
+    ("ema_decay", 0, "ema_decay"),
+    ("adam_betas", (0.9,), "adam_betas"),
+    ("adam_betas", (0.9, 1.2), "adam_betas"),
+    ("mixed_precision", "fp8", "mixed_precision must be one of.*'fp8'"),
+    ("max_grad_norm", -1.0, "max_grad_norm"),
+    ("save_and_sample_every", 0, "save_and_sample_every"),
+    ("trackers", ("jsonl", "comet"), "unknown.*comet"),
+])
+def test_bad_values_are_named(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        ft.TrainConfig(**{field: value})
+
+
+@given(st.integers(1, 512), st.integers(1, 8), st.floats(1e-6, 1.0), st.integers(1, 100) .map(lambda r: r * r),
+       st.sampled_from(["no", "bf16", "fp16"]), st.sampled_from(["json", "yaml"]))
+def test_save_load_roundtrip(tmp_path_factory, batch, accum, lr, samples, precision, fmt):
+    cfg = ft.TrainConfig(train_batch_size=batch, gradient_accumulate_every=accum, train_lr=lr,
+                         num_samples=samples, mixed_precision=precision, adam_betas=(0.8, 0.95))
+    path = tmp_path_factory.mktemp("cfg") / f"config.{fmt}"
+    cfg.save(path)
+    back = ft.TrainConfig.load(path)
+    assert back == cfg and back.diff(cfg) == {}
+
+
+def test_diff_and_unknown_keys(tmp_path):
+    a = ft.TrainConfig()
+    b = a.replace(train_lr=3e-4, seed=1)
+    assert a.diff(b) == {"train_lr": (a.train_lr, 3e-4), "seed": (0, 1)}
+    (tmp_path / "c.json").write_text(json.dumps({"train_lr": 1e-3, "learning_rate": 2}))
+    with pytest.raises(ValueError, match="unknown fields.*learning_rate"):
+        ft.TrainConfig.load(tmp_path / "c.json")
+
+
+def _read_png(path):
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (n,), kind = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
+        body = data[pos + 8:pos + 8 + n]
+        assert struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])[0] == zlib.crc32(kind + body) & 0xFFFFFFFF
+        chunks.setdefault(kind, b"")
+        chunks[kind] += body
+        pos += 12 + n
+    w, h, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    channels = 3 if color == 2 else 1
+    raw = zlib.decompress(chunks[b"IDAT"])
+    rows = [raw[i * (w * channels + 1) + 1:(i + 1) * (w * channels + 1)] for i in range(h)]
+    img = np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(h, w, channels)
+    return img[..., 0] if channels == 1 else img
+
+
+@given(st.integers(1, 5), st.integers(2, 9), st.integers(2, 9), st.integers(1, 4), st.integers(0, 2))
+def test_sample_grid_pixel_size(tmp_path_factory, side, h, w, scale, pad):
+    images = np.random.default_rng(0).random((side * side, 1, h, w))
+    grid = image_grid(images, pad=pad, scale=scale)
+    assert grid.shape == (side * (h * scale + pad) + pad, side * (w * scale + pad) + pad)
+    path = tmp_path_factory.mktemp("png") / "g.png"
+    write_png(path, grid)
+    back = _read_png(path)
+    assert np.array_equal(back, grid)
+    # the first image sits at (pad, pad), enlarged `scale` times
+    expected = (np.clip(images[0, 0], 0, 1) * 255 + 0.5).astype(np.uint8).repeat(scale, 0).repeat(scale, 1)
+    assert np.array_equal(back[pad:pad + h * scale, pad:pad + w * scale], expected)
+
+
+def test_grid_rejects_non_square_and_curve_draws(tmp_path):
+    with pytest.raises(ValueError, match="perfect square"):
+        image_grid(np.zeros((10, 8, 8)))
+    img = loss_curve([1.0, 0.5, 0.25, 0.2], width=100, height=60)
+    assert img.shape == (60, 100, 3) and (img != 255).any()
+    write_png(tmp_path / "c.png", img)
+    assert np.array_equal(_read_png(tmp_path / "c.png"), img)

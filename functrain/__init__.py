@@ -21,9 +21,10 @@ Example::
     cstep = ft.compile(step)
     state, metrics = cstep(state, (torch.randn(32, 8), torch.randn(32, 1)))
 """
-from . import distributed, optim, tree
+from . import data, distributed, optim, tree
 from .compile import CompiledStep, GraphBreakError, compile
 from .config import TrainConfig
+from .data import ShardedLoader, gather_for_eval, shard
 from .driver import run, to_device
 from .launch import launch
 from .module import functionalize, to_module
@@ -38,5 +39,5 @@ __all__ = [
     "TrainState", "Step", "StepContext", "Transform", "STAGES", "train_step",
     "functionalize", "to_module", "compile", "CompiledStep", "GraphBreakError", "run", "to_device",
     "accumulate", "clip", "clip_value", "ema", "EmaState", "skip_nonfinite", "mixed_precision", "Policy",
-    "LossScaleState", "optim", "tree", "data_parallel", "launch", "distributed", "TrainConfig",
+    "LossScaleState", "optim", "tree", "data_parallel", "launch", "distributed", "TrainConfig", "shard", "ShardedLoader", "gather_for_eval", "data",
 ]

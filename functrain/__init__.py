@@ -23,6 +23,7 @@ Example::
 """
 from . import data, distributed, optim, tree
 from .compile import CompiledStep, GraphBreakError, compile
+from .checkpoint import CheckpointError, CheckpointManager, load, load_extra, save
 from .config import TrainConfig
 from .data import ShardedLoader, gather_for_eval, shard
 from .driver import run, to_device
@@ -30,6 +31,7 @@ from .launch import launch
 from .module import functionalize, to_module
 from .state import TrainState
 from .step import STAGES, Step, StepContext, Transform, train_step
+from .trainer import Trainer
 from .transforms import (EmaState, LossScaleState, Policy, accumulate, clip, clip_value, data_parallel, ema,
                          mixed_precision, skip_nonfinite)
 
@@ -39,5 +41,6 @@ __all__ = [
     "TrainState", "Step", "StepContext", "Transform", "STAGES", "train_step",
     "functionalize", "to_module", "compile", "CompiledStep", "GraphBreakError", "run", "to_device",
     "accumulate", "clip", "clip_value", "ema", "EmaState", "skip_nonfinite", "mixed_precision", "Policy",
-    "LossScaleState", "optim", "tree", "data_parallel", "launch", "distributed", "TrainConfig", "shard", "ShardedLoader", "gather_for_eval", "data",
+    "LossScaleState", "optim", "tree", "data_parallel", "launch", "distributed", "TrainConfig", "shard", "ShardedLoader", "gather_for_eval", "data", "save", "load", "load_extra", "CheckpointManager",
+    "CheckpointError", "Trainer",
 ]

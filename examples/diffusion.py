@@ -1,0 +1,112 @@
+"""A tiny denoising diffusion model (DDPM) on scikit-learn's 8x8 digits, trained with ``ft.Trainer``.
+
+The main job of the README: on 2 processes for a short schedule it writes
+checkpoints, EMA sample grids and a loss curve under ``results/``, and running
+it again resumes from the newest checkpoint.
+
+    python -m functrain.launch --nproc 2 examples/diffusion.py --steps 400
+    python examples/diffusion.py --steps 400            # one process
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+import functrain as ft
+
+T_STEPS = 100
+
+
+def schedule(device: torch.device | str = "cpu") -> dict:
+    """The DDPM noise schedule (linear betas) as tensors."""
+    betas = torch.linspace(1e-4, 0.05, T_STEPS, device=device)
+    alphas = 1.0 - betas
+    bar = torch.cumprod(alphas, 0)
+    return {"betas": betas, "alphas": alphas, "bar": bar}
+
+
+class Denoiser(torch.nn.Module):
+    """Predicts the noise in a noisy 8x8 image from the image and the timestep (an MLP with a time embedding)."""
+
+    def __init__(self, width: int = 256):
+        super().__init__()
+        self.time = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.SiLU())
+        self.inp = torch.nn.Linear(64, width)
+        self.body = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Linear(width, width), torch.nn.SiLU(),
+                                        torch.nn.Dropout(0.05), torch.nn.Linear(width, width), torch.nn.SiLU(),
+                                        torch.nn.Linear(width, 64))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        freqs = torch.exp(-math.log(1000.0) * torch.arange(16, device=x.device) / 16)
+        angles = t.float()[:, None] * freqs[None]
+        emb = torch.cat([angles.sin(), angles.cos()], dim=1)
+        return self.body(self.inp(x.flatten(1)) + self.time(emb)).view_as(x)
+
+
+class Diffusion(torch.nn.Module):
+    """``forward(images) -> loss``: what ``ft.Trainer`` trains when given a module."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = Denoiser()
+        for k, v in schedule().items():
+            self.register_buffer(k, v, persistent=False)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x0 = images * 2.0 - 1.0  # [0, 1] -> [-1, 1]
+        t = torch.randint(0, T_STEPS, (x0.shape[0],), device=x0.device)
+        noise = torch.randn_like(x0)
+        a = self.bar[t].view(-1, 1, 1, 1)
+        xt = a.sqrt() * x0 + (1 - a).sqrt() * noise
+        return torch.nn.functional.mse_loss(self.net(xt, t), noise)
+
+    @torch.no_grad()
+    def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        device = self.bar.device
+        x = torch.randn(n, 1, 8, 8, generator=generator, device=device)
+        for i in reversed(range(T_STEPS)):
+            t = torch.full((n,), i, device=device)
+            eps = self.net(x, t)
+            alpha, bar, beta = self.alphas[i], self.bar[i], self.betas[i]
+            x = (x - beta / (1 - bar).sqrt() * eps) / alpha.sqrt()
+            if i:
+                x = x + beta.sqrt() * torch.randn(x.shape, generator=generator, device=device)
+        return ((x + 1) / 2).clamp(0, 1)
+
+
+def digits_dataset() -> torch.utils.data.TensorDataset:
+    from sklearn.datasets import load_digits  # ships with scikit-learn: no download
+
+    images = torch.tensor(load_digits().images, dtype=torch.float32).unsqueeze(1) / 16.0
+    return torch.utils.data.TensorDataset(images)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--results", default="results/diffusion")
+    parser.add_argument("--save-every", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--precision", default="no", choices=["no", "bf16", "fp16"])
+    parser.add_argument("--no-compile", action="store_true")
+    args = parser.parse_args()
+
+    config = ft.TrainConfig(
+        train_batch_size=args.batch_size, gradient_accumulate_every=1, train_lr=1e-3,
+        train_num_steps=args.steps, adam_betas=(0.9, 0.99), max_grad_norm=1.0, ema_update_every=1,
+        ema_decay=0.99, save_and_sample_every=args.save_every, num_samples=25, mixed_precision=args.precision,
+        results_folder=args.results, seed=0, log_every=20, compile=not args.no_compile)
+    model = Diffusion()
+
+    def sample_fn(ema_params: dict, n: int) -> torch.Tensor:
+        ft.to_module(model, ema_params)  # the module is only a skeleton here: training state lives in the trainer
+        return model.sample(n, generator=torch.Generator(device=model.bar.device).manual_seed(0))
+
+    trainer = ft.Trainer(model, digits_dataset(), config, sample_fn=sample_fn)
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()

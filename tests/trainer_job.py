@@ -1,0 +1,56 @@
+"""A small ft.Trainer job for the trainer tests: dropout, shuffling, accumulation, fp16, EMA.
+
+    python tests/trainer_job.py RESULTS [--steps N] [--save-every K] [--precision fp16] [--no-compile]
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+import functrain as ft
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.GELU(), torch.nn.Dropout(0.2),
+                                       torch.nn.Linear(32, 6))
+
+    def forward(self, x, y):
+        noise = 0.01 * torch.randn_like(x)  # randomness in the loss too, drawn from the state's generator
+        return torch.nn.functional.mse_loss(self.net(x + noise), y)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("results")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--save-every", type=int, default=2)
+    p.add_argument("--precision", default="fp16")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--trackers", default="jsonl")
+    p.add_argument("--slow", type=float, default=0.0, help="seconds to sleep per sample fn (to be killed)")
+    a = p.parse_args()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(72, 6, generator=g)
+    data = torch.utils.data.TensorDataset(x, x.flip(1) * 0.5)  # 72 samples: 4.5 updates of 16 per epoch
+    torch.manual_seed(0)
+    config = ft.TrainConfig(train_batch_size=4, gradient_accumulate_every=2, train_lr=3e-3, train_num_steps=a.steps,
+                            ema_update_every=2, ema_decay=0.9, save_and_sample_every=a.save_every, num_samples=4,
+                            mixed_precision=a.precision, results_folder=a.results, seed=3, log_every=1,
+                            keep_checkpoints=100, compile=not a.no_compile, trackers=tuple(a.trackers.split(",")))
+
+    def sample_fn(ema_params, n):
+        if a.slow:
+            time.sleep(a.slow)
+        w = ema_params["net.0.weight"]
+        return torch.sigmoid(w[: n * 4].reshape(n, 1, 4, 6))
+
+    state = ft.Trainer(Model(), data, config, sample_fn=sample_fn).train()
+    sys.stdout.write(f"DONE step={int(state.step)} rank={ft.distributed.rank()}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -131,7 +131,7 @@ class CompiledStep:
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         check_inputs(state, batch)
         try:
-            new, metrics = with_rng(self._compiled, state, batch)
+            new, metrics = with_rng(self._compiled, state, batch, self.step.rng_rank())
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
             raise self._explain(e, state, batch) from e
         if self.donate:
@@ -145,7 +145,7 @@ class CompiledStep:
         # Dynamo reports an exception raised by user code (a bad loss, a bad batch) as
         # "Unsupported"; running the step eagerly raises the real error with its message.
         try:
-            with_rng(self.step.apply, state, batch)
+            with_rng(self.step.apply, state, batch, self.step.rng_rank())
         except Exception as real:  # noqa: BLE001 - surface whatever the step itself raises
             return real
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -19,8 +19,8 @@ class TrainState(NamedTuple):
         opt_state: the optimizer's state (its ``count`` is the number of updates applied).
         step:      an int64 scalar tensor, the number of steps called. It is a tensor
                    so that a compiled step never recompiles as it advances.
-        rng:       the random-number generator state the step draws from (dropout),
-                   as ``{device_type: uint8 tensor}``; re-running a step from the same
+        rng:       ``{"key": uint8 tensor}``, the state of the host generator each step
+                   draws its seed from (dropout, noise); re-running a step from the same
                    state draws the same numbers. ``None`` if the step is not seeded.
         slots:     ``{transform name: state}``, one slot per transform (``"ema"``,
                    ``"mixed_precision"``, ``"accumulate"``, ...).

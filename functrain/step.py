@@ -246,7 +246,15 @@ class Step:
     # -- running ----------------------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         check_inputs(state, batch)
-        return with_rng(self.apply, state, batch)
+        return with_rng(self.apply, state, batch, self.rng_rank())
+
+    def rng_rank(self) -> int:
+        """The offset this process adds to each step's seed: its rank under data parallelism, else 0."""
+        for t in self.transforms:
+            rank = getattr(t, "rng_rank", None)
+            if rank is not None:
+                return rank()
+        return 0
 
     def apply(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         """The pure step without the host-side RNG handling (what :func:`functrain.compile` traces)."""
@@ -414,10 +422,12 @@ def check_inputs(state: Any, batch: Any) -> None:
 def _rng_init(seed: int, device: torch.device) -> dict:
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int or None; got {seed!r}")
-    rng = {"cpu": torch.Generator().manual_seed(seed).get_state()}
-    if device.type == "cuda":
-        rng[str(device)] = torch.Generator(device=device).manual_seed(seed).get_state()
-    return rng
+    return {"key": torch.Generator().manual_seed(seed).get_state()}
+
+
+def _devices(state: TrainState) -> list[str]:
+    device = state.step.device
+    return ["cpu"] if device.type != "cuda" else ["cpu", str(device)]
 
 
 def _get_rng(dev: str) -> torch.Tensor:
@@ -431,23 +441,36 @@ def _set_rng(dev: str, value: torch.Tensor) -> None:
         torch.cuda.set_rng_state(value, dev)
 
 
-def with_rng(fn: Callable, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+def _seed_globals(devices: list[str], seed: int) -> None:
+    for dev in devices:
+        if dev == "cpu":
+            torch.default_generator.manual_seed(seed)
+        else:
+            torch.cuda.default_generators[torch.device(dev).index or 0].manual_seed(seed)
+
+
+def with_rng(fn: Callable, state: TrainState, batch: Any, rank: int = 0) -> tuple[TrainState, dict]:
     """Run ``fn(state, batch)`` drawing random numbers from ``state.rng`` (host side).
 
-    The global generators are set from the state, the step runs, the advanced
-    generator state goes into the new state, and the caller's global generators
-    are restored. Generator states are host tensors: no device sync.
+    ``state.rng["key"]`` is the state of a host generator, the same on every
+    process. Each step draws one seed from it (the key advances, into the new
+    state), seeds the global generators with ``seed + rank`` (so data-parallel
+    ranks draw different dropout masks, yet the state stays replicated and a
+    checkpoint holds everything), runs, and restores the caller's generators.
+    All of it is host work on host tensors: no device sync.
     """
     rng = state.rng
     if rng is None:
         return fn(state, batch)
-    saved = {dev: _get_rng(dev) for dev in rng}
+    key = torch.Generator()
+    key.set_state(rng["key"])
+    seed = int(torch.randint(0, 2**62, (), generator=key))
+    devices = _devices(state)
+    saved = {dev: _get_rng(dev) for dev in devices}
     try:
-        for dev, value in rng.items():
-            _set_rng(dev, value)
+        _seed_globals(devices, seed + rank)
         new_state, metrics = fn(state._replace(rng=None), batch)
-        advanced = {dev: _get_rng(dev) for dev in rng}
     finally:
         for dev, value in saved.items():
             _set_rng(dev, value)
-    return new_state._replace(rng=advanced), metrics
+    return new_state._replace(rng={"key": key.get_state()}), metrics

@@ -26,8 +26,9 @@ class DataParallel(Transform):
     compiled step keeps it in its single graph; it runs before normalisation,
     unscaling, the finiteness check and clipping, whatever the wrapping order, so
     every rank takes the same decision (a non-finite gradient on one rank skips
-    the update on all). ``post_init`` broadcasts the initial state from rank 0
-    and gives each rank its own random stream (dropout masks differ by rank).
+    the update on all). ``post_init`` broadcasts the initial state from rank 0;
+    each rank draws its own random numbers (``seed + rank``, see
+    :func:`functrain.step.with_rng`) while the state stays replicated.
     With a single process it does nothing.
     """
 
@@ -51,11 +52,11 @@ class DataParallel(Transform):
             dist.broadcast(t, src=src, group=group)
             return t
 
-        rng = state.rng
-        state = T.tree_map(broadcast, state._replace(rng=None))
-        if rng is not None:  # the same seed everywhere, then a stream per rank
-            rng = _fold_in(rng, dist.get_rank(group))
-        return state._replace(rng=rng)
+        return T.tree_map(broadcast, state)  # the RNG key too: ranks differ by with_rng's rank offset
+
+    def rng_rank(self) -> int:
+        """This process's rank in the group: each step seeds its random draws with ``seed + rank``."""
+        return dist.get_rank(self._group()) if _world(self.group) > 1 else 0
 
     def reduce(self, ctx: StepContext) -> None:
         if _world(self.group) == 1:
@@ -81,17 +82,6 @@ class DataParallel(Transform):
 
     def __repr__(self) -> str:
         return "data_parallel()"
-
-
-def _fold_in(rng: dict, rank: int) -> dict:
-    """Generator states derived from ``rng`` and ``rank``: deterministic, different on every rank."""
-    if rank == 0:
-        return rng
-    g = torch.Generator()
-    g.set_state(rng["cpu"])
-    seed = int(torch.randint(0, 2**62, (), generator=g)) + rank
-    return {dev: (torch.Generator() if dev == "cpu" else torch.Generator(device=dev)).manual_seed(seed).get_state()
-            for dev in rng}
 
 
 def data_parallel(group: Any = None) -> DataParallel:

@@ -19,9 +19,10 @@ class TrainState(NamedTuple):
         opt_state: the optimizer's state (its ``count`` is the number of updates applied).
         step:      an int64 scalar tensor, the number of steps called. It is a tensor
                    so that a compiled step never recompiles as it advances.
-        rng:       ``{"key": uint8 tensor}``, the state of the host generator each step
-                   draws its seed from (dropout, noise); re-running a step from the same
-                   state draws the same numbers. ``None`` if the step is not seeded.
+        rng:       ``{"key": int64 host tensor [seed, counter]}``: each step derives its
+                   random seed (dropout, noise) from it and advances the counter, so
+                   re-running a step from the same state draws the same numbers.
+                   ``None`` if the step is not seeded (torch's global RNG is used).
         slots:     ``{transform name: state}``, one slot per transform (``"ema"``,
                    ``"mixed_precision"``, ``"accumulate"``, ...).
 

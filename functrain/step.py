@@ -420,9 +420,17 @@ def check_inputs(state: Any, batch: Any) -> None:
 
 # -- randomness -----------------------------------------------------------------------------
 def _rng_init(seed: int, device: torch.device) -> dict:
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise TypeError(f"seed must be an int or None; got {seed!r}")
-    return {"key": torch.Generator().manual_seed(seed).get_state()}
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise TypeError(f"seed must be an int in [0, 2**63) or None; got {seed!r}")
+    return {"key": torch.tensor([seed, 0], dtype=torch.int64)}
+
+
+def _mix64(x: int) -> int:
+    """splitmix64: a well-mixed 64-bit value from a counter."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
 
 
 def _devices(state: TrainState) -> list[str]:
@@ -452,25 +460,25 @@ def _seed_globals(devices: list[str], seed: int) -> None:
 def with_rng(fn: Callable, state: TrainState, batch: Any, rank: int = 0) -> tuple[TrainState, dict]:
     """Run ``fn(state, batch)`` drawing random numbers from ``state.rng`` (host side).
 
-    ``state.rng["key"]`` is the state of a host generator, the same on every
-    process. Each step draws one seed from it (the key advances, into the new
-    state), seeds the global generators with ``seed + rank`` (so data-parallel
-    ranks draw different dropout masks, yet the state stays replicated and a
-    checkpoint holds everything), runs, and restores the caller's generators.
-    All of it is host work on host tensors: no device sync.
+    ``state.rng["key"]`` is a host int64 tensor ``[seed, counter]``, the same on
+    every process. Each step hashes it into a step seed (splitmix64), advances
+    the counter (into the new state), seeds the global generators with
+    ``step seed + rank`` (so data-parallel ranks draw different dropout masks,
+    yet the state stays replicated and a checkpoint holds everything), runs, and
+    restores the caller's generators. All of it is host work on host memory:
+    no device sync, no torch op that reads a value.
     """
     rng = state.rng
     if rng is None:
         return fn(state, batch)
-    key = torch.Generator()
-    key.set_state(rng["key"])
-    seed = int(torch.randint(0, 2**62, (), generator=key))
+    seed, counter = (int(v) for v in rng["key"].numpy())  # a host tensor, read without a torch op
+    step_seed = _mix64(_mix64(seed) ^ counter) >> 2  # < 2**62, so seed + rank stays a valid seed
     devices = _devices(state)
     saved = {dev: _get_rng(dev) for dev in devices}
     try:
-        _seed_globals(devices, seed + rank)
+        _seed_globals(devices, step_seed + rank)
         new_state, metrics = fn(state._replace(rng=None), batch)
     finally:
         for dev, value in saved.items():
             _set_rng(dev, value)
-    return new_state._replace(rng={"key": key.get_state()}), metrics
+    return new_state._replace(rng={"key": torch.tensor([seed, counter + 1], dtype=torch.int64)}), metrics

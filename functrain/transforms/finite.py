@@ -31,7 +31,8 @@ class SkipNonfinite(Transform):
         ctx.finite = finite if ctx.finite is None else ctx.finite & finite
         ctx.keep_if(finite)
         ctx.metrics["skipped"] = ~ctx.finite
-        ctx.set_slot(self, {"skipped": ctx.slot(self)["skipped"] + (~finite).to(torch.int64)})
+        dropped = ~finite if ctx.boundary is None else ~finite & ctx.boundary  # count updates, not micro-batches
+        ctx.set_slot(self, {"skipped": ctx.slot(self)["skipped"] + dropped.to(torch.int64)})
 
     def __repr__(self) -> str:
         return "skip_nonfinite()"

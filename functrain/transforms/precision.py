@@ -40,9 +40,11 @@ class MixedPrecision(Transform):
     """Compute the loss in a low-precision dtype from fp32 master params.
 
     The loss stage casts params, buffers and the batch's floating tensors to
-    ``policy.compute_dtype``, runs the loss function, and casts the loss to
-    ``policy.output_dtype``; gradients flow back through the casts to the
-    master params in their own dtype. Buffers the forward pass changes
+    ``policy.compute_dtype`` and runs the loss function under ``torch.autocast``
+    with that dtype (so the ops autocast keeps in fp32 — losses, softmax, norms,
+    reductions — stay there: an fp16 loss would overflow its own gradient at a
+    loss scale of 2**16), then casts the loss to ``policy.output_dtype``;
+    gradients flow back through the casts to the master params in their own dtype. Buffers the forward pass changes
     (BatchNorm statistics) are cast back to their dtype.
 
     With fp16 a dynamic loss scale lives in the state: the loss is multiplied by
@@ -98,7 +100,14 @@ class MixedPrecision(Transform):
                 params = _cast_floating(params, policy.compute_dtype)
                 buffers = _cast_floating(buffers, policy.compute_dtype)
                 batch = _cast_floating(batch, policy.compute_dtype)
-            objective, out = loss_fn(params, buffers, batch)
+            if self._casts:
+                # autocast keeps the loss's own math (reductions, softmax, norms) in fp32 as its op
+                # lists say, so the loss and its first gradients do not overflow fp16
+                device_type = T.tree_leaves(params)[0].device.type
+                with torch.autocast(device_type=device_type, dtype=policy.compute_dtype):
+                    objective, out = loss_fn(params, buffers, batch)
+            else:
+                objective, out = loss_fn(params, buffers, batch)
             out = dict(out)
             out["buffers"] = T.tree_map(lambda b, d: b.to(d), out["buffers"], dtypes)
             objective = objective.to(policy.output_dtype)

@@ -1,0 +1,128 @@
+"""Statistics over rounds and the markdown report."""
+from __future__ import annotations
+
+import random
+import statistics
+from typing import Any
+
+__all__ = ["median", "bootstrap_ci", "fmt_time", "summarise", "markdown", "TARGETS"]
+
+# (workload, variant, kind, bound): kind "speedup" = torch_eager / variant >= bound,
+# "ratio" = variant / torch_eager <= bound (medians of the paired per-round ratios)
+TARGETS = [
+    ("W1", "functrain_compiled", "speedup", 1.5),
+    ("W1", "functrain_eager", "ratio", 1.3),
+    ("W2", "functrain_compiled", "ratio", 1.0),
+    ("W3", "functrain_compiled", "speedup", 1.5),
+]
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def bootstrap_ci(xs: list[float], n: int = 4000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the median (resampling rounds with replacement)."""
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
+    lo = meds[int((1 - level) / 2 * n)]
+    hi = meds[min(n - 1, int((1 + level) / 2 * n))]
+    return lo, hi
+
+
+def fmt_time(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s >= 1.0:
+        return f"{s:.1f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.0f} µs"
+
+
+def fmt_sci(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def summarise(res: dict[str, Any], base: str = "torch_eager") -> None:
+    """Add medians, paired ratios and intervals to one workload's result (in place)."""
+    per = res["variants"]
+    b = per.get(base)
+    for name, v in per.items():
+        t = v["round_s_per_update"]
+        v["median_s"] = median(t)
+        v["min_s"], v["max_s"] = min(t), max(t)
+        v["cpu_wall"] = sum(v["round_cpu_s"]) / sum(v["round_wall_s"])
+        v["other_load"] = median(v["round_other_load"])
+        if b is not None and name != base:
+            ratios = [x / y for x, y in zip(t, b["round_s_per_update"])]
+            v["ratio"] = median(ratios)
+            v["ratio_ci"] = bootstrap_ci(ratios)
+            v["ratio_minmax"] = (min(ratios), max(ratios))
+            cr = [x / y for x, y in zip(v["round_cpu_s_per_update"], b["round_cpu_s_per_update"])]
+            v["cpu_ratio"], v["cpu_ratio_ci"] = median(cr), bootstrap_ci(cr)
+        elif name == base:
+            v["ratio"], v["ratio_ci"], v["ratio_minmax"] = 1.0, (1.0, 1.0), (1.0, 1.0)
+            v["cpu_ratio"], v["cpu_ratio_ci"] = 1.0, (1.0, 1.0)
+
+
+def _target_rows(results: dict[str, Any]) -> list[str]:
+    rows = []
+    for wl, var, kind, bound in TARGETS:
+        v = results.get(wl, {}).get("variants", {}).get(var)
+        if v is None or "ratio" not in v:
+            continue
+        r, (lo, hi) = v["ratio"], v["ratio_ci"]
+        if kind == "speedup":
+            want = f"{var} ≥ {bound:g}x faster than torch_eager"
+            got = f"{1 / r:.2f}x faster [{1 / hi:.2f}–{1 / lo:.2f}]"
+            ok, sure = 1 / r >= bound, 1 / hi >= bound or 1 / lo < bound
+        else:
+            want = (f"{var} not slower than torch_eager" if bound == 1.0
+                    else f"{var} ≤ {bound:g}x the time of torch_eager")
+            got = f"{r:.2f}x the time [{lo:.2f}–{hi:.2f}]"
+            ok, sure = r <= bound, hi <= bound or lo > bound
+        verdict = ("met" if ok else "NOT met") + ("" if sure else " (the 95% CI straddles the bound)")
+        rows.append(f"| {wl} | {want} | {got} | {verdict} |")
+    return rows
+
+
+def markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
+    out = [f"Run {meta['date']}: {meta['machine']}; Python {meta['python']}, torch {meta['torch']}, "
+           f"functrain {meta['functrain']}; threads={meta['threads']}, device={meta['device']}; "
+           f"inductor cache: {meta['inductor_cache']}; {meta['wall_min']:.1f} min in all.", ""]
+    out.append("| workload | variant | time/update, median [min–max] | ratio to torch_eager [95% CI] "
+               "| speed-up | CPU-time ratio [95% CI] | CPU/wall · other load | first call (compile) | graphs "
+               "| recompiles in rounds | syncs/update | max \\|Δw\\| vs torch_eager: after warm-up · at end "
+               "| max \\|Δema\\| at end | eval loss at end |")
+    out.append("|" + "---|" * 14)
+    for key, res in results.items():
+        first = True
+        for name, v in res["variants"].items():
+            wl = f"{key} {res['title']}<br>{res['rounds']} rounds x {res['k']} updates" if first else ""
+            first = False
+            if name == "torch_eager":
+                ratio, speed, cratio = "1", "1", "1"
+            else:
+                lo, hi = v["ratio_ci"]
+                ratio, speed = f"{v['ratio']:.2f} [{lo:.2f}–{hi:.2f}]", f"{1 / v['ratio']:.2f}x"
+                clo, chi = v["cpu_ratio_ci"]
+                cratio = f"{v['cpu_ratio']:.2f} [{clo:.2f}–{chi:.2f}]"
+            t = f"{fmt_time(v['median_s'])} [{fmt_time(v['min_s'])}–{fmt_time(v['max_s'])}]"
+            first_call = fmt_time(v["first_call_s"]) if v["compiled"] else "eager"
+            graphs = "-" if v["graphs"] is None else str(v["graphs"])
+            recomp = "-" if not v["compiled"] else str(v["recompiles_in_rounds"])
+            dw = "reference" if name == "torch_eager" else f"{fmt_sci(v['max_dw_warmup'])} · {fmt_sci(v['max_dw'])}"
+            de = "-" if v["max_dema"] is None else ("reference" if name == "torch_eager" else fmt_sci(v["max_dema"]))
+            out.append(f"| {wl} | {name} | {t} | {ratio} | {speed} | {cratio} | {v['cpu_wall']:.2f} · {v['other_load']:.2f} "
+                       f"| {first_call} | {graphs} "
+                       f"| {recomp} | {v['syncs']} | {dw} | {de} | {v['eval_loss']:.5g} |")
+    rows = _target_rows(results)
+    if rows:
+        out += ["", "| workload | target | measured (paired ratio, 95% CI) | verdict |", "|---|---|---|---|", *rows]
+    notes = [n for res in results.values() for n in res.get("notes", [])]
+    if notes:
+        out += ["", *[f"- {n}" for n in notes]]
+    return "\n".join(out)

@@ -21,9 +21,10 @@ Example::
     cstep = ft.compile(step)
     state, metrics = cstep(state, (torch.randn(32, 8), torch.randn(32, 1)))
 """
-from . import data, distributed, optim, tree
+from . import checkpoint, data, distributed, optim, tree
 from .compile import CompiledStep, GraphBreakError, compile
-from .checkpoint import CheckpointError, CheckpointManager, load, load_extra, save
+from .checkpoint import (CheckpointError, CheckpointManager, Restored, load, load_extra, register_checkpoint_type,
+                         save)
 from .config import TrainConfig
 from .data import ShardedLoader, gather_for_eval, shard
 from .driver import run, to_device
@@ -42,5 +43,5 @@ __all__ = [
     "functionalize", "to_module", "compile", "CompiledStep", "GraphBreakError", "run", "to_device",
     "accumulate", "clip", "clip_value", "ema", "EmaState", "skip_nonfinite", "mixed_precision", "Policy",
     "LossScaleState", "optim", "tree", "data_parallel", "launch", "distributed", "TrainConfig", "shard", "ShardedLoader", "gather_for_eval", "data", "save", "load", "load_extra", "CheckpointManager",
-    "CheckpointError", "Trainer",
+    "CheckpointError", "Trainer", "Restored", "register_checkpoint_type", "checkpoint",
 ]

@@ -266,8 +266,10 @@ class Step:
             loss_fn = t.wrap_loss(loss_fn, ctx)
 
         def base_grad(params, buffers, batch):
-            grads, (_, out) = grad_and_value(loss_fn, has_aux=True)(params, buffers, batch)
-            return grads, out
+            if torch.compiler.is_compiling():  # traced: torch.func composes with Dynamo
+                grads, (_, out) = grad_and_value(loss_fn, has_aux=True)(params, buffers, batch)
+                return grads, out
+            return _autograd_grad(loss_fn, params, buffers, batch)
 
         grad_fn: Callable = base_grad
         for t in reversed(hooks["wrap_grad"]):
@@ -343,6 +345,19 @@ class Step:
         if num_items is not None:
             out["num_items"] = out["denom"]
         return loss, out
+
+
+def _autograd_grad(loss_fn: Callable, params: Any, buffers: Any, batch: Any) -> tuple[Any, dict]:
+    """The eager path of the grad stage: ``torch.autograd.grad``, the same math as
+    ``torch.func.grad_and_value`` at a fraction of its per-call Python cost."""
+    leaves, spec = optree.tree_flatten(params)
+    live = [p.detach().requires_grad_(True) for p in leaves]
+    with torch.enable_grad():
+        objective, out = loss_fn(optree.tree_unflatten(spec, live), buffers, batch)
+        grads = torch.autograd.grad(objective, live, allow_unused=True)
+    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
+    out = optree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, out)
+    return optree.tree_unflatten(spec, grads), out
 
 
 def train_step(loss_fn: LossFn, optimizer: Any) -> Step:

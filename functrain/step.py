@@ -140,7 +140,7 @@ class Transform:
     order: int = 0
 
     def init(self, params: Any, buffers: Any) -> Any:
-        """The slot's initial state (``None``: the transform keeps no state)."""
+        """The slot's initial state (``None``: the transform keeps no state and gets no slot)."""
         return None
 
     def post_init(self, state: TrainState) -> TrainState:
@@ -231,6 +231,7 @@ class Step:
         leaves = T.tree_leaves(params)
         device = leaves[0].device if leaves else torch.device("cpu")
         slots = {t.name: t.init(params, buffers) for t in self.transforms}
+        slots = {name: slot for name, slot in slots.items() if slot is not None}  # stateless: no slot
         state = TrainState(
             params=params,
             buffers=buffers,

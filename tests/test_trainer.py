@@ -115,11 +115,11 @@ def test_resume_two_processes_and_change_of_world(tmp_path, reference):
     assert T.tree_equal(two, _final(uninterrupted, 12)), "2-process resume is not bit-exact"
     # the state is replicated, so a 2-process checkpoint resumes on 1 process, from the same global sample
     one = tmp_path / "one"
-    shutil.copytree(uninterrupted / "checkpoints" / "step_00000004", one / "checkpoints" / "step_00000004")
-    _run(one, 1, "--steps", 5, "--no-compile")
-    data = ft.load_extra(ft.CheckpointManager(one / "checkpoints").path(5))["data"]
-    # 4 updates of 2 ranks x 8 samples, then one update of 1 x 8
-    assert data["samples"] == 4 * 16 + 8, data
+    shutil.copytree(uninterrupted / "checkpoints" / "step_00000002", one / "checkpoints" / "step_00000002")
+    _run(one, 1, "--steps", 3, "--no-compile")
+    data = ft.load_extra(ft.CheckpointManager(one / "checkpoints").path(3))["data"]
+    # 2 updates of 2 ranks x 8 samples into epoch 0, then one update of 1 x 8
+    assert (data["epoch"], data["samples"]) == (0, 2 * 16 + 8), data
 
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path, reference):

@@ -200,7 +200,7 @@ def test_large_and_odd_tensors_roundtrip(tmp_path):
 
 
 def test_checksum_sha256_and_multi_chunk_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(ck, "CHUNK_BYTES", 1 << 16)                 # many checksum chunks, tensors across them
+    monkeypatch.setattr(ck.tensorfile, "CHUNK_BYTES", 1 << 16)      # many checksum chunks, tensors across them
     tree = {"a": torch.randn(100_000), "b": torch.randn(3), "c": torch.randn(70_000).to(torch.float64)}
     for algo in ("crc32", "sha256"):
         path = ck.save(tmp_path / algo, tree, checksum=algo)
@@ -404,13 +404,13 @@ def test_a_failed_save_prunes_nothing_and_leaves_no_trace(tmp_path, monkeypatch)
     state = {"w": torch.randn(1000)}
     mgr.save(1, state)
     mgr.save(2, state)
-    real = ck._write_tensors
+    real = ck.folder._write_tensors
 
     def failing(path, *args, **kwargs):
         real(path, *args, **kwargs)
         raise OSError("disk full")
 
-    monkeypatch.setattr(ck, "_write_tensors", failing)
+    monkeypatch.setattr(ck.folder, "_write_tensors", failing)  # as save() looks it up
     with pytest.raises(OSError, match="disk full"):
         mgr.save(3, state)
     assert mgr.steps() == [1, 2] and sorted(os.listdir(tmp_path)) == ["step_00000001", "step_00000002"]

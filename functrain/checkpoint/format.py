@@ -1,0 +1,349 @@
+"""The checkpoint format: file names, dtype codes, the allow-list of node types, and the state tree <-> JSON.
+
+``tree.json`` holds the structure of a saved state: node types (by allow-listed
+name), dict keys, NamedTuple fields, Python scalars inline, and each tensor by its
+key in the safetensors file with its dtype and shape. Nothing here touches files.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import sys
+from typing import Any
+
+import torch
+
+FORMAT = "functrain-checkpoint"
+VERSION = 1
+TENSORS, TREE, EXTRA, MARKER = "tensors.safetensors", "tree.json", "extra.json", "COMPLETE.json"
+
+# torch dtype <-> safetensors dtype code (the ones both sides support)
+_ST_CODES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+}
+_DTYPES = {str(d).removeprefix("torch."): d for d in _ST_CODES}  # "float32" -> torch.float32 (allow-list)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is incomplete, damaged, not a functrain checkpoint, or does not match the template."""
+
+
+def _check_size(path: str, size: int, expect: dict) -> None:
+    """Refuse a file whose size is not the one its completion-mark entry ``expect`` lists."""
+    if size != expect.get("size"):
+        raise CheckpointError(f"{path}: size {size} bytes, the completion mark says {expect.get('size')}: "
+                              f"the file was truncated or changed")
+
+
+def _json_bytes(obj: Any) -> bytes:
+    """The bytes of a JSON file (or header) of the format: compact, UTF-8."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+# -------------------------------------------------------------------------- allow-listed node types
+_TYPES: dict[str, type] = {}      # name in tree.json -> NamedTuple class
+_NAMES: dict[type, str] = {}      # class -> name
+
+
+def _is_namedtuple_class(obj: Any) -> bool:
+    return isinstance(obj, type) and issubclass(obj, tuple) and isinstance(getattr(obj, "_fields", None), tuple)
+
+
+def register_checkpoint_type(cls: type, name: str | None = None) -> type:
+    """Allow a ``NamedTuple`` class as a node of saved states (usable as a class decorator).
+
+    functrain's own state types (``TrainState``, ``AdamState``, ``SGDState``,
+    ``EmaState``, ``LossScaleState``, ...) are allowed already. ``name`` (default
+    ``"<module>.<qualname>"``) is what ``tree.json`` records; loading looks it up
+    among the registered classes and never imports anything named in a file.
+    """
+    if not _is_namedtuple_class(cls):
+        raise TypeError(f"register_checkpoint_type takes a NamedTuple class; got {cls!r}")
+    name = f"{cls.__module__}.{cls.__qualname__}" if name is None else name
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"the registered name must be a non-empty str; got {name!r}")
+    if _TYPES.get(name, cls) is not cls:
+        raise ValueError(f"checkpoint type name {name!r} is already registered for {_TYPES[name]!r}")
+    _TYPES[name] = cls
+    _NAMES.setdefault(cls, name)
+    return cls
+
+
+def _discover_functrain_types() -> None:
+    """Allow functrain's own state types: the core ones under stable names, and every other public
+    NamedTuple class defined in a functrain module that is already imported (nothing is imported here)."""
+    from ..optim import AdamState, SGDState
+    from ..state import TrainState
+    from ..transforms import EmaState, LossScaleState
+
+    for cls, name in ((TrainState, "functrain.TrainState"), (AdamState, "functrain.optim.AdamState"),
+                      (SGDState, "functrain.optim.SGDState"), (EmaState, "functrain.EmaState"),
+                      (LossScaleState, "functrain.LossScaleState")):
+        if cls not in _NAMES:
+            register_checkpoint_type(cls, name)
+    for modname, mod in list(sys.modules.items()):
+        if mod is None or not (modname == "functrain" or modname.startswith("functrain.")):
+            continue
+        for obj in list(vars(mod).values()):
+            if (_is_namedtuple_class(obj) and obj.__module__ == modname and not obj.__name__.startswith("_")
+                    and obj not in _NAMES):
+                register_checkpoint_type(obj)
+
+
+def _type_name(cls: type) -> str | None:
+    if cls not in _NAMES:
+        _discover_functrain_types()
+    return _NAMES.get(cls)
+
+
+def _type_by_name(name: str) -> type | None:
+    if name not in _TYPES:
+        _discover_functrain_types()
+    return _TYPES.get(name)
+
+
+# -------------------------------------------------------------------------- tree <-> JSON
+class _Ref:
+    """A tensor leaf of the structure read from tree.json, before its data is read."""
+
+    __slots__ = ("key", "dtype", "shape")
+
+    def __init__(self, key: str, dtype: torch.dtype, shape: tuple):
+        self.key, self.dtype, self.shape = key, dtype, shape
+
+
+def _scalar(value: Any, where: str) -> dict:
+    if value is None:
+        return {"t": "none"}
+    if isinstance(value, bool):
+        return {"t": "bool", "v": value}
+    if type(value) is int:
+        return {"t": "int", "v": value}
+    if type(value) is float:
+        return {"t": "float", "v": value.hex()}
+    if type(value) is str:
+        return {"t": "str", "v": value}
+    raise TypeError(f"cannot checkpoint the leaf at {where!r}: {type(value).__name__} (a checkpoint holds tensors, "
+                    f"dict/list/tuple/NamedTuple nodes, None, bool, int, float and str)")
+
+
+def _encode(tree: Any) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
+    """tree.json's node for ``tree`` and the tensor leaves as ``[(key, tensor)]`` in tree order."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+    used: set[str] = {"__metadata__"}  # reserved by safetensors headers
+
+    def key_for(path: list[str]) -> str:
+        key = "/".join(path) or "<root>"
+        base, n = key, 0
+        while key in used:
+            n += 1
+            key = f"{base}~{n}"
+        used.add(key)
+        return key
+
+    def enc(x: Any, path: list[str]) -> dict:
+        where = "/".join(path) or "<root>"
+        if torch.is_tensor(x):
+            if x.layout != torch.strided or x.is_quantized or x.is_nested or x.device.type == "meta":
+                raise TypeError(f"cannot checkpoint the tensor at {where!r}: only dense (strided) tensors with "
+                                f"data; this one is {x.layout}{' quantized' if x.is_quantized else ''} on {x.device}")
+            if x.dtype not in _ST_CODES:
+                raise TypeError(f"cannot checkpoint the tensor at {where!r}: dtype {x.dtype} has no safetensors "
+                                f"code; supported: {', '.join(sorted(_DTYPES))}")
+            key = key_for(path)
+            tensors.append((key, x))
+            return {"t": "tensor", "key": key, "dtype": str(x.dtype).removeprefix("torch."),
+                    "shape": list(x.shape), "device": str(x.device)}
+        cls = type(x)
+        if cls is dict or cls is collections.OrderedDict:
+            keys = list(x)
+            return {"t": "dict" if cls is dict else "odict",
+                    "keys": [_key(k, where) for k in keys],
+                    "children": [enc(x[k], path + [str(k)]) for k in keys]}
+        if cls is list or cls is tuple:
+            return {"t": cls.__name__, "children": [enc(c, path + [str(i)]) for i, c in enumerate(x)]}
+        if isinstance(x, tuple) and hasattr(cls, "_fields"):
+            name = _type_name(cls)
+            if name is None:
+                raise TypeError(f"cannot checkpoint the {cls.__module__}.{cls.__qualname__} at {where!r}: not an "
+                                f"allowed node type; register it with ft.register_checkpoint_type({cls.__name__})")
+            return {"t": "namedtuple", "type": name, "fields": list(cls._fields),
+                    "children": [enc(c, path + [f]) for f, c in zip(cls._fields, x)]}
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return _scalar(x, where)
+        raise TypeError(f"cannot checkpoint the {cls.__module__}.{cls.__qualname__} at {where!r}: a checkpoint holds "
+                        f"tensors, dict/list/tuple/OrderedDict/registered NamedTuple nodes, None, bool, int, "
+                        f"float and str")
+
+    return enc(tree, []), tensors
+
+
+def _key(k: Any, where: str) -> dict:
+    if k is None or isinstance(k, (bool, int, str)):
+        return _scalar(k, where)
+    raise TypeError(f"cannot checkpoint the dict at {where!r}: key {k!r} is a {type(k).__name__} "
+                    f"(keys must be str, int, bool or None)")
+
+
+def _decode(node: Any, file: str) -> Any:
+    """Rebuild the tree from tree.json's node, with a :class:`_Ref` for each tensor."""
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{file}: invalid structure ({what})")
+
+    def fields(n: dict, *names: str) -> list:
+        if set(n) != {"t", *names}:
+            raise bad(f"a {n.get('t')!r} node has keys {sorted(n)}, expected {sorted({'t', *names})}")
+        return [n[k] for k in names]
+
+    def children(n: Any) -> list:
+        if not isinstance(n, list):
+            raise bad("children must be a list")
+        return [dec(c) for c in n]
+
+    def scalar(n: dict) -> Any:
+        t = n["t"]
+        if t == "none":
+            fields(n)
+            return None
+        (v,) = fields(n, "v")
+        if t == "bool" and isinstance(v, bool):
+            return v
+        if t == "int" and type(v) is int:
+            return v
+        if t == "str" and isinstance(v, str):
+            return v
+        if t == "float" and isinstance(v, str):
+            try:
+                return float.fromhex(v)
+            except (ValueError, OverflowError):
+                pass
+        raise bad(f"bad {t!r} value {v!r}")
+
+    def dec(n: Any) -> Any:
+        if not isinstance(n, dict) or not isinstance(n.get("t"), str):
+            raise bad("a node must be an object with a string 't'")
+        t = n["t"]
+        if t == "tensor":
+            key, dtype, shape, _device = fields(n, "key", "dtype", "shape", "device")
+            if not isinstance(key, str) or dtype not in _DTYPES or not isinstance(shape, list) or \
+                    not all(type(s) is int and s >= 0 for s in shape):
+                raise bad(f"bad tensor entry {n!r}")
+            return _Ref(key, _DTYPES[dtype], tuple(shape))
+        if t in ("dict", "odict"):
+            keys, kids = fields(n, "keys", "children")
+            if not isinstance(keys, list) or not isinstance(kids, list) or len(keys) != len(kids):
+                raise bad("a dict needs keys and children lists of the same length")
+            if not all(isinstance(k, dict) and k.get("t") in ("none", "bool", "int", "str") for k in keys):
+                raise bad("dict keys must be str, int, bool or None")
+            ks = [scalar(k) for k in keys]
+            cls = dict if t == "dict" else collections.OrderedDict
+            out = cls(zip(ks, children(kids)))
+            if len(out) != len(ks):
+                raise bad("dict keys must be distinct")
+            return out
+        if t in ("list", "tuple"):
+            (kids,) = fields(n, "children")
+            out = children(kids)
+            return out if t == "list" else tuple(out)
+        if t == "namedtuple":
+            name, names, kids = fields(n, "type", "fields", "children")
+            cls = _type_by_name(name) if isinstance(name, str) else None
+            if cls is None:
+                raise CheckpointError(f"{file}: node type {name!r} is not an allowed checkpoint type; if it is "
+                                      f"yours, call ft.register_checkpoint_type(<the class>, name={name!r}) first")
+            if names != list(cls._fields):
+                raise bad(f"{name} has fields {names}, the registered class has {list(cls._fields)}")
+            out = children(kids)
+            if len(out) != len(names):
+                raise bad(f"{name} needs {len(names)} children")
+            return cls._make(out)
+        if t in ("none", "bool", "int", "float", "str"):
+            return scalar(n)
+        raise bad(f"unknown node type {t!r}")
+
+    try:
+        return dec(node)
+    except RecursionError:
+        raise bad("nested too deeply") from None
+
+
+def _walk_refs(tree: Any) -> list[_Ref]:
+    out: list[_Ref] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, _Ref):
+            out.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(tree)
+    return out
+
+
+def _fill(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(tree, _Ref):
+        return tensors[tree.key]
+    cls = type(tree)
+    if cls is dict or cls is collections.OrderedDict:
+        return cls((k, _fill(v, tensors)) for k, v in tree.items())
+    if cls is list:
+        return [_fill(v, tensors) for v in tree]
+    if cls is tuple:
+        return tuple(_fill(v, tensors) for v in tree)
+    if isinstance(tree, tuple):  # an allow-listed NamedTuple
+        return cls._make(_fill(v, tensors) for v in tree)
+    return tree
+
+
+def _match(loaded: Any, template: Any, path: str, file: str) -> dict[str, Any]:
+    """Check the decoded tree against the template; returns ``{tensor key: template leaf}``."""
+    targets: dict[str, Any] = {}
+
+    def fail(where: list[str], what: str) -> CheckpointError:
+        p = "/".join(where) or "<root>"
+        return CheckpointError(f"checkpoint {path} does not match the template at {p!r}: {what}")
+
+    def kind(x: Any) -> str:
+        if isinstance(x, _Ref) or torch.is_tensor(x):
+            return "tensor"
+        if isinstance(x, tuple) and hasattr(type(x), "_fields"):
+            return f"{type(x).__qualname__}"
+        return type(x).__name__
+
+    def walk(a: Any, b: Any, where: list[str]) -> None:
+        if isinstance(a, _Ref):
+            if not torch.is_tensor(b):
+                raise fail(where, f"a tensor in the checkpoint, {kind(b)} in the template")
+            if a.dtype != b.dtype or a.shape != tuple(b.shape):
+                raise fail(where, f"tensor {tuple(a.shape)} {a.dtype} in the checkpoint, "
+                                  f"{tuple(b.shape)} {b.dtype} in the template")
+            targets[a.key] = b
+            return
+        if type(a) is not type(b):
+            raise fail(where, f"{kind(a)} in the checkpoint, {kind(b)} in the template")
+        if isinstance(a, dict):
+            if set(a) != set(b):
+                only_a = sorted(set(a) - set(b), key=repr)
+                only_b = sorted(set(b) - set(a), key=repr)
+                raise fail(where, f"dict keys differ: only in the checkpoint {only_a}, only in the template {only_b}")
+            for k in a:
+                walk(a[k], b[k], where + [str(k)])
+        elif isinstance(a, (list, tuple)):
+            if len(a) != len(b):
+                raise fail(where, f"{len(a)} children in the checkpoint, {len(b)} in the template")
+            names = type(a)._fields if hasattr(type(a), "_fields") else range(len(a))
+            for n, x, y in zip(names, a, b):
+                walk(x, y, where + [str(n)])
+
+    walk(loaded, template, [])
+    return targets

@@ -1,0 +1,44 @@
+"""The examples run end to end on a short schedule (subprocesses with timeouts)."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "FUNCTRAIN_DIST_TIMEOUT": "60"}
+
+
+def _run(args, timeout=420):
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_digits_classifier_learns():
+    pytest.importorskip("sklearn")
+    out = _run(["examples/digits.py", "--steps", "300"])
+    acc = float(re.search(r"test accuracy ([0-9.]+)", out).group(1))
+    assert acc > 0.9, out[-1000:]
+
+
+def test_diffusion_trainer_on_two_processes_resumes(tmp_path):
+    pytest.importorskip("sklearn")
+    results = tmp_path / "diffusion"
+    args = ["-m", "functrain.launch", "--nproc", "2", "examples/diffusion.py", "--results", str(results),
+            "--save-every", "20", "--batch-size", "32"]
+    _run(args + ["--steps", "40"])
+    for name in ("sample-20.png", "sample-40.png", "loss.png", "metrics.jsonl", "config.json"):
+        assert (results / name).exists(), name
+    assert sorted(os.listdir(results / "checkpoints")) == ["step_00000020", "step_00000040"]
+    out = _run(args + ["--steps", "60"])  # run again, longer: it resumes
+    assert "resumed from" in out and "at step 40" in out
+    assert (results / "sample-60.png").exists()
+
+
+def test_language_model_with_token_normalisation():
+    out = _run(["examples/lm.py", "--steps", "40", "--self-written"])
+    final = float(re.search(r"final loss ([0-9.]+)", out).group(1))
+    assert final < 2.5, out[-1500:]  # uniform over 31 tokens would be ln 31 = 3.43

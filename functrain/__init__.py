@@ -28,7 +28,7 @@ from .checkpoint import (CheckpointError, CheckpointManager, Restored, load, loa
 from .config import TrainConfig
 from .data import ShardedLoader, gather_for_eval, shard
 from .driver import run, to_device
-from .launch import launch
+from .spawn import launch
 from .module import functionalize, to_module
 from .state import TrainState
 from .step import STAGES, Step, StepContext, Transform, train_step

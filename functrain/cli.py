@@ -1,0 +1,404 @@
+"""``python -m functrain.launch``: run a script on N processes, torchrun underneath, with bounded failure.
+
+Usage::
+
+    python -m functrain.launch --nproc 2 train.py --lr 1e-3          # one machine, 2 processes
+    python -m functrain.launch --nproc 4 -m mypkg.train               # a module, like python -m
+
+    # two machines (run on each; node 0's address and a free port on it)
+    python -m functrain.launch --nnodes 2 --node-rank 0 --nproc 8 --master-addr 10.0.0.1 --master-port 29500 train.py
+    python -m functrain.launch --nnodes 2 --node-rank 1 --nproc 8 --master-addr 10.0.0.1 --master-port 29500 train.py
+
+The script calls ``ft.distributed.init()`` (torchrun's variables are set) and
+wraps its step in ``ft.data_parallel()``. What this adds to plain torchrun:
+
+* **Bounded failure.** ``FUNCTRAIN_DIST_TIMEOUT`` (how long a collective waits
+  for a peer; read by ``ft.distributed.init``) is set to ``--dist-timeout``
+  (default 120 s) unless the environment already sets it; the rendezvous gives up
+  after ``--join-timeout`` (default 300 s) if not all nodes arrive; with
+  ``--max-restarts 0`` (the default) the first rank that fails stops the others on
+  its node, and ranks on other nodes fail on their next collective (at once if the
+  peer's connection closed, else after the collective timeout).
+* **One traceback.** Each worker runs the script through a small runner that
+  prints a failing rank's traceback once (lines prefixed ``[rankN]:``) and
+  records it in torchrun's error file; a rank that failed only because a peer
+  died first ("Connection closed by peer") waits a few seconds for the launcher
+  to stop it before it says anything, so its secondary traceback normally never
+  appears. The launcher then prints a short summary naming the rank that failed
+  first and its error (not the traceback again) and exits with its exit code.
+  Plain torchrun prints the traceback up to three times (the worker, the
+  ``ChildFailedError`` report, and the launcher's own traceback).
+* **A clean exit.** A worker whose script finished ends with ``os._exit`` after
+  joining the script's threads and running its ``atexit`` handlers: gloo's C++
+  teardown at interpreter exit aborts (SIGABRT) in about one exit in ten on
+  torch 2.13, which plain torchrun reports as a failed job (and, on another node,
+  makes the launcher wait out torchelastic's 300 s exit barrier).
+  ``FUNCTRAIN_LAUNCH_HARD_EXIT=0`` turns this off. The process group the script
+  left is destroyed first (after a success only).
+* ``OMP_NUM_THREADS=1`` unless set (torchrun's default too, without its banner);
+  torchrun's per-run log folder (error files) is a temporary folder removed at the
+  end, unless ``--log-dir`` is given or ``--redirects``/``--tee`` put output there.
+
+Rendezvous: the default backend is ``static``, as in torchrun: node ``--node-rank``
+0 hosts the store on ``--master-addr:--master-port`` (or ``--rdzv-endpoint``) and
+the node ranks are the ones given. On one node without a port, torchrun's
+"standalone" mode is used (a c10d store on a free port). Pass ``--rdzv-backend
+c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB`` for elastic jobs (node ranks are
+assigned on arrival, ``--nnodes MIN:MAX``, restarts across nodes).
+
+Exit status: 0 when every rank succeeded; else the first failed rank's exit code
+(128 + the signal number for a rank killed by a signal), 1 if the rendezvous
+failed, 128 + the signal number when the launcher itself is stopped (SIGTERM, Ctrl-C).
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+
+from .spawn import SECONDARY_ERRORS as _SECONDARY  # errors of a rank whose peer died first
+
+__all__ = ["main"]
+
+_WORKER = "__functrain_worker__"  # first argument of the worker runner: python -u -m functrain.cli __functrain_worker__
+_SECONDARY_GRACE_S = 3.0  # how long a rank failing only because a peer died waits to be stopped before it reports
+
+DEFAULT_DIST_TIMEOUT_S = 120
+DEFAULT_JOIN_TIMEOUT_S = 300
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, description="Run a training script on N processes (torchrun underneath) with bounded failure.",
+        epilog="Everything after the script is passed to it. See functrain/cli.py for the failure model.")
+    p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", default="1",
+                   help="processes on this node (an int, or torchrun's auto/cpu/gpu); default 1")
+    p.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX with --rdzv-backend c10d; default 1")
+    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
+                   help="this node's rank (static rendezvous); default 0")
+    p.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None,
+                   help="address of node 0 (static rendezvous); default 127.0.0.1")
+    p.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
+                   help="port on node 0 (static rendezvous); default: a free port on one node, else 29500")
+    p.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default="static",
+                   choices=["static", "c10d", "etcd", "etcd-v2"], help="rendezvous backend; default static")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default="",
+                   help="HOST:PORT of the rendezvous (for static: same as --master-addr/--master-port)")
+    p.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default="none",
+                   help="job id, the same on every node (c10d rendezvous)")
+    p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
+                   help="restart the worker group this many times after a failure; default 0")
+    p.add_argument("--join-timeout", dest="join_timeout", type=int, default=DEFAULT_JOIN_TIMEOUT_S,
+                   help=f"seconds to wait for all nodes to join; default {DEFAULT_JOIN_TIMEOUT_S}")
+    p.add_argument("--dist-timeout", dest="dist_timeout", type=float, default=None,
+                   help="seconds a collective waits for a peer (sets FUNCTRAIN_DIST_TIMEOUT); default "
+                        f"$FUNCTRAIN_DIST_TIMEOUT, else {DEFAULT_DIST_TIMEOUT_S}")
+    p.add_argument("--log-dir", "--log_dir", dest="log_dir", default=None,
+                   help="keep torchrun's per-rank logs and error files here (default: a temporary folder, removed)")
+    p.add_argument("--redirects", "-r", default="0",
+                   help="torchrun's --redirects: rank output into files under --log-dir (if none, a temporary "
+                        "folder that is kept and named at the end)")
+    p.add_argument("--tee", "-t", default="0", help="torchrun's --tee: to the console and into those files")
+    p.add_argument("--local-addr", "--local_addr", dest="local_addr", default=None, help="torchrun's --local-addr")
+    p.add_argument("-m", "--module", action="store_true", help="the script is a module name, run as python -m")
+    p.add_argument("script", help="the training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return p
+
+
+def _prog() -> str:
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return name if name and not name.endswith(".py") and name != "-c" else "python -m functrain.launch"
+
+
+def _torchrun_argv(ns: argparse.Namespace, log_dir: str) -> list[str]:
+    argv = ["--nnodes", ns.nnodes, "--nproc-per-node", str(ns.nproc), "--rdzv-backend", ns.rdzv_backend,
+            "--rdzv-id", ns.rdzv_id, "--max-restarts", str(ns.max_restarts), "--node-rank", str(ns.node_rank),
+            "--log-dir", log_dir, "--redirects", ns.redirects, "--tee", ns.tee,
+            # join_timeout: c10d/etcd rendezvous; timeout: static (each ignores the other's key)
+            "--rdzv-conf", f"join_timeout={ns.join_timeout},timeout={ns.join_timeout}"]
+    if ns.rdzv_endpoint:
+        argv += ["--rdzv-endpoint", ns.rdzv_endpoint]
+    if ns.master_addr is not None:
+        argv += ["--master-addr", ns.master_addr]
+    if ns.master_port is not None:
+        argv += ["--master-port", str(ns.master_port)]
+    if ns.local_addr is not None:
+        argv += ["--local-addr", ns.local_addr]
+    # each worker: python -u -m functrain.cli __functrain_worker__ [-m] script args...
+    argv += ["--module", __name__ if __name__ != "__main__" else "functrain.cli", _WORKER]
+    argv += (["-m"] if ns.module else []) + [ns.script, *ns.script_args]
+    return argv
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Launch ``script`` on ``--nproc`` processes per node; return the job's exit status (see the module doc)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [_WORKER]:
+        return _worker(argv[1:])
+    ns = _parser(_prog()).parse_args(argv)
+    if ns.max_restarts < 0 or ns.join_timeout <= 0 or (ns.dist_timeout is not None and ns.dist_timeout <= 0):
+        print(f"{_prog()}: --max-restarts must be >= 0 and the timeouts > 0", file=sys.stderr)
+        return 2
+    if not ns.module and not os.path.isfile(ns.script):
+        print(f"{_prog()}: no such script: {ns.script}", file=sys.stderr)
+        return 2
+
+    # Environment the workers inherit (the agent copies os.environ into each worker); restored at the end.
+    saved = {k: os.environ.get(k) for k in ("FUNCTRAIN_DIST_TIMEOUT", "OMP_NUM_THREADS")}
+    if ns.dist_timeout is not None:
+        os.environ["FUNCTRAIN_DIST_TIMEOUT"] = f"{ns.dist_timeout:g}"
+    else:
+        os.environ.setdefault("FUNCTRAIN_DIST_TIMEOUT", str(DEFAULT_DIST_TIMEOUT_S))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    log_dir = ns.log_dir or tempfile.mkdtemp(prefix="functrain-launch-")
+    # redirected output is kept (in the temporary folder when no --log-dir): it is the only copy
+    keep_logs = ns.log_dir is not None or ns.redirects != "0" or ns.tee != "0"
+    try:
+        targs = torchrun.parse_args(_torchrun_argv(ns, log_dir))
+        try:
+            torchrun.run(targs)  # standalone c10d on one node without a port, else as asked; raises on failure
+            return 0
+        except ChildFailedError as e:
+            return _report(e, ns)
+        except SignalException as e:
+            print(f"{_prog()}: stopped by {e.sigval.name}; the workers were stopped", file=sys.stderr)
+            return 128 + int(e.sigval)
+        except Exception as e:  # rendezvous timeout, a store that cannot be reached, a bad option
+            if not _is_rendezvous_error(e):
+                raise
+            first = (str(e).strip().splitlines() or [""])[0]
+            if type(e).__name__ in ("RendezvousTimeoutError", "DistStoreError") or "timed out" in first.lower():
+                first += (f" (not all {ns.nnodes} node(s) joined within --join-timeout {ns.join_timeout} s; "
+                          f"is node 0 up at the address and port given?)")
+            print(f"{_prog()}: the job could not start: {type(e).__name__}: {first}", file=sys.stderr)
+            return 1
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if not keep_logs:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        elif ns.log_dir is None:
+            print(f"{_prog()}: per-rank logs in {log_dir}", file=sys.stderr)
+
+
+def _is_rendezvous_error(e: BaseException) -> bool:
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import RendezvousError
+
+    return isinstance(e, (RendezvousError, TimeoutError, ConnectionError, ValueError, dist.DistError))
+
+
+# --------------------------------------------------------------------------- failure report (launcher side)
+
+def _failure_info(failure) -> dict:
+    """rank's error from its error file: message, secondary, time (float), or what the exit code says."""
+    data = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
+    if isinstance(data, dict):
+        extra = data.get("extraInfo", {})
+        try:
+            t = float(extra.get("functrain_time", extra.get("timestamp", failure.timestamp)))
+        except (TypeError, ValueError):
+            t = float(failure.timestamp)
+        return {"message": str(data.get("message", "")), "secondary": bool(extra.get("secondary", False)),
+                "time": t, "recorded": True}
+    if failure.exitcode < 0:
+        msg = f"killed by signal {-failure.exitcode} ({failure.signal_name()})"
+    else:
+        msg = f"exited with code {failure.exitcode} without a Python traceback"
+    # SIGTERM is how the launcher stops the other ranks once one failed
+    return {"message": msg, "secondary": failure.exitcode == -signal.SIGTERM, "time": float(failure.timestamp),
+            "recorded": False}
+
+
+def _root(failures: dict) -> int:
+    """The rank that failed first for a reason of its own."""
+    infos = {r: _failure_info(f) for r, f in failures.items()}
+
+    def key(r: int):
+        i, f = infos[r], failures[r]
+        # own recorded error < own exit without record < a rank that only failed because a peer died
+        tier = 2 if i["secondary"] else (0 if i["recorded"] else 1)
+        return tier, i["time"], r
+    return min(failures, key=key)
+
+
+def _report(error, ns: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.api import Std, to_map
+
+    failures = error.failures
+    root = _root(failures)
+    f = failures[root]
+    info = _failure_info(f)
+    prog = _prog()
+    lines = [f"{prog}: rank {root} (local rank {f.local_rank}, pid {f.pid}) failed first: {info['message']}"]
+    if info["recorded"]:
+        redirected = to_map(Std.from_str(ns.redirects), f.local_rank + 1).get(f.local_rank, Std.NONE)
+        teed = to_map(Std.from_str(ns.tee), f.local_rank + 1).get(f.local_rank, Std.NONE)
+        if (redirected & Std.ERR) == Std.ERR and (teed & Std.ERR) != Std.ERR:
+            callstack = f.error_file_data["message"].get("extraInfo", {}).get("py_callstack", "")
+            where = os.path.join(os.path.dirname(f.error_file), "stderr.log")
+            lines.append(f"  its stderr went to {where}; its traceback:\n{callstack.rstrip()}")
+        else:
+            lines.append(f"  (its traceback is above, lines prefixed [rank{root}])")
+        if info["secondary"]:
+            lines.append("  (it lost its connection to a peer: the rank that failed first is on another node; "
+                         "see that node's output)")
+    others = sorted(r for r in failures if r != root)
+    if others:
+        lines.append("  other ranks stopped: " + ", ".join(f"{r} ({_failure_info(failures[r])['message']})"
+                                                         for r in others))
+    if ns.log_dir:
+        lines.append(f"  logs and error files: {ns.log_dir}")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    code = f.exitcode
+    return code if code > 0 else (128 - code if code < 0 else 1)
+
+
+# --------------------------------------------------------------------------- worker runner (one per rank)
+
+def _is_secondary(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:  # the error or anything it was raised from
+        seen.add(id(e))
+        if any(m in str(e) for m in _SECONDARY):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _user_traceback(e: BaseException) -> str:
+    """The traceback without the runner's own frames (this file and runpy) on top."""
+    tb = e.__traceback__
+    own = {os.path.abspath(__file__)}
+    while tb is not None:
+        fname = tb.tb_frame.f_code.co_filename
+        if os.path.abspath(fname) in own or "runpy" in fname:
+            tb = tb.tb_next
+        else:
+            break
+    return "".join(traceback.format_exception(type(e), e, tb))  # a SyntaxError in the script: no frames left
+
+
+def _record(e: BaseException, text: str, secondary: bool) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    now = time.time()
+    data = {"message": {"message": f"{type(e).__name__}: {e}",
+                        "extraInfo": {"py_callstack": text, "timestamp": str(int(now)),
+                                      "functrain_time": repr(now), "secondary": secondary}}}
+    try:
+        with open(path, "w") as fp:
+            json.dump(data, fp)
+    except OSError:
+        pass
+
+
+def _worker(argv: list[str]) -> int:
+    """Run the user's script as __main__; on an exception print its traceback once, record it, exit 1.
+
+    The process then ends with ``os._exit`` (after joining the script's non-daemon threads and running its
+    ``atexit`` handlers on a normal exit): a gloo process group's C++ teardown at interpreter exit aborts
+    ("terminate called without an active exception", SIGABRT) in about one exit in ten on torch 2.13,
+    with or without ``destroy_process_group()``, which would turn a finished job into a failed one.
+    ``FUNCTRAIN_LAUNCH_HARD_EXIT=0`` restores the ordinary interpreter exit.
+    """
+    import runpy
+
+    if not argv:
+        print("functrain worker: no script", file=sys.stderr)
+        return 2
+    module = argv[0] == "-m"
+    if module:
+        argv = argv[1:]
+    target, args = argv[0], argv[1:]
+    try:
+        faulthandler.enable(all_threads=True)  # a segfault still prints where it happened
+    except Exception:  # noqa: BLE001 - stderr without a fileno
+        pass
+    code = 0
+    try:
+        sys.argv = [target, *args]
+        if module:
+            sys.path[0] = os.getcwd()
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:  # sys.exit("message"): printed, status 1, as the interpreter does
+            print(e.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: no traceback from each
+        _flush()
+        os._exit(130)
+    except BaseException as e:  # noqa: BLE001 - every failure is reported once
+        text = _user_traceback(e)
+        secondary = _is_secondary(e)
+        if secondary:  # a peer died first: the launcher normally stops this process within this grace time
+            time.sleep(_SECONDARY_GRACE_S)
+        _record(e, text, secondary)
+        prefix = f"[rank{os.environ.get('RANK', '?')}]: "
+        sys.stderr.write("".join(prefix + ln + "\n" for ln in text.rstrip("\n").split("\n")))
+        _flush()
+        # no atexit handlers, no teardown: either can wait forever on a peer that is gone
+        os._exit(1)
+    if code == 0:
+        _shutdown_group()  # not after a failure: destroying a group while peers are in a collective can hang
+    if os.environ.get("FUNCTRAIN_LAUNCH_HARD_EXIT", "1") == "0":
+        return code
+    import atexit
+    import threading
+
+    # what interpreter shutdown does first: threading's own exit hooks (which stop executor and compile-pool
+    # threads), then join the non-daemon threads; then the atexit handlers
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    else:  # pragma: no cover - not CPython
+        for t in threading.enumerate():
+            if t is not threading.main_thread() and not t.daemon:
+                t.join(timeout=60.0)
+    atexit._run_exitfuncs()
+    _flush()
+    os._exit(code)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream
+            pass
+
+
+def _shutdown_group() -> None:
+    """Destroy a process group the script left behind (NCCL warns, and teardown order is then defined)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the job already succeeded
+        pass
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

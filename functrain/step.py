@@ -51,7 +51,9 @@ class StepContext:
         params, buffers, opt_state: current values; after ``update`` the new ones.
         grads:    the gradient pytree (sum form before ``normalise``).
         loss, denom, aux, weight: the summed loss, its denominator, the summed aux
-                  metrics and how many micro-batches contributed to them.
+                  metrics and how many micro-batches contributed to them. ``denom``
+                  and ``weight`` are Python floats while they are known without
+                  running the step (no ``num_items``), tensors otherwise.
         finite:   ``None`` or a bool scalar: were the loss and gradients finite?
         apply:    ``None`` or a bool scalar: is this step's update kept? (see :meth:`keep_if`)
         boundary: ``None`` or a bool scalar: does this call end an update window?
@@ -268,8 +270,8 @@ class Step:
 
         def base_grad(params, buffers, batch):
             if torch.compiler.is_compiling():  # traced: torch.func composes with Dynamo
-                grads, (_, out) = grad_and_value(loss_fn, has_aux=True)(params, buffers, batch)
-                return grads, out
+                grads, (_, out) = grad_and_value(_tensor_aux(loss_fn), has_aux=True)(params, buffers, batch)
+                return grads, {"denom": 1.0, "weight": 1.0, **out}
             return _autograd_grad(loss_fn, params, buffers, batch)
 
         grad_fn: Callable = base_grad
@@ -283,7 +285,8 @@ class Step:
             t.reduce(ctx)
 
         # normalise: one division by the global denominator (micro-batches or items)
-        ctx.grads = T.tree_scale(ctx.grads, 1.0 / ctx.denom)
+        if not (isinstance(ctx.denom, float) and ctx.denom == 1.0):
+            ctx.grads = T.tree_scale(ctx.grads, 1.0 / ctx.denom)
         ctx.metrics["loss"] = ctx.loss / ctx.denom
         for k, v in ctx.aux.items():
             ctx.metrics[k] = v / ctx.weight
@@ -331,21 +334,34 @@ class Step:
             raise TypeError(f"loss_fn's aux must be a dict of tensors (metrics); got {type(aux).__name__}")
         aux = dict(aux)
         num_items = aux.pop("num_items", None)
+        # Denominators known before the step runs stay Python numbers (a mean loss counts 1 per
+        # micro-batch): the graph then divides by a constant, or not at all.
         if num_items is None:
-            denom = torch.ones((), dtype=torch.float32, device=loss.device)
+            denom: Any = 1.0
         else:
-            denom = torch.as_tensor(num_items, device=loss.device).to(torch.float32)
+            denom = torch.as_tensor(num_items, device=loss.device).to(torch.float32).detach()
         aux = {k: torch.as_tensor(v).detach().to(torch.float32) for k, v in aux.items()}
         out = {
             "loss": loss.detach().to(torch.float32),
-            "denom": denom.detach(),
+            "denom": denom,
             "aux": aux,
-            "weight": torch.ones((), dtype=torch.float32, device=loss.device),
+            "weight": 1.0,
             "buffers": buffers,
         }
         if num_items is not None:
             out["num_items"] = out["denom"]
         return loss, out
+
+
+def _tensor_aux(loss_fn: Callable) -> Callable:
+    """``loss_fn`` with the per-micro-batch constants (``denom``/``weight`` of 1.0) left out of its
+    aux output: torch.func transforms return tensors only; ``base_grad`` puts them back."""
+
+    def fn(params, buffers, batch):
+        objective, out = loss_fn(params, buffers, batch)
+        return objective, {k: v for k, v in out.items() if not isinstance(v, float)}
+
+    return fn
 
 
 def _autograd_grad(loss_fn: Callable, params: Any, buffers: Any, batch: Any) -> tuple[Any, dict]:

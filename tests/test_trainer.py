@@ -168,3 +168,17 @@ def test_trainer_rejects_bad_arguments():
         ft.Trainer(torch.nn.Linear(2, 1), [], {"train_lr": 1})
     with pytest.raises(TypeError, match="params="):
         ft.Trainer(lambda p, b, x: x, [], ft.TrainConfig())
+
+
+def test_sigterm_on_two_processes_saves_the_same_step(tmp_path):
+    """SIGTERM to the whole job (what a scheduler sends): both ranks finish a step, agree, save once, exit 0."""
+    code, out = _kill_after_checkpoint(tmp_path, 2, 2, args=("--slow", 0.3, "--no-compile", "--steps", 40),
+                                       sig=signal.SIGTERM)
+    done = sorted(line for line in out.splitlines() if line.startswith("DONE"))
+    assert len(done) == 2, out[-3000:]  # both ranks returned from train() normally (exit 0) ...
+    steps = {line.split()[1] for line in done}
+    assert len(steps) == 1, done  # ... at the same step ...
+    step = int(steps.pop().split("=")[1])
+    assert step < 40
+    assert ft.CheckpointManager(os.path.join(tmp_path, "checkpoints")).steps()[-1] == step  # ... with it saved
+    assert code == 128 + signal.SIGTERM  # the launcher itself reports that it was stopped

@@ -63,7 +63,11 @@ class DataParallel(Transform):
             return
         from torch.distributed import _functional_collectives as funcol
 
-        summed = {"grads": ctx.grads, "loss": ctx.loss, "denom": ctx.denom, "weight": ctx.weight}
+        world = _world(self.group)
+        summed = {"grads": ctx.grads, "loss": ctx.loss}
+        for k in ("denom", "weight"):  # a Python number is the same on every rank: no need to send it
+            if torch.is_tensor(getattr(ctx, k)):
+                summed[k] = getattr(ctx, k)
         if ctx.aux:  # (Dynamo's optree polyfill cannot flatten an empty dict inside a tree)
             summed["aux"] = ctx.aux
         leaves, spec = T.tree_flatten(summed)
@@ -77,8 +81,9 @@ class DataParallel(Transform):
             for i, part in zip(idx, flat.split([leaves[i].numel() for i in idx])):
                 out[i] = part.view(leaves[i].shape)
         reduced = T.tree_unflatten(spec, out)
-        ctx.grads, ctx.loss, ctx.denom = reduced["grads"], reduced["loss"], reduced["denom"]
-        ctx.weight, ctx.aux = reduced["weight"], reduced.get("aux", {})
+        ctx.grads, ctx.loss, ctx.aux = reduced["grads"], reduced["loss"], reduced.get("aux", {})
+        ctx.denom = reduced.get("denom", ctx.denom * world if not torch.is_tensor(ctx.denom) else None)
+        ctx.weight = reduced.get("weight", ctx.weight * world if not torch.is_tensor(ctx.weight) else None)
 
     def __repr__(self) -> str:
         return "data_parallel()"

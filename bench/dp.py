@@ -43,6 +43,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from steps import busy_s  # noqa: E402 - the same machine-load measure as bench/steps.py
+
 TARGET_SPEEDUP = 1.3  # compiled functrain at least this much faster per step than DDP
 MAIN, BASE = "functrain_compiled", "torch_ddp"
 
@@ -60,17 +63,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-json", default=None, help="write every round's numbers here (rank 0)")
     p.add_argument("--out-md", default=None, help="also write the markdown report here (rank 0)")
     return p.parse_args(argv)
-
-
-def busy_s() -> float:
-    """CPU-seconds the whole machine has been busy since boot (/proc/stat; 0 where unavailable)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return 0.0
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def log(msg: str) -> None:

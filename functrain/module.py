@@ -34,9 +34,13 @@ def functionalize(module: torch.nn.Module) -> tuple[Callable[..., Any], dict, di
     frozen = {name: p.detach() for name, p in module.named_parameters() if not p.requires_grad}
     buffers = {**frozen, **{name: b.detach() for name, b in module.named_buffers()}}
 
+    # Untying is a walk over all submodules on every call: only pay for it when weights are tied.
+    tied = (len(list(module.named_parameters(remove_duplicate=False))) != len(list(module.named_parameters()))
+            or len(list(module.named_buffers(remove_duplicate=False))) != len(list(module.named_buffers())))
+
     def apply_fn(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> Any:
         tensors = {**(buffers or {}), **params}
-        return functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
+        return functional_call(module, tensors, args, kwargs, tie_weights=tied, strict=False)
 
     apply_fn.module = module  # type: ignore[attr-defined]
     return apply_fn, params, buffers

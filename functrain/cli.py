@@ -231,7 +231,7 @@ def _root(failures: dict) -> int:
     infos = {r: _failure_info(f) for r, f in failures.items()}
 
     def key(r: int):
-        i, f = infos[r], failures[r]
+        i = infos[r]
         # own recorded error < own exit without record < a rank that only failed because a peer died
         tier = 2 if i["secondary"] else (0 if i["recorded"] else 1)
         return tier, i["time"], r

@@ -119,22 +119,29 @@ class Trainer:
         path = self.checkpoints.latest()
         if path is None:
             return state
-        saved = self._saved_config(path)
-        if saved is not None:
-            changed = saved.diff(self.config)
-            breaking = {k: v for k, v in changed.items() if k in STRUCTURAL}
-            if breaking:
-                raise ValueError(f"cannot resume {path}: {breaking} (saved, now) changes the training state's "
-                                 f"structure; use a new results_folder")
-            if changed and self.rank == 0:
-                warnings.warn(f"resuming {path} with changed config (saved, now): {changed}", stacklevel=2)
+        self._check_config(path, self._saved_config(path))  # before loading: a clear error, not a shape mismatch
         restored = self.checkpoints.load_latest(template=state)
         state, extra = restored.state, restored.extra
+        if restored.path != path:  # the newest was damaged and an older one was loaded
+            saved = extra.get("config")
+            self._check_config(restored.path, TrainConfig.from_dict(saved) if saved is not None else None)
         self.loader.load_state_dict(extra["data"])
         self.losses = [tuple(x) for x in extra.get("losses", [])]
         if self.rank == 0:
             print(f"resumed from {restored.path} at step {restored.step}", flush=True)
         return state
+
+    def _check_config(self, path: str, saved: TrainConfig | None) -> None:
+        """Report config values changed since ``path`` was saved; refuse changes of the state's structure."""
+        if saved is None:
+            return
+        changed = saved.diff(self.config)
+        breaking = {k: v for k, v in changed.items() if k in STRUCTURAL}
+        if breaking:
+            raise ValueError(f"cannot resume {path}: {breaking} (saved, now) changes the training state's "
+                             f"structure; use a new results_folder")
+        if changed and self.rank == 0:
+            warnings.warn(f"resuming {path} with changed config (saved, now): {changed}", stacklevel=3)
 
     def _saved_config(self, path: str) -> TrainConfig | None:
         from .checkpoint import load_extra

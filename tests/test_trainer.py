@@ -92,7 +92,7 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path, reference, resume_at):
     assert code == -signal.SIGKILL, out[-2000:]
     _drop_after(tmp_path, resume_at)
     out = _run(tmp_path, 1, "--save-every", 1)
-    assert f"resumed from" in out.stdout and f"at step {resume_at}" in out.stdout, out.stdout[-2000:]
+    assert "resumed from" in out.stdout and f"at step {resume_at}" in out.stdout, out.stdout[-2000:]
     got = _final(tmp_path, 12)
     assert T.tree_equal(got, expected), "the resumed run differs from the uninterrupted one"
     # the same samples in the same order: every logged loss after the resume point is identical

@@ -3,7 +3,6 @@
     python tests/trainer_job.py RESULTS [--steps N] [--save-every K] [--precision fp16] [--no-compile]
 """
 import argparse
-import os
 import sys
 import time
 

@@ -89,7 +89,7 @@ def self_launch(argv: list[str]) -> int:
         os.environ["FT_BENCH_DP_CACHE"] = "cold inductor cache"
     elif args.inductor_cache != "default":
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.inductor_cache
-    from functrain import cli
+    from functrain.distributed import cli
 
     try:
         return cli.main(["--nproc", "2", os.path.abspath(__file__), *argv])

@@ -21,20 +21,19 @@ Example::
     cstep = ft.compile(step)
     state, metrics = cstep(state, (torch.randn(32, 8), torch.randn(32, 1)))
 """
-from . import checkpoint, data, distributed, optim, tree
-from .compile import CompiledStep, GraphBreakError, compile
+from . import checkpoint, distributed, optim, tree
 from .checkpoint import (CheckpointError, CheckpointManager, Restored, load, load_extra, register_checkpoint_type,
                          save)
-from .config import TrainConfig
-from .data import ShardedLoader, gather_for_eval, shard
+from .compile import CompiledStep, GraphBreakError, compile
+from .distributed import ShardedLoader, data_parallel, gather_for_eval, launch, shard
+from .distributed import data  # noqa: F401 - ``ft.data`` (the sharded loader's module) stays a public name
 from .driver import run, to_device
-from .spawn import launch
 from .module import functionalize, to_module
 from .state import TrainState
 from .step import STAGES, Step, StepContext, Transform, train_step
-from .trainer import Trainer
-from .transforms import (EmaState, LossScaleState, Policy, accumulate, clip, clip_value, data_parallel, ema,
-                         mixed_precision, skip_nonfinite)
+from .trainer import TrainConfig, Trainer
+from .transforms import (EmaState, LossScaleState, Policy, accumulate, clip, clip_value, ema, mixed_precision,
+                         skip_nonfinite)
 
 __version__ = "0.1.0"
 

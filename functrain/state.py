@@ -4,10 +4,12 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+from .registry import register_checkpoint_type
 
 __all__ = ["TrainState"]
 
 
+@register_checkpoint_type("functrain.TrainState")
 class TrainState(NamedTuple):
     """Everything that changes during training, as one pytree.
 

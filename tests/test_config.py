@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import functrain as ft
-from functrain.images import image_grid, loss_curve, write_png
+from functrain.trainer.images import image_grid, loss_curve, write_png
 
 
 def test_num_samples_must_be_a_perfect_square():

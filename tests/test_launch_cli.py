@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from functrain import cli
-from functrain.spawn import free_port
+from functrain.distributed import cli
+from functrain.distributed import free_port
 
 TRAIN = textwrap.dedent("""
     import atexit, os, sys, threading, time, torch, functrain as ft

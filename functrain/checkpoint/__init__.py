@@ -70,8 +70,8 @@ from __future__ import annotations
 # manager: CheckpointManager (numbered checkpoints, rotation) and Restored
 from . import folder, format, manager, tensorfile
 from .folder import _sha256, load, load_extra, save
-from .format import EXTRA, FORMAT, MARKER, TENSORS, TREE, VERSION, _NAMES, _TYPES, CheckpointError, \
-    register_checkpoint_type
+from ..registry import _NAMES, _TYPES, register_checkpoint_type
+from .format import EXTRA, FORMAT, MARKER, TENSORS, TREE, VERSION, CheckpointError
 from .manager import CheckpointManager, Restored
 from .tensorfile import _digest_file  # the block checksums of a tensor file, for tools and tests
 
@@ -87,6 +87,6 @@ __all__ = [
 
 # The public names keep ``functrain.checkpoint`` as their module, as before the split into submodules: it is
 # the path in reprs, docs and pickles, and the name under which ``Restored`` is allowed in checkpoints.
-for _obj in (save, load, load_extra, CheckpointManager, CheckpointError, Restored, register_checkpoint_type):
+for _obj in (save, load, load_extra, CheckpointManager, CheckpointError, Restored):
     _obj.__module__ = __name__
 del _obj

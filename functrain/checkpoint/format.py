@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import collections
 import json
-import sys
 from typing import Any
 
 import torch
+
+from ..registry import register_checkpoint_type, type_by_name, type_name  # noqa: F401 - re-exported
 
 FORMAT = "functrain-checkpoint"
 VERSION = 1
@@ -46,65 +47,8 @@ def _json_bytes(obj: Any) -> bytes:
 
 
 # -------------------------------------------------------------------------- allow-listed node types
-_TYPES: dict[str, type] = {}      # name in tree.json -> NamedTuple class
-_NAMES: dict[type, str] = {}      # class -> name
-
-
-def _is_namedtuple_class(obj: Any) -> bool:
-    return isinstance(obj, type) and issubclass(obj, tuple) and isinstance(getattr(obj, "_fields", None), tuple)
-
-
-def register_checkpoint_type(cls: type, name: str | None = None) -> type:
-    """Allow a ``NamedTuple`` class as a node of saved states (usable as a class decorator).
-
-    functrain's own state types (``TrainState``, ``AdamState``, ``SGDState``,
-    ``EmaState``, ``LossScaleState``, ...) are allowed already. ``name`` (default
-    ``"<module>.<qualname>"``) is what ``tree.json`` records; loading looks it up
-    among the registered classes and never imports anything named in a file.
-    """
-    if not _is_namedtuple_class(cls):
-        raise TypeError(f"register_checkpoint_type takes a NamedTuple class; got {cls!r}")
-    name = f"{cls.__module__}.{cls.__qualname__}" if name is None else name
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"the registered name must be a non-empty str; got {name!r}")
-    if _TYPES.get(name, cls) is not cls:
-        raise ValueError(f"checkpoint type name {name!r} is already registered for {_TYPES[name]!r}")
-    _TYPES[name] = cls
-    _NAMES.setdefault(cls, name)
-    return cls
-
-
-def _discover_functrain_types() -> None:
-    """Allow functrain's own state types: the core ones under stable names, and every other public
-    NamedTuple class defined in a functrain module that is already imported (nothing is imported here)."""
-    from ..optim import AdamState, SGDState
-    from ..state import TrainState
-    from ..transforms import EmaState, LossScaleState
-
-    for cls, name in ((TrainState, "functrain.TrainState"), (AdamState, "functrain.optim.AdamState"),
-                      (SGDState, "functrain.optim.SGDState"), (EmaState, "functrain.EmaState"),
-                      (LossScaleState, "functrain.LossScaleState")):
-        if cls not in _NAMES:
-            register_checkpoint_type(cls, name)
-    for modname, mod in list(sys.modules.items()):
-        if mod is None or not (modname == "functrain" or modname.startswith("functrain.")):
-            continue
-        for obj in list(vars(mod).values()):
-            if (_is_namedtuple_class(obj) and obj.__module__ == modname and not obj.__name__.startswith("_")
-                    and obj not in _NAMES):
-                register_checkpoint_type(obj)
-
-
-def _type_name(cls: type) -> str | None:
-    if cls not in _NAMES:
-        _discover_functrain_types()
-    return _NAMES.get(cls)
-
-
-def _type_by_name(name: str) -> type | None:
-    if name not in _TYPES:
-        _discover_functrain_types()
-    return _TYPES.get(name)
+# NamedTuple node types register themselves where they are defined (functrain.registry, core layer).
+_type_name, _type_by_name = type_name, type_by_name
 
 
 # -------------------------------------------------------------------------- tree <-> JSON

@@ -6,6 +6,7 @@ from typing import Any, Callable, NamedTuple
 import optree
 import torch
 
+from ..registry import register_checkpoint_type
 from .base import (
     Optimizer,
     check_betas,
@@ -21,6 +22,7 @@ from .base import (
 __all__ = ["adam", "adamw", "AdamState"]
 
 
+@register_checkpoint_type("functrain.optim.AdamState")
 class AdamState(NamedTuple):
     """State of :func:`adam` / :func:`adamw`: the update ``count`` (int64 scalar) and the
     first and second moment estimates (trees shaped like the params; torch's names).

@@ -6,6 +6,7 @@ from typing import Any, Callable, NamedTuple
 import optree
 import torch
 
+from ..registry import register_checkpoint_type
 from .base import (
     Optimizer,
     check_lr,
@@ -20,6 +21,7 @@ from .base import (
 __all__ = ["sgd", "SGDState"]
 
 
+@register_checkpoint_type("functrain.optim.SGDState")
 class SGDState(NamedTuple):
     """State of :func:`sgd`: the update ``count`` (int64 scalar) and the momentum
     buffers (a tree shaped like the params, or ``None`` without momentum).

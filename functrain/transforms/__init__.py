@@ -3,8 +3,7 @@ from .accumulate import accumulate
 from .clip import clip, clip_value
 from .ema import EmaState, ema
 from .finite import skip_nonfinite
-from .parallel import data_parallel
 from .precision import LossScaleState, Policy, mixed_precision
 
-__all__ = ["accumulate", "clip", "clip_value", "ema", "EmaState", "skip_nonfinite", "data_parallel",
+__all__ = ["accumulate", "clip", "clip_value", "ema", "EmaState", "skip_nonfinite",
            "mixed_precision", "Policy", "LossScaleState"]

@@ -7,10 +7,12 @@ import torch
 
 from .. import tree as T
 from ..step import StepContext, Transform
+from ..registry import register_checkpoint_type
 
 __all__ = ["ema", "EmaState"]
 
 
+@register_checkpoint_type("functrain.EmaState")
 class EmaState(NamedTuple):
     """The ``"ema"`` slot: the averaged ``params`` and ``count``, the updates applied so far."""
 

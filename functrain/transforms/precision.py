@@ -7,6 +7,7 @@ import torch
 
 from .. import tree as T
 from ..step import StepContext, Transform
+from ..registry import register_checkpoint_type
 
 __all__ = ["Policy", "LossScaleState", "mixed_precision"]
 
@@ -25,6 +26,7 @@ class Policy(NamedTuple):
     output_dtype: torch.dtype = torch.float32
 
 
+@register_checkpoint_type("functrain.LossScaleState")
 class LossScaleState(NamedTuple):
     """The ``"mixed_precision"`` slot: the current ``scale`` and the finite steps since the last change."""
 

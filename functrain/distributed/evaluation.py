@@ -11,7 +11,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from . import distributed
+from . import group as distributed
 from .data import ShardedLoader, _comm_device
 
 __all__ = ["gather_for_eval"]

@@ -1,6 +1,6 @@
 """``ft.launch``: run a function on N local processes that form one process group (notebooks, tests).
 
-For scripts and clusters use ``python -m functrain.launch`` (torchrun underneath, :mod:`functrain.cli`).
+For scripts and clusters use ``python -m functrain.launch`` (torchrun underneath, :mod:`functrain.distributed.cli`).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _worker(fn: Callable, args: tuple, rank: int, nprocs: int, port: int, backen
     try:
         import torch.distributed as dist
 
-        from . import distributed
+        from . import group as distributed
 
         distributed.init(backend)
         try:

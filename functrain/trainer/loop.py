@@ -13,19 +13,19 @@ from typing import Any, Callable
 
 import torch
 
-from . import distributed
-from .checkpoint import CheckpointManager
-from .compile import compile as compile_step
+from .. import distributed
+from ..checkpoint import CheckpointManager, load_extra
+from ..compile import compile as compile_step
+from ..distributed import data_parallel, shard
+from ..driver import _to_host, to_device
+from ..module import functionalize
+from ..optim import adamw
+from ..state import TrainState
+from ..step import Step, train_step
+from ..transforms import accumulate, clip, ema, mixed_precision
 from .config import STRUCTURAL, TrainConfig
-from .data import shard
-from .driver import _to_host, to_device
 from .images import image_grid, loss_curve, write_png
-from .module import functionalize
-from .optim import adamw
-from .state import TrainState
-from .step import Step, train_step
 from .trackers import make_trackers
-from .transforms import accumulate, clip, data_parallel, ema, mixed_precision
 
 __all__ = ["Trainer"]
 
@@ -144,8 +144,6 @@ class Trainer:
             warnings.warn(f"resuming {path} with changed config (saved, now): {changed}", stacklevel=3)
 
     def _saved_config(self, path: str) -> TrainConfig | None:
-        from .checkpoint import load_extra
-
         saved = (load_extra(path) or {}).get("config")
         return TrainConfig.from_dict(saved) if saved is not None else None
 

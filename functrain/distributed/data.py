@@ -100,10 +100,10 @@ from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomS
                               default_collate, default_convert, get_worker_info)
 from torch.utils.data.distributed import DistributedSampler
 
-from . import distributed
-from .driver import to_device
+from . import group as distributed
+from ..driver import to_device
 
-__all__ = ["ShardedLoader", "shard", "gather_for_eval"]
+__all__ = ["ShardedLoader", "shard"]
 
 _END = object()
 
@@ -550,5 +550,3 @@ def _all_reduce_int(value: int, op: Any) -> int:
     dist.all_reduce(t, op=op)
     return int(t.item())
 
-
-from .evaluation import gather_for_eval  # noqa: E402 - re-exported; it reads the loader's last batch

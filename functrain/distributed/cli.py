@@ -67,7 +67,7 @@ from .spawn import SECONDARY_ERRORS as _SECONDARY  # errors of a rank whose peer
 
 __all__ = ["main"]
 
-_WORKER = "__functrain_worker__"  # first argument of the worker runner: python -u -m functrain.cli __functrain_worker__
+_WORKER = "__functrain_worker__"  # first argument of the worker runner: python -u -m functrain.distributed.cli __functrain_worker__
 _SECONDARY_GRACE_S = 3.0  # how long a rank failing only because a peer died waits to be stopped before it reports
 
 DEFAULT_DIST_TIMEOUT_S = 120
@@ -77,7 +77,7 @@ DEFAULT_JOIN_TIMEOUT_S = 300
 def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, description="Run a training script on N processes (torchrun underneath) with bounded failure.",
-        epilog="Everything after the script is passed to it. See functrain/cli.py for the failure model.")
+        epilog="Everything after the script is passed to it. See functrain/distributed/cli.py for the failure model.")
     p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", default="1",
                    help="processes on this node (an int, or torchrun's auto/cpu/gpu); default 1")
     p.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX with --rdzv-backend c10d; default 1")
@@ -132,8 +132,8 @@ def _torchrun_argv(ns: argparse.Namespace, log_dir: str) -> list[str]:
         argv += ["--master-port", str(ns.master_port)]
     if ns.local_addr is not None:
         argv += ["--local-addr", ns.local_addr]
-    # each worker: python -u -m functrain.cli __functrain_worker__ [-m] script args...
-    argv += ["--module", __name__ if __name__ != "__main__" else "functrain.cli", _WORKER]
+    # each worker: python -u -m functrain.distributed.cli __functrain_worker__ [-m] script args...
+    argv += ["--module", __name__ if __name__ != "__main__" else "functrain.distributed.cli", _WORKER]
     argv += (["-m"] if ns.module else []) + [ns.script, *ns.script_args]
     return argv
 

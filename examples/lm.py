@@ -56,8 +56,10 @@ def build_model(vocab: int, max_len: int) -> tuple[torch.nn.Module, bool]:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
         return TinyLM(vocab, max_len=max_len), False
+    # no special token outside the 32-token vocabulary (GPT-2's default bos/eos id is 50256); PAD is the pad id
     config = GPT2Config(vocab_size=vocab, n_positions=max_len, n_embd=64, n_layer=2, n_head=4,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=None, eos_token_id=None, pad_token_id=PAD)
     return GPT2LMHeadModel(config), True
 
 
@@ -79,14 +81,19 @@ def main() -> float:
     def loss_fn(params, buffers, batch):
         x = batch[:, :-1]
         y = batch[:, 1:]
-        out = apply_fn(params, buffers, x)
+        # right padding: the transformers model is told where it is (the self-written one is causal, and
+        # padded positions only ever follow real tokens, so they never reach a real token's prediction)
+        out = apply_fn(params, buffers, x, attention_mask=(x != PAD).long()) if hf else apply_fn(params, buffers, x)
         logits = out.logits if hasattr(out, "logits") else out
         valid = (y != PAD)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1), reduction="none")
         return (loss * valid.reshape(-1)).sum(), {"num_items": valid.sum()}
 
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1; got {args.steps}")
     micro = args.batch_size
-    step = ft.train_step(loss_fn, ft.optim.adamw(ft.optim.schedules.warmup_cosine(3e-3, 20, args.steps)))
+    warmup = min(20, args.steps // 10)  # a tenth of the run, at most 20 updates: any --steps works
+    step = ft.train_step(loss_fn, ft.optim.adamw(ft.optim.schedules.warmup_cosine(3e-3, warmup, args.steps)))
     step = ft.clip(1.0)(ft.accumulate(args.accumulate)(step))
     state = step.init(params, buffers)
     run_step = step if args.no_compile else ft.compile(step)

@@ -42,3 +42,15 @@ def test_language_model_with_token_normalisation():
     out = _run(["examples/lm.py", "--steps", "40", "--self-written"])
     final = float(re.search(r"final loss ([0-9.]+)", out).group(1))
     assert final < 2.5, out[-1500:]  # uniform over 31 tokens would be ln 31 = 3.43
+
+
+@pytest.mark.parametrize("steps", [1, 5])
+def test_language_model_transformers_gpt2_any_steps(steps):
+    """The GPT-2 path (a transformers model built from a config) runs for any --steps, with no warnings about
+    token ids outside its vocabulary (a run shorter than the warmup used to fail)."""
+    pytest.importorskip("transformers")
+    out = subprocess.run([sys.executable, "-W", "always", "examples/lm.py", "--steps", str(steps), "--no-compile"],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "transformers GPT-2: final loss" in out.stdout
+    assert "token_id" not in out.stderr, out.stderr[-2000:]

@@ -174,4 +174,7 @@ def make_learning_rate(lr: float | Callable[[Any], Any]) -> Callable[[Any], Any]
     def learning_rate(opt_state: Any) -> float | torch.Tensor:
         return lr_value(lr, opt_state.count)
 
+    # The lr (float or schedule) it was built with, so that schedules.check_covers(optimizer,
+    # total_steps) can refuse a schedule shorter than the run before training starts.
+    learning_rate.schedule = lr
     return learning_rate

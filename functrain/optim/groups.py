@@ -28,6 +28,9 @@ from .._validate import BadValue, describe, is_real, path_str
 __all__ = ["Group", "check_group_args", "decay_mask", "lr_multipliers", "make_groups", "run_groups", "group_lr"]
 
 
+_TENSOR_HINT = "; the groups are decided in Python from names and shapes, so return a Python value"
+
+
 class Group(NamedTuple):
     """Leaves (positions in the params' flatten order) that share a weight decay flag and an lr multiplier."""
 
@@ -87,7 +90,8 @@ def decay_mask(weight_decay_mask: Any, params: Any) -> list[bool]:
     out = []
     for name, v in zip(names, values):
         if not isinstance(v, (bool, np.bool_)):
-            raise BadValue(f"weight_decay_mask for param {name!r} must be a bool (True = decay); got {describe(v)}")
+            raise BadValue(f"weight_decay_mask for param {name!r} must be a bool (True = decay); got {describe(v)}"
+                           + _TENSOR_HINT * isinstance(v, torch.Tensor))
         out.append(bool(v))
     return out
 
@@ -108,7 +112,8 @@ def lr_multipliers(multipliers: Any, params: Any) -> list[float]:
     out = []
     for name, v in zip(names, values):
         if not is_real(v) or not np.isfinite(float(v)) or float(v) < 0:
-            raise BadValue(f"lr_multipliers for param {name!r} must be a finite float >= 0; got {describe(v)}")
+            raise BadValue(f"lr_multipliers for param {name!r} must be a finite float >= 0; got {describe(v)}"
+                           + _TENSOR_HINT * isinstance(v, torch.Tensor))
         out.append(float(v))
     return out
 

@@ -12,14 +12,15 @@ Both arguments accept either a pytree with the structure of the params (leaves
 pytree path joined by ``"/"``: ``"fc.weight"`` for the flat dict that
 :func:`functrain.functionalize` returns, ``"block/w"`` for nested dicts) and
 the leaf tensor. The functions run in Python while the step is traced, so they
-must return plain ``bool`` / ``float`` values (shapes and names are static).
+must return plain Python ``bool`` / ``float`` values (shapes and names are
+static; a tensor is refused).
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Callable, NamedTuple, Sequence
 
-import numpy as np
 import optree
 import torch
 
@@ -89,7 +90,7 @@ def decay_mask(weight_decay_mask: Any, params: Any) -> list[bool]:
     names, _, values = _per_leaf(weight_decay_mask, params, "weight_decay_mask")
     out = []
     for name, v in zip(names, values):
-        if not isinstance(v, (bool, np.bool_)):
+        if not isinstance(v, bool):
             raise BadValue(f"weight_decay_mask for param {name!r} must be a bool (True = decay); got {describe(v)}"
                            + _TENSOR_HINT * isinstance(v, torch.Tensor))
         out.append(bool(v))
@@ -111,7 +112,7 @@ def lr_multipliers(multipliers: Any, params: Any) -> list[float]:
     names, _, values = _per_leaf(multipliers, params, "lr_multipliers")
     out = []
     for name, v in zip(names, values):
-        if not is_real(v) or not np.isfinite(float(v)) or float(v) < 0:
+        if not is_real(v) or not math.isfinite(float(v)) or float(v) < 0:
             raise BadValue(f"lr_multipliers for param {name!r} must be a finite float >= 0; got {describe(v)}"
                            + _TENSOR_HINT * isinstance(v, torch.Tensor))
         out.append(float(v))

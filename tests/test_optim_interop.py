@@ -166,7 +166,7 @@ def test_train_step_explains_a_torch_optim_instance():
 
 
 @pytest.mark.parametrize("module", ["functrain.optim", "functrain.optim.base", "functrain.optim.adam",
-                                    "functrain.optim.sgd", "functrain.optim.lion", "functrain.optim.groups",
+                                    "functrain.optim.sgd", "functrain.optim.lion", "functrain.optim.groups", "functrain._optimizer_check",
                                     "functrain.optim.masks", "functrain.optim.schedules", "functrain.optim.interop"])
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)

@@ -303,3 +303,97 @@ def test_init_rejects_non_floating_leaf():
         sgd(lr=0.1).init({"a": torch.zeros(1), "b": 1.0})
     half = adam(lr=0.1).init({"a": torch.zeros(2, dtype=torch.float16)})  # any floating dtype is fine
     assert half.exp_avg["a"].dtype == torch.float16
+
+
+# ---------------------------------------------------------------- schedules: linear decay, horizons, check_covers
+
+
+def test_linear_decay_schedules():
+    ld = schedules.linear_decay(1.0, decay_steps=8, final=0.2)
+    assert [float(ld(t)) for t in (0, 8, 9)] == [1.0, 0.2, 0.2]
+    assert float(ld(4)) == pytest.approx(0.6, abs=1e-15)
+    wl = schedules.warmup_linear_decay(2.0, warmup_steps=4, total_steps=12, final=0.4)
+    assert [float(wl(t)) for t in (0, 2, 4, 12, 13)] == [0.0, 1.0, 2.0, 0.4, 0.4]
+    assert float(wl(8)) == pytest.approx(1.2, abs=1e-15)
+    out = wl(torch.tensor(5))
+    assert out.dtype == torch.float64 and out.shape == ()
+
+
+def test_parity_warmup_linear_decay_with_lambda_lr():
+    sched = schedules.warmup_linear_decay(0.05, warmup_steps=8, total_steps=40, final=0.0)
+    params = make_params(seed=8)
+    grads = make_grads(params, steps=40, seed=9)
+    expected, torch_lrs = run_torch(torch.optim.AdamW, dict(lr=1.0, weight_decay=0.1), params, grads,
+                                    lr_lambda=_lambda(sched))
+    actual, _, our_lrs = run_functional(adamw(lr=sched, weight_decay=0.1), params, grads)
+    assert our_lrs == torch_lrs
+    assert bits_equal(actual, expected)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    kind=st.sampled_from(["cosine_decay", "linear_decay", "warmup_cosine", "warmup_linear_decay", "joined", "scaled"]),
+    warmup=st.integers(0, 20),
+    length=st.integers(1, 50),
+    peak=st.floats(1e-4, 1.0),
+    final=st.floats(0.0, 1e-5),
+)
+def test_property_horizon_is_where_the_schedule_ends(kind, warmup, length, peak, final):
+    """``schedule.total_steps`` = H: the lr is ``final`` from update H on and not before (peak > final)."""
+    s = {
+        "cosine_decay": lambda: schedules.cosine_decay(peak, length, final),
+        "linear_decay": lambda: schedules.linear_decay(peak, length, final),
+        "warmup_cosine": lambda: schedules.warmup_cosine(peak, warmup, warmup + length, final),
+        "warmup_linear_decay": lambda: schedules.warmup_linear_decay(peak, warmup, warmup + length, final),
+        "joined": lambda: schedules.join([schedules.constant(peak), schedules.linear_decay(peak, length, final)],
+                                         [warmup]),
+        "scaled": lambda: schedules.scale(schedules.warmup_cosine(peak, warmup, warmup + length, final), 2.0),
+    }[kind]()
+    horizon = schedules.horizon(s)
+    assert horizon == s.total_steps == (length if kind in ("cosine_decay", "linear_decay") else warmup + length)
+    end = float(s(horizon))
+    assert end == pytest.approx(final * (2.0 if kind == "scaled" else 1.0), abs=1e-15)
+    assert [float(s(horizon + k)) for k in (1, 10, 1000)] == [end] * 3
+    assert float(s(horizon - 1)) > end
+    schedules.check_covers(s, horizon)
+    with pytest.raises(ValueError, match=rf"built for {horizon} updates .* the run takes {horizon + 1}: "
+                                         rf"updates {horizon}\.\.{horizon} would all use its final lr"):
+        schedules.check_covers(s, horizon + 1)
+
+
+def test_check_covers_rules():
+    forever = [0.1, schedules.constant(0.1), schedules.linear_warmup(0.1, 10), lambda c: 0.1,
+               schedules.join([schedules.cosine_decay(1.0, 5), schedules.constant(0.1)], [5]), sgd(0.1)]
+    for s in forever:
+        assert schedules.horizon(s) is None
+        schedules.check_covers(s, 10**9)
+    opt = adamw(lr=schedules.warmup_cosine(1e-3, warmup_steps=10, total_steps=100, final=1e-5))
+    assert schedules.horizon(opt) == 100
+    schedules.check_covers(opt, 100)
+    with pytest.raises(ValueError, match=r"built for 100 updates \(total_steps=100\) but the run takes 250: "
+                                         r"updates 100\.\.249 would all use its final lr 1e-05; build it with "
+                                         r"total_steps >= 250"):
+        schedules.check_covers(opt, 250)
+
+    def mine(count):
+        return schedules.constant(0.5)(count)
+
+    mine.total_steps = 7  # a schedule of your own opts in with the attribute
+    with pytest.raises(ValueError, match=r"built for 7 updates"):
+        schedules.check_covers(mine, 8)
+    with pytest.raises(TypeError, match=r"check_covers: total_steps must be an int >= 0; got 1\.5 \(float\)"):
+        schedules.check_covers(opt, 1.5)
+    mine.total_steps = "x"
+    with pytest.raises(TypeError, match=r"schedule\.total_steps must be an int >= 0; got 'x'"):
+        schedules.horizon(mine)
+
+
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda: schedules.warmup_linear_decay(1.0, 10, 10), ValueError, r"total_steps must be > warmup_steps=10; got 10"),
+    (lambda: schedules.warmup_linear_decay(1.0, -1, 10), ValueError, r"warmup_steps must be an int >= 0; got -1"),
+    (lambda: schedules.linear_decay(1.0, 0), ValueError, r"linear_decay: decay_steps must be an int >= 1; got 0"),
+    (lambda: schedules.linear_decay("a", 3), TypeError, r"linear_decay: peak must be a finite float; got 'a'"),
+])
+def test_bad_linear_decay_arguments(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()

@@ -1,10 +1,14 @@
 """Functional optimizers: pure ``(init, update)`` pairs over pytrees.
 
-Each optimizer matches its ``torch.optim`` counterpart to float32 round-off, is
-implemented with multi-tensor ``torch._foreach_*`` kernels, and never writes
-into its inputs, so a whole training step compiles with
-``torch.compile(fullgraph=True)``. ``lr`` may be a float or a schedule from
-:mod:`functrain.optim.schedules`.
+Each optimizer matches its ``torch.optim`` counterpart (bit for bit in eager
+float32 in the tests), is implemented with multi-tensor ``torch._foreach_*``
+kernels, and never writes into its inputs, so a whole training step compiles
+with ``torch.compile(fullgraph=True)``. ``lr`` may be a float or a schedule
+from :mod:`functrain.optim.schedules`. ``weight_decay_mask=`` and
+``lr_multipliers=`` replace torch.optim's param groups (:mod:`.groups`,
+:mod:`.masks`); :func:`lion` is the one optimizer without a torch.optim twin;
+:func:`from_optax_style` adapts an Optax-style gradient transformation and
+:func:`check_optimizer` explains the protocol to whoever passes something else.
 
 Example::
 
@@ -18,9 +22,14 @@ Example::
     >>> int(state.count)
     1
 """
-from . import schedules
+from . import groups, masks, schedules
 from .adam import AdamState, adam, adamw
 from .base import Optimizer
+from .interop import OptaxStyleState, check_optimizer, from_optax_style
+from .lion import LionState, lion
 from .sgd import SGDState, sgd
 
-__all__ = ["Optimizer", "sgd", "SGDState", "adam", "adamw", "AdamState", "schedules"]
+__all__ = [
+    "Optimizer", "sgd", "SGDState", "adam", "adamw", "AdamState", "lion", "LionState",
+    "from_optax_style", "OptaxStyleState", "check_optimizer", "groups", "masks", "schedules",
+]

@@ -18,6 +18,7 @@ from .base import (
     lr_value,
     make_learning_rate,
 )
+from .groups import Group, check_group_args, group_lr, make_groups, run_groups
 
 __all__ = ["adam", "adamw", "AdamState"]
 
@@ -41,14 +42,17 @@ class AdamState(NamedTuple):
     exp_avg_sq: Any
 
 
-def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool) -> Optimizer:
+def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool, weight_decay_mask: Any,
+          lr_multipliers: Any, owner: str) -> Optimizer:
     lr = check_lr(lr)
     beta1, beta2 = check_betas(betas)
     eps = check_real("eps", eps, lo=0.0)
     weight_decay = check_real("weight_decay", weight_decay, lo=0.0)
+    check_group_args(owner, weight_decay, weight_decay_mask, lr_multipliers)
 
     def init(params: Any) -> AdamState:
         leaves, spec = flatten_params(params)
+        make_groups(params, weight_decay_mask, lr_multipliers)  # check the mask / multipliers now
         zeros = lambda: optree.tree_unflatten(spec, [torch.zeros_like(p) for p in leaves])  # noqa: E731
         return AdamState(count=init_count(leaves), exp_avg=zeros(), exp_avg_sq=zeros())
 
@@ -57,33 +61,37 @@ def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool) -> 
         unflatten, p, g, (m, v) = flatten_update(grads, params, state.exp_avg, state.exp_avg_sq)
         if not p:
             return params, state._replace(count=count + 1)
-        lr_t = lr_value(lr, count)
+        lr_base = lr_value(lr, count)
         # torch.optim's scalars are Python floats (doubles): keep them float64 here.
         step = (count + 1).to(torch.float64)
-
-        if weight_decay != 0:
-            if decoupled:
-                p = torch._foreach_mul(p, 1 - lr_t * weight_decay)
-            else:
-                g = torch._foreach_add(g, p, alpha=weight_decay)
-
-        m = torch._foreach_lerp(m, g, 1 - beta1)
-        v = torch._foreach_mul(v, beta2)
-        torch._foreach_addcmul_(v, g, g, value=1 - beta2)
-
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
-        step_size = lr_t / bias_correction1
         bias_correction2_sqrt = bias_correction2.sqrt()
 
-        # p + (-step_size) * m / (sqrt(v) / bias_correction2_sqrt + eps), in torch's order.
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, bias_correction2_sqrt)
-        torch._foreach_add_(denom, eps)
-        delta = torch._foreach_mul(m, -step_size)
-        torch._foreach_div_(delta, denom)
-        new_p = torch._foreach_add(p, delta)
+        def group_update(group: Group, p: list, g: list, m: list, v: list) -> tuple[list, list, list]:
+            # One torch.optim param group: its own lr (base * multiplier) and weight decay.
+            lr_t = group_lr(lr_base, group)
+            if weight_decay != 0 and group.decay:
+                if decoupled:
+                    p = torch._foreach_mul(p, 1 - lr_t * weight_decay)
+                else:
+                    g = torch._foreach_add(g, p, alpha=weight_decay)
 
+            m = torch._foreach_lerp(m, g, 1 - beta1)
+            v = torch._foreach_mul(v, beta2)
+            torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+
+            step_size = lr_t / bias_correction1
+            # p + (-step_size) * m / (sqrt(v) / bias_correction2_sqrt + eps), in torch's order.
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_div_(denom, bias_correction2_sqrt)
+            torch._foreach_add_(denom, eps)
+            delta = torch._foreach_mul(m, -step_size)
+            torch._foreach_div_(delta, denom)
+            return torch._foreach_add(p, delta), m, v
+
+        groups = make_groups(params, weight_decay_mask, lr_multipliers)
+        new_p, m, v = run_groups(groups, group_update, p, g, m, v)
         new_state = AdamState(
             count=count + 1,
             exp_avg=unflatten(m),
@@ -99,10 +107,15 @@ def adam(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
+    *,
+    weight_decay_mask: Any = None,
+    lr_multipliers: Any = None,
 ) -> Optimizer:
     """Adam with L2 weight decay (added to the gradient), like ``torch.optim.Adam``.
 
-    ``lr`` is a float or a schedule ``callable(count) -> lr``.
+    ``lr`` is a float or a schedule ``callable(count) -> lr``. ``weight_decay_mask``
+    (which leaves get weight decay) and ``lr_multipliers`` (a factor on the lr per
+    leaf) play the role of torch.optim's param groups; see :mod:`functrain.optim.groups`.
 
     Example::
 
@@ -115,7 +128,7 @@ def adam(
         >>> params["w"]  # the first Adam step moves each weight by ~lr
         tensor([ 0.9000, -0.9000])
     """
-    return _adam(lr, betas, eps, weight_decay, decoupled=False)
+    return _adam(lr, betas, eps, weight_decay, False, weight_decay_mask, lr_multipliers, "adam")
 
 
 def adamw(
@@ -123,9 +136,19 @@ def adamw(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.01,
+    *,
+    weight_decay_mask: Any = None,
+    lr_multipliers: Any = None,
 ) -> Optimizer:
     """AdamW: Adam with decoupled weight decay ``p *= 1 - lr * weight_decay``, like
     ``torch.optim.AdamW``.
+
+    ``weight_decay_mask``: ``None`` (decay every leaf), a pytree of bools shaped like
+    the params, or a predicate ``callable(name, param) -> bool`` such as
+    :func:`functrain.optim.masks.no_decay_bias_and_norm`. ``lr_multipliers``:
+    ``None``, a pytree of floats or ``callable(name, param) -> float``; a leaf's lr
+    is ``lr * multiplier`` (also in the decoupled decay ``1 - lr * wd``, as in a
+    torch param group with that lr). ``learning_rate(state)`` reports the base lr.
 
     Example::
 
@@ -139,5 +162,8 @@ def adamw(
         >>> params, state = opt.update({"w": torch.ones(3)}, state, params)
         >>> float(opt.learning_rate(state))
         0.0001
+        >>> from functrain.optim import masks
+        >>> opt = adamw(1e-3, weight_decay=0.1, weight_decay_mask=masks.no_decay_bias_and_norm,
+        ...             lr_multipliers=lambda name, p: 10.0 if name.startswith("head") else 1.0)
     """
-    return _adam(lr, betas, eps, weight_decay, decoupled=True)
+    return _adam(lr, betas, eps, weight_decay, True, weight_decay_mask, lr_multipliers, "adamw")

@@ -7,12 +7,15 @@ so a whole training step can be traced by ``torch.compile(fullgraph=True)``.
 """
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any, Callable, NamedTuple
 
 import optree
 import torch
+
+from .. import _validate
+# describe / is_real / leaf_path are re-exported for the optimizers (one copy, in _validate).
+from .._validate import describe, is_real  # noqa: F401
+from .._validate import path_str as leaf_path  # noqa: F401
 
 __all__ = ["Optimizer"]
 
@@ -46,16 +49,8 @@ class Optimizer(NamedTuple):
 
 
 # ----------------------------------------------------------------- validation
-
-
-def describe(value: Any) -> str:
-    """``'abc' (str)``: a value and its type, for error messages."""
-    return f"{value!r} ({type(value).__name__})"
-
-
-def is_real(value: Any) -> bool:
-    """A real Python/NumPy number that is not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+# The generic checks live in functrain/_validate.py (they raise BadValue, both a
+# TypeError and a ValueError); these wrappers keep the optimizers' wording.
 
 
 def check_real(
@@ -67,9 +62,16 @@ def check_real(
     hi_open: bool = False,
     what: str | None = None,
 ) -> float:
-    """Return ``float(value)`` or raise: TypeError for a non-number, ValueError out of range.
+    """Return ``float(value)`` or raise :class:`~functrain._validate.BadValue` (a TypeError
+    and a ValueError) naming ``name``, what is allowed and the value given.
 
     ``what`` describes the allowed values (defaults to a description of the range).
+
+    Example::
+
+        >>> from functrain.optim.base import check_real
+        >>> check_real("eps", 1e-8, lo=0.0)
+        1e-08
     """
     if what is None:
         if lo is not None and hi is not None:
@@ -78,27 +80,19 @@ def check_real(
             what = f"a float >= {lo:g}"
         else:
             what = "a finite float"
-    msg = f"{name} must be {what}; got {describe(value)}"
-    if not is_real(value):
-        raise TypeError(msg)
-    x = float(value)
-    if not math.isfinite(x):
-        raise ValueError(msg)
-    if lo is not None and x < lo:
-        raise ValueError(msg)
-    if hi is not None and (x >= hi if hi_open else x > hi):
-        raise ValueError(msg)
-    return x
+    return _validate.check_real(name, value, lo=lo, hi=hi, hi_open=hi_open, what=what)
 
 
 def check_steps(name: str, value: Any, *, minimum: int = 0) -> int:
-    """Return ``int(value)`` for an integer >= ``minimum`` or raise TypeError/ValueError."""
-    msg = f"{name} must be an int >= {minimum}; got {describe(value)}"
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(msg)
-    if int(value) < minimum:
-        raise ValueError(msg)
-    return int(value)
+    """Return ``int(value)`` for an integer (not a bool) >= ``minimum``, else BadValue.
+
+    Example::
+
+        >>> from functrain.optim.base import check_steps
+        >>> check_steps("warmup_steps", 10)
+        10
+    """
+    return _validate.check_int(name, value, minimum=minimum)
 
 
 def check_lr(lr: Any) -> float | Callable[[Any], Any]:
@@ -117,11 +111,6 @@ def check_betas(betas: Any) -> tuple[float, float]:
 
 
 # ----------------------------------------------------------------- pytrees
-
-
-def leaf_path(path: tuple) -> str:
-    """``("layer", "w")`` -> ``"layer/w"`` (the root is ``"<root>"``)."""
-    return "/".join(str(p) for p in path) or "<root>"
 
 
 def flatten_params(params: Any) -> tuple[list[torch.Tensor], Any]:
@@ -185,4 +174,7 @@ def make_learning_rate(lr: float | Callable[[Any], Any]) -> Callable[[Any], Any]
     def learning_rate(opt_state: Any) -> float | torch.Tensor:
         return lr_value(lr, opt_state.count)
 
+    # The lr (float or schedule) it was built with, so that schedules.check_covers(optimizer,
+    # total_steps) can refuse a schedule shorter than the run before training starts.
+    learning_rate.schedule = lr
     return learning_rate

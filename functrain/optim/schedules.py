@@ -7,6 +7,14 @@ tensor on ``count``'s device and uses no Python control flow on tensor values,
 so it traces under ``torch.compile(fullgraph=True)``. Python ints are accepted
 for ``count`` too, for convenience.
 
+A schedule that ends (decays to a final value) carries its horizon as the
+attribute ``schedule.total_steps``: the number of updates it was built for
+(``None`` for one that goes on forever, such as :func:`constant` or
+:func:`linear_warmup`). :func:`check_covers` refuses a run longer than that
+horizon before training starts: past it every update would use the final lr.
+Your own schedule may set ``.total_steps`` to take part; without the attribute
+it is taken to cover any run.
+
 Example::
 
     >>> from functrain.optim import schedules
@@ -23,7 +31,10 @@ import torch
 
 from .base import check_real, check_steps, describe
 
-__all__ = ["constant", "linear_warmup", "cosine_decay", "warmup_cosine", "join", "scale"]
+__all__ = [
+    "constant", "linear_warmup", "linear_decay", "cosine_decay", "warmup_cosine", "warmup_linear_decay",
+    "join", "scale", "horizon", "check_covers",
+]
 
 Schedule = Callable[[Any], torch.Tensor]
 
@@ -33,6 +44,12 @@ def _count(count: Any) -> torch.Tensor:
     if isinstance(count, torch.Tensor):
         return count.to(torch.float64)
     return torch.tensor(count, dtype=torch.float64)
+
+
+def _ends(schedule: Schedule, total_steps: int | None) -> Schedule:
+    """Mark ``schedule`` with its horizon (see the module docstring)."""
+    schedule.total_steps = total_steps
+    return schedule
 
 
 def _check_schedule(name: str, schedule: Any) -> Schedule:
@@ -55,7 +72,7 @@ def constant(value: float) -> Schedule:
     def schedule(count: Any) -> torch.Tensor:
         return torch.full_like(_count(count), value)
 
-    return schedule
+    return _ends(schedule, None)
 
 
 def linear_warmup(peak: float, warmup_steps: int, start: float = 0.0) -> Schedule:
@@ -79,7 +96,7 @@ def linear_warmup(peak: float, warmup_steps: int, start: float = 0.0) -> Schedul
         # lerp returns exactly ``start`` at 0 and exactly ``peak`` at 1.
         return torch.lerp(torch.full_like(frac, start), torch.full_like(frac, peak), frac)
 
-    return schedule
+    return _ends(schedule, None)
 
 
 def cosine_decay(peak: float, decay_steps: int, final: float = 0.0) -> Schedule:
@@ -101,7 +118,29 @@ def cosine_decay(peak: float, decay_steps: int, final: float = 0.0) -> Schedule:
         weight = 0.5 * (1 + torch.cos(math.pi * frac))
         return torch.lerp(torch.full_like(frac, final), torch.full_like(frac, peak), weight)
 
-    return schedule
+    return _ends(schedule, decay_steps)
+
+
+def linear_decay(peak: float, decay_steps: int, final: float = 0.0) -> Schedule:
+    """Linear from ``peak`` (at count 0) to ``final`` (at ``decay_steps``), then ``final``.
+
+    Example::
+
+        >>> from functrain.optim.schedules import linear_decay
+        >>> s = linear_decay(1.0, decay_steps=4, final=0.2)
+        >>> [round(float(s(t)), 6) for t in range(6)]
+        [1.0, 0.8, 0.6, 0.4, 0.2, 0.2]
+    """
+    peak = check_real("linear_decay: peak", peak)
+    final = check_real("linear_decay: final", final)
+    decay_steps = check_steps("linear_decay: decay_steps", decay_steps, minimum=1)
+
+    def schedule(count: Any) -> torch.Tensor:
+        frac = _count(count).clamp(0, decay_steps) / decay_steps
+        # lerp returns exactly ``peak`` at 0 and exactly ``final`` at 1.
+        return torch.lerp(torch.full_like(frac, peak), torch.full_like(frac, final), frac)
+
+    return _ends(schedule, decay_steps)
 
 
 def warmup_cosine(
@@ -125,6 +164,34 @@ def warmup_cosine(
         )
     return join(
         [linear_warmup(peak, warmup_steps, start=start), cosine_decay(peak, total_steps - warmup_steps, final)],
+        [warmup_steps],
+    )
+
+
+def warmup_linear_decay(
+    peak: float, warmup_steps: int, total_steps: int, final: float = 0.0, start: float = 0.0
+) -> Schedule:
+    """Linear warmup from ``start`` to ``peak`` over ``warmup_steps``, then linear decay to
+    ``final`` at ``total_steps`` (which counts the warmup), then ``final`` (the
+    Hugging Face "linear" schedule when ``final=0``).
+
+    Example::
+
+        >>> from functrain.optim.schedules import warmup_linear_decay
+        >>> s = warmup_linear_decay(1.0, warmup_steps=2, total_steps=6)
+        >>> [float(s(t)) for t in range(8)]
+        [0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+        >>> s.total_steps
+        6
+    """
+    warmup_steps = check_steps("warmup_linear_decay: warmup_steps", warmup_steps)
+    total_steps = check_steps("warmup_linear_decay: total_steps", total_steps)
+    if total_steps <= warmup_steps:
+        raise ValueError(
+            f"warmup_linear_decay: total_steps must be > warmup_steps={warmup_steps}; got {describe(total_steps)}"
+        )
+    return join(
+        [linear_warmup(peak, warmup_steps, start=start), linear_decay(peak, total_steps - warmup_steps, final)],
         [warmup_steps],
     )
 
@@ -162,7 +229,8 @@ def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
             out = torch.where(count < boundary, out, _count(sched(count - boundary)))
         return out
 
-    return schedule
+    last = horizon(schedules[-1])
+    return _ends(schedule, None if last is None else last + (boundaries[-1] if boundaries else 0))
 
 
 def scale(schedule: Schedule, factor: float) -> Schedule:
@@ -180,4 +248,64 @@ def scale(schedule: Schedule, factor: float) -> Schedule:
     def scaled(count: Any) -> torch.Tensor:
         return _count(schedule(count)) * factor
 
-    return scaled
+    return _ends(scaled, horizon(schedule))
+
+
+def _lr_of(obj: Any) -> Any:
+    """A functrain optimizer's lr (float or schedule), else ``obj`` itself."""
+    learning_rate = getattr(obj, "learning_rate", None)
+    return learning_rate.schedule if hasattr(learning_rate, "schedule") else obj
+
+
+def horizon(schedule: Any) -> int | None:
+    """The number of updates ``schedule`` was built for (``schedule.total_steps``), or ``None``
+    if it goes on forever (a float lr, :func:`constant`, :func:`linear_warmup`, or a callable
+    without that attribute). An optimizer's own schedule is found through it.
+
+    Example::
+
+        >>> from functrain.optim import adamw, schedules
+        >>> schedules.horizon(schedules.warmup_cosine(1.0, 10, 1000)), schedules.horizon(0.1)
+        (1000, None)
+        >>> schedules.horizon(adamw(lr=schedules.cosine_decay(1e-3, 500)))
+        500
+    """
+    schedule = _lr_of(schedule)
+    if not callable(schedule) or isinstance(schedule, torch.Tensor):
+        return None
+    total = getattr(schedule, "total_steps", None)
+    if total is None:
+        return None
+    return check_steps("schedule.total_steps", total)
+
+
+def check_covers(schedule: Any, total_steps: int) -> None:
+    """Refuse a schedule that ends before a run of ``total_steps`` updates does.
+
+    ``schedule`` is a schedule, a float lr or a functrain optimizer (its lr is
+    checked). Update ``t`` (0-based) uses ``schedule(t)``, so a schedule built for
+    ``H`` updates covers runs of at most ``H`` updates; a longer run would spend
+    updates ``H .. total_steps - 1`` at the final lr (often 0), which is almost
+    always a config mistake (a ``total_steps`` left over from a shorter run). Raises
+    ``ValueError`` saying so; schedules without a horizon (see :func:`horizon`) pass.
+
+    Example::
+
+        >>> from functrain.optim import schedules
+        >>> s = schedules.warmup_cosine(1e-3, warmup_steps=10, total_steps=100)
+        >>> schedules.check_covers(s, 100)
+        >>> schedules.check_covers(s, 150)
+        Traceback (most recent call last):
+        ...
+        ValueError: the lr schedule was built for 100 updates (total_steps=100) but the run takes 150: updates 100..149 would all use its final lr 0; build it with total_steps >= 150
+    """
+    total_steps = check_steps("check_covers: total_steps", total_steps)
+    end = horizon(schedule)
+    if end is None or total_steps <= end:
+        return
+    final = float(_count(_lr_of(schedule)(end)))
+    raise ValueError(
+        f"the lr schedule was built for {end} updates (total_steps={end}) but the run takes {total_steps}: "
+        f"updates {end}..{total_steps - 1} would all use its final lr {final:g}; build it with "
+        f"total_steps >= {total_steps}"
+    )

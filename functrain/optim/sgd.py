@@ -17,6 +17,7 @@ from .base import (
     lr_value,
     make_learning_rate,
 )
+from .groups import Group, check_group_args, group_lr, make_groups, run_groups
 
 __all__ = ["sgd", "SGDState"]
 
@@ -45,6 +46,9 @@ def sgd(
     nesterov: bool = False,
     weight_decay: float = 0.0,
     dampening: float = 0.0,
+    *,
+    weight_decay_mask: Any = None,
+    lr_multipliers: Any = None,
 ) -> Optimizer:
     """SGD with optional (Nesterov) momentum and L2 weight decay, like ``torch.optim.SGD``.
 
@@ -57,6 +61,11 @@ def sgd(
 
     ``lr`` is a float or a schedule ``callable(count) -> lr`` (see
     :mod:`functrain.optim.schedules`); ``count`` is the number of updates taken.
+    ``weight_decay_mask`` (which leaves get the L2 term: ``None`` for all, a pytree of
+    bools or a predicate ``callable(name, param) -> bool`` such as
+    :func:`functrain.optim.masks.no_decay_bias_and_norm`) and ``lr_multipliers`` (a
+    pytree of floats or ``callable(name, param) -> float``; the leaf's lr is
+    ``lr * multiplier``) play the role of torch.optim's param groups.
 
     Example::
 
@@ -81,9 +90,11 @@ def sgd(
             f"nesterov=True requires momentum > 0 and dampening == 0; got momentum={momentum!r}, "
             f"dampening={dampening!r}"
         )
+    check_group_args("sgd", weight_decay, weight_decay_mask, lr_multipliers)
 
     def init(params: Any) -> SGDState:
         leaves, spec = flatten_params(params)
+        make_groups(params, weight_decay_mask, lr_multipliers)  # check the mask / multipliers now
         buf = None
         if momentum != 0:
             buf = optree.tree_unflatten(spec, [torch.zeros_like(p) for p in leaves])
@@ -95,29 +106,37 @@ def sgd(
         unflatten, p, g, trees = flatten_update(grads, params, *bufs_in)
         if not p:
             return params, state._replace(count=count + 1)
-        if weight_decay != 0:
-            g = torch._foreach_add(g, p, alpha=weight_decay)
-        new_buf_tree = None
-        if momentum != 0:
-            # The buffers start at zero, so momentum * 0 + 1 * g == g reproduces torch's
-            # "first buffer = grad" exactly; with dampening the first step needs a select.
-            buf = torch._foreach_mul(trees[0], momentum)
-            torch._foreach_add_(buf, g, alpha=1.0 - dampening)
-            if dampening != 0:
-                first = count == 0
-                buf = [torch.where(first, gi, bi) for gi, bi in zip(g, buf)]
-            new_buf_tree = unflatten(buf)
-            d = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
-        else:
-            d = g
-        lr_t = lr_value(lr, count)
-        if isinstance(lr_t, torch.Tensor):
-            # p + (-1 * d) * lr rounds once like torch's p.add(d, alpha=-lr) (a fused
-            # multiply-add on CPU); a separate mul then add would round twice.
-            new_p = torch._foreach_addcmul(p, d, [lr_t] * len(d), value=-1)
-        else:
-            new_p = torch._foreach_add(p, d, alpha=-lr_t)
-        new_state = SGDState(count=count + 1, momentum_buffer=new_buf_tree)
+        lr_base = lr_value(lr, count)
+
+        def group_update(group: Group, p: list, g: list, *bufs: list) -> tuple[list, ...]:
+            # One torch.optim param group: its own lr (base * multiplier) and weight decay.
+            if weight_decay != 0 and group.decay:
+                g = torch._foreach_add(g, p, alpha=weight_decay)
+            new_buf = []
+            if momentum != 0:
+                # The buffers start at zero, so momentum * 0 + 1 * g == g reproduces torch's
+                # "first buffer = grad" exactly; with dampening the first step needs a select.
+                buf = torch._foreach_mul(bufs[0], momentum)
+                torch._foreach_add_(buf, g, alpha=1.0 - dampening)
+                if dampening != 0:
+                    first = count == 0
+                    buf = [torch.where(first, gi, bi) for gi, bi in zip(g, buf)]
+                new_buf = [buf]
+                d = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
+            else:
+                d = g
+            lr_t = group_lr(lr_base, group)
+            if isinstance(lr_t, torch.Tensor):
+                # p + (-1 * d) * lr rounds once like torch's p.add(d, alpha=-lr) (a fused
+                # multiply-add on CPU); a separate mul then add would round twice.
+                new_p = torch._foreach_addcmul(p, d, [lr_t] * len(d), value=-1)
+            else:
+                new_p = torch._foreach_add(p, d, alpha=-lr_t)
+            return (new_p, *new_buf)
+
+        groups = make_groups(params, weight_decay_mask, lr_multipliers)
+        new_p, *new_buf = run_groups(groups, group_update, p, g, *trees)
+        new_state = SGDState(count=count + 1, momentum_buffer=unflatten(new_buf[0]) if new_buf else None)
         return unflatten(new_p), new_state
 
     return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr))

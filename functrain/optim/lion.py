@@ -1,0 +1,111 @@
+"""Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), multi-tensor and pure."""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import optree
+import torch
+
+from ..registry import register_checkpoint_type
+from .base import (
+    Optimizer,
+    check_betas,
+    check_lr,
+    check_real,
+    flatten_params,
+    flatten_update,
+    init_count,
+    lr_value,
+    make_learning_rate,
+)
+from .groups import Group, check_group_args, group_lr, make_groups, run_groups
+
+__all__ = ["lion", "LionState"]
+
+
+@register_checkpoint_type("functrain.optim.LionState")
+class LionState(NamedTuple):
+    """State of :func:`lion`: the update ``count`` (int64 scalar) and the momentum ``exp_avg``
+    (a tree shaped like the params). Lion keeps one buffer per param (Adam keeps two).
+
+    Example::
+
+        >>> import torch
+        >>> from functrain.optim import lion
+        >>> state = lion(lr=1e-4).init({"w": torch.ones(2)})
+        >>> int(state.count), state.exp_avg["w"]
+        (0, tensor([0., 0.]))
+    """
+
+    count: torch.Tensor
+    exp_avg: Any
+
+
+def lion(
+    lr: float | Callable[[Any], Any],
+    betas: tuple[float, float] = (0.9, 0.99),
+    weight_decay: float = 0.0,
+    *,
+    weight_decay_mask: Any = None,
+    lr_multipliers: Any = None,
+) -> Optimizer:
+    """Lion: the sign of an interpolation of momentum and gradient, with decoupled weight decay.
+
+    Per leaf, with ``m`` the momentum (zero at first) and ``g`` the gradient::
+
+        c = beta1 * m + (1 - beta1) * g       (the direction, before updating m)
+        p = p * (1 - lr * weight_decay)       (decoupled, as AdamW)
+        p = p - lr * sign(c)
+        m = beta2 * m + (1 - beta2) * g
+
+    Every element moves by exactly ``lr`` (or not at all where ``c == 0``), so Lion
+    wants an lr about 3-10x smaller than AdamW's and a weight decay 3-10x larger to
+    keep ``lr * weight_decay`` similar (the paper's advice). The interpolations are
+    ``torch.lerp`` (one rounding each). ``weight_decay_mask`` and ``lr_multipliers``
+    work as in :func:`functrain.optim.adamw`.
+
+    Example::
+
+        >>> import torch
+        >>> from functrain.optim import lion
+        >>> opt = lion(lr=0.1)
+        >>> params = {"w": torch.tensor([1.0, 1.0, 1.0])}
+        >>> state = opt.init(params)
+        >>> params, state = opt.update({"w": torch.tensor([3.0, -1e-6, 0.0])}, state, params)
+        >>> params["w"]  # each weight moves by lr against the sign of its gradient
+        tensor([0.9000, 1.1000, 1.0000])
+    """
+    lr = check_lr(lr)
+    beta1, beta2 = check_betas(betas)
+    weight_decay = check_real("weight_decay", weight_decay, lo=0.0)
+    check_group_args("lion", weight_decay, weight_decay_mask, lr_multipliers)
+
+    def init(params: Any) -> LionState:
+        leaves, spec = flatten_params(params)
+        make_groups(params, weight_decay_mask, lr_multipliers)  # check the mask / multipliers now
+        return LionState(count=init_count(leaves),
+                         exp_avg=optree.tree_unflatten(spec, [torch.zeros_like(p) for p in leaves]))
+
+    def update(grads: Any, state: LionState, params: Any) -> tuple[Any, LionState]:
+        count = state.count
+        unflatten, p, g, (m,) = flatten_update(grads, params, state.exp_avg)
+        if not p:
+            return params, state._replace(count=count + 1)
+        lr_base = lr_value(lr, count)
+
+        def group_update(group: Group, p: list, g: list, m: list) -> tuple[list, list]:
+            lr_t = group_lr(lr_base, group)
+            if weight_decay != 0 and group.decay:
+                p = torch._foreach_mul(p, 1 - lr_t * weight_decay)
+            direction = torch._foreach_sign(torch._foreach_lerp(m, g, 1 - beta1))
+            if isinstance(lr_t, torch.Tensor):
+                new_p = torch._foreach_addcmul(p, direction, [lr_t] * len(p), value=-1)
+            else:
+                new_p = torch._foreach_add(p, direction, alpha=-lr_t)
+            return new_p, torch._foreach_lerp(m, g, 1 - beta2)
+
+        groups = make_groups(params, weight_decay_mask, lr_multipliers)
+        new_p, new_m = run_groups(groups, group_update, p, g, m)
+        return unflatten(new_p), LionState(count=count + 1, exp_avg=unflatten(new_m))
+
+    return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr))

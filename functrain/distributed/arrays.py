@@ -142,8 +142,9 @@ class ArraySource(MapSource):
         steps = self.num_batches()
         if start >= steps:
             return
-        order = self.rank_order(epoch)
-        index = self.reader.on_devices(order[start:])
+        order = self.rank_order(epoch)[start:]
+        # each batch's row indices, split up front (one op per epoch and device, none per batch)
+        index = {d: i.unbind(0) for d, i in self.reader.on_devices(order).items()}
         single = next(iter(index.values())) if len(index) == 1 else None
         rows = self.batch_size
         take = self.reader.take

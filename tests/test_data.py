@@ -33,7 +33,7 @@ class Counting(Dataset):
 
 
 class Stream(IterableDataset):
-    """Iterable 0..n-1 that counts the items it reads; optional __len__, shard hook, set_epoch."""
+    """Iterable 0..n-1 that counts the items it reads; optional __len__, set_epoch (HookStream: the shard hook)."""
 
     def __init__(self, n, has_len=True):
         self.n, self.has_len, self.reads, self.epochs = n, has_len, 0, []

@@ -2,6 +2,7 @@
 import functools
 import os
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
@@ -72,11 +73,17 @@ def test_loading_options_are_kept():
     gen = torch.Generator()
     init = functools.partial(record_init, "/dev/null")
     dl = DataLoader(Items(), batch_size=4, num_workers=2, persistent_workers=True, pin_memory=True,
-                    prefetch_factor=3, timeout=30, worker_init_fn=init, generator=gen, in_order=False)
+                    prefetch_factor=3, timeout=30, worker_init_fn=init, generator=gen)
     opts = shard(dl, rank=0, world_size=2).loader_options
     assert opts == {"num_workers": 2, "persistent_workers": True, "pin_memory": True, "prefetch_factor": 3,
-                    "timeout": 30, "worker_init_fn": init, "generator": gen, "in_order": False,
+                    "timeout": 30, "worker_init_fn": init, "generator": gen, "in_order": True,
                     "multiprocessing_context": None, "pin_memory_device": ""}
     assert shard(DataLoader(Items(), batch_size=4), world_size=1).loader_options == {
         "num_workers": 0, "pin_memory": False, "timeout": 0, "worker_init_fn": None, "multiprocessing_context": None,
         "generator": None, "pin_memory_device": "", "in_order": True}
+
+
+def test_out_of_order_workers_are_refused():
+    dl = DataLoader(Items(), batch_size=4, num_workers=2, in_order=False)
+    with pytest.raises(ValueError, match="in_order=False"):
+        shard(dl, rank=0, world_size=2)

@@ -218,6 +218,10 @@ def _build_source(data: Any, batch_size: int | None, shuffle: bool | None, seed:
         if collate_fn is default_convert and batch_size is not None:  # a loader built with batch_size=None
             collate_fn = default_collate
     options = loader_options(loader)
+    if options.get("num_workers") and options.get("in_order") is False:
+        raise ValueError(f"{_WHERE}: the DataLoader has in_order=False, so its workers' batches arrive in any "
+                         f"order; ft.shard tracks the position and the padding of each batch and needs "
+                         f"in_order=True (the default)")
 
     args = (dataset, batch_size, rank, world_size, shuffle, drop_last, seed, collate_fn, options)
     if kind == "rank_aware":

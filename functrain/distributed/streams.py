@@ -126,7 +126,7 @@ class IterableSource(Source):
                 warnings.warn(f"shard: {type(ds).__name__} has a shard() method, which ft.shard does not call (its "
                               f"signature is not known); every rank reads the whole stream and keeps every "
                               f"{w}-th item. Define {HOOK}(index, count) to read only this rank's part",
-                              stacklevel=4)
+                              stacklevel=5)
 
     def _stream(self, epoch: int) -> Iterator:
         ds = self.dataset

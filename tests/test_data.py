@@ -33,7 +33,7 @@ class Counting(Dataset):
 
 
 class Stream(IterableDataset):
-    """Iterable 0..n-1 that counts the items it reads; optional __len__, shard hook, set_epoch."""
+    """Iterable 0..n-1 that counts the items it reads; optional __len__, set_epoch (HookStream: the shard hook)."""
 
     def __init__(self, n, has_len=True):
         self.n, self.has_len, self.reads, self.epochs = n, has_len, 0, []
@@ -59,7 +59,7 @@ class HookStream(Stream):
         super().__init__(n, has_len)
         self.shard_calls = []
 
-    def shard(self, index, count):
+    def functrain_shard(self, index, count):
         self.shard_calls.append((index, count))
 
         def part():
@@ -138,6 +138,7 @@ def test_disjoint_and_covering_batch3_world2(n, drop_last):
         assert len(per_rank[0]) == n // 6
 
 
+@pytest.mark.filterwarnings("ignore:ShardedLoader. an epoch yields no batch")  # tiny n with drop_last: expected
 @given(n=st.integers(1, 60), batch=st.integers(1, 8), world=st.integers(1, 4), seed=st.integers(0, 10_000),
        drop_last=st.booleans(), epoch=st.integers(0, 3))
 def test_shard_properties(n, batch, world, seed, drop_last, epoch):

@@ -1,7 +1,8 @@
 """Evaluation across ranks: ``ft.gather_for_eval`` collects per-batch results, each sample exactly once.
 
-It reads which samples the :class:`~functrain.data.ShardedLoader` put in its last
-batch (and which of them are wrap-around padding) and all-gathers the ranks' rows.
+It reads which samples the :class:`~functrain.distributed.data.ShardedLoader` put in
+its last batch (and which of them are wrap-around padding: its public
+``last_batch_info``) and all-gathers the ranks' rows.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from . import group as distributed
-from .data import ShardedLoader, _comm_device
+from .comm import comm_device
+from .data import ShardedLoader
 
 __all__ = ["gather_for_eval"]
 
@@ -55,7 +57,7 @@ def gather_for_eval(tree: Any, loader: ShardedLoader | None = None) -> Any:
         raise ValueError(f"{where}: the leaves have different leading sizes {rows}; one row per sample is needed")
     world = None
     if loader is not None:
-        info = loader._last
+        info = loader.last_batch_info
         if info is None:
             raise RuntimeError(f"{where}: the loader has not yielded a batch yet; call it after each batch")
         if n != info.rows:
@@ -73,7 +75,7 @@ def gather_for_eval(tree: Any, loader: ShardedLoader | None = None) -> Any:
     if world is not None and world != group:
         raise ValueError(f"{where}: world_size mismatch: the loader is sharded over {world} ranks but the process "
                          f"group has {group}")
-    comm = _comm_device()
+    comm = comm_device()
     counts = torch.tensor([n, real], dtype=torch.int64, device=comm)
     gathered = [torch.empty_like(counts) for _ in range(group)]
     dist.all_gather(gathered, counts)

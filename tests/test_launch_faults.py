@@ -288,3 +288,20 @@ def test_sigkill_of_the_ft_launch_caller_kills_every_rank(tmp_path):
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def test_the_functrain_launch_console_script_points_at_the_cli(tmp_path):
+    import importlib
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    target = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]["functrain-launch"]
+    module, func = target.split(":")
+    main = getattr(importlib.import_module(module), func)
+    assert main is cli.main
+    # what the installed script does: sys.exit(main()) with sys.argv[0] = "functrain-launch"
+    p = subprocess.run([sys.executable, "-c", f"import sys; sys.argv[0] = 'functrain-launch'; "
+                        f"from {module} import {func}; sys.exit({func}())", "--help"],
+                       cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "usage: functrain-launch" in p.stdout and "--term-timeout" in p.stdout, p.stderr

@@ -109,8 +109,11 @@ SLEEPER = textwrap.dedent("""
 def test_sigkill_of_the_cli_launcher_kills_every_rank(tmp_path):
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**_env(), "TMPDIR": str(scratch)}
     launcher = subprocess.Popen(_cmd("--nproc", 2, "--dist-timeout", 60, script, tmp_path), cwd=tmp_path,
-                                env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_for([tmp_path / "pid0", tmp_path / "pid1"], 90, launcher)
         pids = _pids(tmp_path)
@@ -122,6 +125,13 @@ def test_sigkill_of_the_cli_launcher_kills_every_rank(tmp_path):
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+    # the killed launcher could not remove its temporary log folder: the next launch does
+    assert len(list(scratch.glob("functrain-launch-*"))) == 1
+    (tmp_path / "empty.py").write_text("")
+    p = subprocess.run(_cmd("--nproc", 1, tmp_path / "empty.py"), cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert not list(scratch.glob("functrain-launch-*")), "a dead launcher's log folder was left behind"
 
 
 HANG = textwrap.dedent("""

@@ -195,9 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    log_dir = ns.log_dir or tempfile.mkdtemp(prefix="functrain-launch-")
     # redirected output is kept (in the temporary folder when no --log-dir): it is the only copy
     keep_logs = ns.log_dir is not None or ns.redirects != "0" or ns.tee != "0"
+    _remove_stale_log_dirs()
+    log_dir = ns.log_dir or tempfile.mkdtemp(prefix="functrain-launch-")
+    if not keep_logs:  # a launcher killed by SIGKILL cannot remove it: the next launch will (see below)
+        with open(os.path.join(log_dir, _OWNER), "w") as fp:
+            fp.write(str(os.getpid()))
     try:
         targs = torchrun.parse_args(_torchrun_argv(ns, log_dir))
         try:
@@ -227,6 +231,34 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(log_dir, ignore_errors=True)
         elif ns.log_dir is None:
             print(f"{_prog()}: per-rank logs in {log_dir}", file=sys.stderr)
+
+
+_OWNER = ".functrain-launcher-pid"  # in a temporary log folder meant to be removed: the launcher that owns it
+
+
+def _remove_stale_log_dirs() -> None:
+    """Remove temporary log folders whose launcher died without removing them (it was SIGKILLed)."""
+    import glob
+
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), "functrain-launch-*")):
+        try:
+            with open(os.path.join(folder, _OWNER)) as fp:
+                pid = int(fp.read().strip())
+        except (OSError, ValueError):
+            continue  # kept logs, or not ours
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _is_rendezvous_error(e: BaseException) -> bool:

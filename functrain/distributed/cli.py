@@ -321,12 +321,10 @@ def _report(error, ns: argparse.Namespace) -> int:
     except ValueError:
         dist_timeout = None
     end = next(e for e in ends if e.rank == root)
-    if info["recorded"] or end.how == "exit":
+    if end.how == "signal" and any(e.how == "error" and e.cause == TIMEOUT for e in ends):
+        head = f"failed first: it {describe_end(end, ends, dist_timeout)}"  # hung, then stopped by the launcher
+    else:
         head = f"failed first: {info['message']}"
-    elif end.how == "signal" and end.code != signal.SIGTERM and not any(e.cause == TIMEOUT for e in ends):
-        head = f"failed first: {info['message']}"
-    else:  # a hung rank the launcher stopped
-        head = f"failed first: it {describe_end(end, ends, dist_timeout)}"
     lines = [f"{prog}: rank {root} (local rank {f.local_rank}, pid {f.pid}) {head}"]
     if info["recorded"]:
         redirected = to_map(Std.from_str(ns.redirects), f.local_rank + 1).get(f.local_rank, Std.NONE)

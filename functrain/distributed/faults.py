@@ -132,7 +132,7 @@ def describe_end(end: RankEnd, ends: Iterable[RankEnd] = (), dist_timeout: float
     """One line on how ``end`` ended, as the launchers print it ("rank 1 ..." follows)."""
     ends = list(ends)
     waiting = sorted(e.rank for e in ends if e.how == "error" and e.cause == TIMEOUT)
-    if end.how in ("running", "signal") and waiting and _tier(end, True) == 2:
+    if end.how in ("running", "signal") and waiting:  # with a peer timed out waiting: the hung rank, stopped
         within = f" within the collective timeout ({dist_timeout:g} s)" if dist_timeout else ""
         stopped = ("; it was then stopped" if end.how == "running" else
                    f"; it was then stopped ({_signal_name(end.code)})")

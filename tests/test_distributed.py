@@ -29,3 +29,10 @@ def test_bad_variables_are_named(monkeypatch):
         default_timeout()
     monkeypatch.setenv("FUNCTRAIN_DIST_TIMEOUT", "7.5")
     assert default_timeout().total_seconds() == 7.5
+
+
+def test_a_non_positive_dist_timeout_is_refused(monkeypatch):
+    for raw in ("0", "-1", "nan"):
+        monkeypatch.setenv("FUNCTRAIN_DIST_TIMEOUT", raw)
+        with pytest.raises(ValueError, match="FUNCTRAIN_DIST_TIMEOUT must be a number > 0"):
+            default_timeout()

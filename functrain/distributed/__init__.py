@@ -6,7 +6,9 @@ reduces gradients across it (:mod:`.data_parallel`); :func:`shard` gives each
 rank its disjoint part of a dataset (:mod:`.data`); :func:`gather_for_eval`
 collects evaluation outputs once per sample (:mod:`.evaluation`);
 :func:`launch` runs a function on N local processes (:mod:`.spawn`) and
-``python -m functrain.launch`` wraps torchrun (:mod:`.cli`).
+``python -m functrain.launch`` wraps torchrun (:mod:`.cli`); both blame the
+rank that failed first with one classifier and end their ranks when they die
+(:mod:`.faults`).
 """
 from .data import ShardedLoader, shard
 from .data_parallel import DataParallel, data_parallel

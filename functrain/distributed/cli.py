@@ -19,6 +19,21 @@ wraps its step in ``ft.data_parallel()``. What this adds to plain torchrun:
   ``--max-restarts 0`` (the default) the first rank that fails stops the others on
   its node, and ranks on other nodes fail on their next collective (at once if the
   peer's connection closed, else after the collective timeout).
+* **A hung rank is named.** A rank that never reaches a collective (a deadlock, an
+  endless loop, a stuck read) is found when a peer's collective times out:
+  ``--dist-timeout`` seconds after that peer entered it. The launcher then stops
+  the others (SIGTERM, SIGKILL after ``--term-timeout``) and names the rank that
+  did not arrive, not the one that timed out waiting for it. A job with a hung
+  rank therefore ends at most ``--dist-timeout`` + ``--term-timeout`` seconds
+  (+ about a second) after the hang began (with the defaults 120 + 30 s).
+* **A bounded grace period.** Whenever the launcher stops the ranks (one failed,
+  or the launcher got SIGTERM/SIGINT, which it forwards), each rank gets SIGTERM
+  and ``--term-timeout`` seconds (default 30, torchrun's ``--shutdown-timeout``)
+  to finish (e.g. save a checkpoint) before SIGKILL.
+* **Nothing left behind.** Each rank dies with the launcher, even when the
+  launcher is SIGKILLed (the Linux parent-death signal, set first thing in each
+  worker; a polling thread elsewhere): no orphan rank goes on writing
+  checkpoints. The agent runs inside the launcher process, so it dies with it.
 * **One traceback.** Each worker runs the script through a small runner that
   prints a failing rank's traceback once (lines prefixed ``[rankN]:``) and
   records it in torchrun's error file; a rank that failed only because a peer
@@ -63,7 +78,8 @@ import tempfile
 import time
 import traceback
 
-from .spawn import SECONDARY_ERRORS as _SECONDARY  # errors of a rank whose peer died first
+from .._validate import BadValue, check_int, check_real
+from .faults import LOST, OWN, TIMEOUT, RankEnd, cause_of, describe_end, die_with_parent, root_cause
 
 __all__ = ["main"]
 
@@ -72,6 +88,8 @@ _SECONDARY_GRACE_S = 3.0  # how long a rank failing only because a peer died wai
 
 DEFAULT_DIST_TIMEOUT_S = 120
 DEFAULT_JOIN_TIMEOUT_S = 300
+DEFAULT_TERM_TIMEOUT_S = 30  # torchrun's own default, now stated
+_LAUNCHER_PID = "FUNCTRAIN_LAUNCHER_PID"  # set for the workers: the parent whose death ends them
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -98,8 +116,13 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--join-timeout", dest="join_timeout", type=int, default=DEFAULT_JOIN_TIMEOUT_S,
                    help=f"seconds to wait for all nodes to join; default {DEFAULT_JOIN_TIMEOUT_S}")
     p.add_argument("--dist-timeout", dest="dist_timeout", type=float, default=None,
-                   help="seconds a collective waits for a peer (sets FUNCTRAIN_DIST_TIMEOUT); default "
+                   help="seconds a collective waits for a peer (sets FUNCTRAIN_DIST_TIMEOUT); also the time "
+                        "to detect a hung rank, which is then named; default "
                         f"$FUNCTRAIN_DIST_TIMEOUT, else {DEFAULT_DIST_TIMEOUT_S}")
+    p.add_argument("--term-timeout", dest="term_timeout", type=int, default=DEFAULT_TERM_TIMEOUT_S,
+                   help="seconds a rank has between SIGTERM and SIGKILL when the launcher stops the job (a rank "
+                        "failed, or the launcher got SIGTERM/SIGINT): time to save a checkpoint; "
+                        f"default {DEFAULT_TERM_TIMEOUT_S}")
     p.add_argument("--log-dir", "--log_dir", dest="log_dir", default=None,
                    help="keep torchrun's per-rank logs and error files here (default: a temporary folder, removed)")
     p.add_argument("--redirects", "-r", default="0",
@@ -122,6 +145,7 @@ def _torchrun_argv(ns: argparse.Namespace, log_dir: str) -> list[str]:
     argv = ["--nnodes", ns.nnodes, "--nproc-per-node", str(ns.nproc), "--rdzv-backend", ns.rdzv_backend,
             "--rdzv-id", ns.rdzv_id, "--max-restarts", str(ns.max_restarts), "--node-rank", str(ns.node_rank),
             "--log-dir", log_dir, "--redirects", ns.redirects, "--tee", ns.tee,
+            "--shutdown-timeout", str(ns.term_timeout),  # SIGTERM -> SIGKILL grace of the agent
             # join_timeout: c10d/etcd rendezvous; timeout: static (each ignores the other's key)
             "--rdzv-conf", f"join_timeout={ns.join_timeout},timeout={ns.join_timeout}"]
     if ns.rdzv_endpoint:
@@ -144,28 +168,40 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == [_WORKER]:
         return _worker(argv[1:])
     ns = _parser(_prog()).parse_args(argv)
-    if ns.max_restarts < 0 or ns.join_timeout <= 0 or (ns.dist_timeout is not None and ns.dist_timeout <= 0):
-        print(f"{_prog()}: --max-restarts must be >= 0 and the timeouts > 0", file=sys.stderr)
+    try:
+        check_int("--max-restarts", ns.max_restarts, minimum=0)
+        check_int("--join-timeout", ns.join_timeout, minimum=1)
+        check_int("--term-timeout", ns.term_timeout, minimum=0)
+        if ns.dist_timeout is not None:
+            check_real("--dist-timeout", ns.dist_timeout, lo=0, lo_open=True)
+    except BadValue as e:
+        print(f"{_prog()}: {e}", file=sys.stderr)
         return 2
     if not ns.module and not os.path.isfile(ns.script):
         print(f"{_prog()}: no such script: {ns.script}", file=sys.stderr)
         return 2
 
     # Environment the workers inherit (the agent copies os.environ into each worker); restored at the end.
-    saved = {k: os.environ.get(k) for k in ("FUNCTRAIN_DIST_TIMEOUT", "OMP_NUM_THREADS")}
+    saved = {k: os.environ.get(k) for k in ("FUNCTRAIN_DIST_TIMEOUT", "OMP_NUM_THREADS", _LAUNCHER_PID)}
+    os.environ[_LAUNCHER_PID] = str(os.getpid())
     if ns.dist_timeout is not None:
         os.environ["FUNCTRAIN_DIST_TIMEOUT"] = f"{ns.dist_timeout:g}"
     else:
         os.environ.setdefault("FUNCTRAIN_DIST_TIMEOUT", str(DEFAULT_DIST_TIMEOUT_S))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ns.effective_dist_timeout = os.environ["FUNCTRAIN_DIST_TIMEOUT"]
 
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    log_dir = ns.log_dir or tempfile.mkdtemp(prefix="functrain-launch-")
     # redirected output is kept (in the temporary folder when no --log-dir): it is the only copy
     keep_logs = ns.log_dir is not None or ns.redirects != "0" or ns.tee != "0"
+    _remove_stale_log_dirs()
+    log_dir = ns.log_dir or tempfile.mkdtemp(prefix="functrain-launch-")
+    if not keep_logs:  # a launcher killed by SIGKILL cannot remove it: the next launch will (see below)
+        with open(os.path.join(log_dir, _OWNER), "w") as fp:
+            fp.write(str(os.getpid()))
     try:
         targs = torchrun.parse_args(_torchrun_argv(ns, log_dir))
         try:
@@ -197,6 +233,34 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{_prog()}: per-rank logs in {log_dir}", file=sys.stderr)
 
 
+_OWNER = ".functrain-launcher-pid"  # in a temporary log folder meant to be removed: the launcher that owns it
+
+
+def _remove_stale_log_dirs() -> None:
+    """Remove temporary log folders whose launcher died without removing them (it was SIGKILLed)."""
+    import glob
+
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), "functrain-launch-*")):
+        try:
+            with open(os.path.join(folder, _OWNER)) as fp:
+                pid = int(fp.read().strip())
+        except (OSError, ValueError):
+            continue  # kept logs, or not ours
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def _is_rendezvous_error(e: BaseException) -> bool:
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous import RendezvousError
@@ -207,7 +271,7 @@ def _is_rendezvous_error(e: BaseException) -> bool:
 # --------------------------------------------------------------------------- failure report (launcher side)
 
 def _failure_info(failure) -> dict:
-    """rank's error from its error file: message, secondary, time (float), or what the exit code says."""
+    """rank's error from its error file: message, cause, time (float), or what the exit code says."""
     data = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
     if isinstance(data, dict):
         extra = data.get("extraInfo", {})
@@ -215,38 +279,53 @@ def _failure_info(failure) -> dict:
             t = float(extra.get("functrain_time", extra.get("timestamp", failure.timestamp)))
         except (TypeError, ValueError):
             t = float(failure.timestamp)
-        return {"message": str(data.get("message", "")), "secondary": bool(extra.get("secondary", False)),
-                "time": t, "recorded": True}
+        message = str(data.get("message", ""))
+        cause = extra.get("functrain_cause")
+        if cause not in (OWN, LOST, TIMEOUT):  # an error file from elsewhere (or an older runner)
+            cause = LOST if extra.get("secondary") else cause_of(message)
+        return {"message": message, "cause": cause, "secondary": cause != OWN, "time": t, "recorded": True}
     if failure.exitcode < 0:
         msg = f"killed by signal {-failure.exitcode} ({failure.signal_name()})"
     else:
         msg = f"exited with code {failure.exitcode} without a Python traceback"
     # SIGTERM is how the launcher stops the other ranks once one failed
-    return {"message": msg, "secondary": failure.exitcode == -signal.SIGTERM, "time": float(failure.timestamp),
-            "recorded": False}
+    return {"message": msg, "cause": OWN, "secondary": failure.exitcode == -signal.SIGTERM,
+            "time": float(failure.timestamp), "recorded": False}
+
+
+def _end(rank: int, failure) -> RankEnd:
+    i = _failure_info(failure)
+    if i["recorded"]:
+        return RankEnd(rank, "error", cause=i["cause"], time=i["time"], message=i["message"])
+    if failure.exitcode < 0:
+        return RankEnd(rank, "signal", code=-failure.exitcode, time=i["time"])
+    return RankEnd(rank, "exit", code=failure.exitcode, time=i["time"])
 
 
 def _root(failures: dict) -> int:
-    """The rank that failed first for a reason of its own."""
-    infos = {r: _failure_info(f) for r, f in failures.items()}
-
-    def key(r: int):
-        i = infos[r]
-        # own recorded error < own exit without record < a rank that only failed because a peer died
-        tier = 2 if i["secondary"] else (0 if i["recorded"] else 1)
-        return tier, i["time"], r
-    return min(failures, key=key)
+    """The rank that failed first for a reason of its own (the rules: :func:`.faults.root_cause`)."""
+    return root_cause(_end(r, f) for r, f in failures.items()).rank
 
 
 def _report(error, ns: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.api import Std, to_map
 
     failures = error.failures
-    root = _root(failures)
+    ends = [_end(r, f) for r, f in failures.items()]
+    root = root_cause(ends).rank
     f = failures[root]
     info = _failure_info(f)
     prog = _prog()
-    lines = [f"{prog}: rank {root} (local rank {f.local_rank}, pid {f.pid}) failed first: {info['message']}"]
+    try:
+        dist_timeout = float(getattr(ns, "effective_dist_timeout", ""))
+    except ValueError:
+        dist_timeout = None
+    end = next(e for e in ends if e.rank == root)
+    if end.how == "signal" and any(e.how == "error" and e.cause == TIMEOUT for e in ends):
+        head = f"failed first: it {describe_end(end, ends, dist_timeout)}"  # hung, then stopped by the launcher
+    else:
+        head = f"failed first: {info['message']}"
+    lines = [f"{prog}: rank {root} (local rank {f.local_rank}, pid {f.pid}) {head}"]
     if info["recorded"]:
         redirected = to_map(Std.from_str(ns.redirects), f.local_rank + 1).get(f.local_rank, Std.NONE)
         teed = to_map(Std.from_str(ns.tee), f.local_rank + 1).get(f.local_rank, Std.NONE)
@@ -256,9 +335,12 @@ def _report(error, ns: argparse.Namespace) -> int:
             lines.append(f"  its stderr went to {where}; its traceback:\n{callstack.rstrip()}")
         else:
             lines.append(f"  (its traceback is above, lines prefixed [rank{root}])")
-        if info["secondary"]:
+        if info["cause"] == LOST:
             lines.append("  (it lost its connection to a peer: the rank that failed first is on another node; "
                          "see that node's output)")
+        elif info["cause"] == TIMEOUT:
+            lines.append("  (a collective timed out waiting for a peer that did not arrive: the hung rank is on "
+                         "another node; see that node's output)")
     others = sorted(r for r in failures if r != root)
     if others:
         lines.append("  other ranks stopped: " + ", ".join(f"{r} ({_failure_info(failures[r])['message']})"
@@ -271,16 +353,6 @@ def _report(error, ns: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- worker runner (one per rank)
-
-def _is_secondary(e: BaseException) -> bool:
-    seen = set()
-    while e is not None and id(e) not in seen:  # the error or anything it was raised from
-        seen.add(id(e))
-        if any(m in str(e) for m in _SECONDARY):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
 
 def _user_traceback(e: BaseException) -> str:
     """The traceback without the runner's own frames (this file and runpy) on top."""
@@ -295,14 +367,15 @@ def _user_traceback(e: BaseException) -> str:
     return "".join(traceback.format_exception(type(e), e, tb))  # a SyntaxError in the script: no frames left
 
 
-def _record(e: BaseException, text: str, secondary: bool) -> None:
+def _record(e: BaseException, text: str, cause: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     now = time.time()
     data = {"message": {"message": f"{type(e).__name__}: {e}",
                         "extraInfo": {"py_callstack": text, "timestamp": str(int(now)),
-                                      "functrain_time": repr(now), "secondary": secondary}}}
+                                      "functrain_time": repr(now), "secondary": cause != OWN,
+                                      "functrain_cause": cause}}}
     try:
         with open(path, "w") as fp:
             json.dump(data, fp)
@@ -319,6 +392,8 @@ def _worker(argv: list[str]) -> int:
     with or without ``destroy_process_group()``, which would turn a finished job into a failed one.
     ``FUNCTRAIN_LAUNCH_HARD_EXIT=0`` restores the ordinary interpreter exit.
     """
+    launcher = os.environ.get(_LAUNCHER_PID, "")
+    die_with_parent(int(launcher) if launcher.isdigit() else None)  # no orphan rank if the launcher is killed
     import runpy
 
     if not argv:
@@ -352,10 +427,11 @@ def _worker(argv: list[str]) -> int:
         os._exit(130)
     except BaseException as e:  # noqa: BLE001 - every failure is reported once
         text = _user_traceback(e)
-        secondary = _is_secondary(e)
-        if secondary:  # a peer died first: the launcher normally stops this process within this grace time
+        cause = cause_of(e)
+        if cause == LOST:  # a peer died first: the launcher normally stops this process within this grace time
             time.sleep(_SECONDARY_GRACE_S)
-        _record(e, text, secondary)
+        # (a timeout is reported at once: the peer it waited for is alive, hung, and will not fail by itself)
+        _record(e, text, cause)
         prefix = f"[rank{os.environ.get('RANK', '?')}]: "
         sys.stderr.write("".join(prefix + ln + "\n" for ln in text.rstrip("\n").split("\n")))
         _flush()

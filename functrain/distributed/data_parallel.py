@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from .. import tree as T
+from . import group as G
 from ..state import TrainState
 from ..step import StepContext, Transform
 
@@ -15,6 +16,32 @@ __all__ = ["data_parallel"]
 
 def _world(group: Any) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def _ensure_group() -> None:
+    """Under a multi-process launch, form the process group if the script forgot to; never train alone.
+
+    Without it each rank would step on its own shard of the data with its own
+    state: N independent trainings, silently. A launch is recognised by its
+    variables (torchrun, SLURM, Open MPI, PMI) with a world size above 1.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return
+    try:
+        info = G.process_info()
+    except ValueError as e:
+        raise RuntimeError(f"data_parallel: the launcher's variables are unreadable ({e}); call "
+                           "ft.distributed.init() with a valid environment") from e
+    if info.world_size == 1:
+        return
+    try:
+        G.init()
+    except Exception as e:  # noqa: BLE001 - whatever stops the group from forming, say what to do
+        raise RuntimeError(
+            f"data_parallel: this process is rank {info.rank} of {info.world_size} ({info.launcher} launch) but no "
+            f"process group is formed, and forming it from the environment failed: {type(e).__name__}: {e}. "
+            "Call ft.distributed.init() at the start of the script (it needs MASTER_ADDR/MASTER_PORT outside "
+            "torchrun); without a group each rank would train alone") from e
 
 
 class DataParallel(Transform):
@@ -37,11 +64,15 @@ class DataParallel(Transform):
 
     def __init__(self, group: Any = None):
         self.group = group
+        self._env_checked = False  # the launcher's variables were looked at (see _ensure_group)
 
     def _group(self) -> Any:
         return self.group if self.group is not None else dist.group.WORLD
 
     def post_init(self, state: TrainState) -> TrainState:
+        if self.group is None:
+            _ensure_group()
+            self._env_checked = True
         if _world(self.group) == 1:
             return state
         group = self._group()
@@ -59,6 +90,10 @@ class DataParallel(Transform):
         return dist.get_rank(self._group()) if _world(self.group) > 1 else 0
 
     def reduce(self, ctx: StepContext) -> None:
+        if self.group is None and not self._env_checked and not dist.is_initialized() \
+                and not torch.compiler.is_compiling():
+            _ensure_group()  # a state not made by this step's init (post_init): still never alone
+            self._env_checked = True
         if _world(self.group) == 1:
             return
         from torch.distributed import _functional_collectives as funcol
@@ -95,6 +130,10 @@ def data_parallel(group: Any = None) -> DataParallel:
     Run the script with ``python -m functrain.launch --nproc N script.py`` (or
     torchrun) and call ``ft.distributed.init()`` first; each rank feeds its own
     shard of the data. ``group`` is a process group (default: all processes).
+    If the script launched on several processes forgot ``init()``, ``step.init``
+    forms the group from the launcher's variables (or raises, saying to call
+    ``ft.distributed.init()``): the ranks never train alone in silence. On one
+    process without launcher variables it does nothing.
 
     Example::
 

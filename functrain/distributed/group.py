@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .._validate import check_real
+
 __all__ = ["ProcessInfo", "process_info", "init", "is_initialized", "rank", "world_size", "default_timeout"]
 
 
@@ -66,7 +68,7 @@ def default_timeout() -> datetime.timedelta:
         seconds = float(raw)
     except ValueError:
         raise ValueError(f"FUNCTRAIN_DIST_TIMEOUT={raw!r} is not a number of seconds") from None
-    return datetime.timedelta(seconds=seconds)
+    return datetime.timedelta(seconds=check_real("FUNCTRAIN_DIST_TIMEOUT", seconds, lo=0, lo_open=True))
 
 
 def init(backend: str | None = None, timeout: datetime.timedelta | None = None) -> ProcessInfo:

@@ -12,7 +12,10 @@ import time
 import traceback
 from typing import Any, Callable
 
-__all__ = ["launch", "free_port", "LaunchError", "SECONDARY_ERRORS"]
+from .._validate import check_int, check_real, describe
+from .faults import RankEnd, cause_of, describe_end, die_with_parent, root_cause
+
+__all__ = ["launch", "free_port", "LaunchError"]
 
 
 class LaunchError(RuntimeError):
@@ -27,7 +30,8 @@ def free_port() -> int:
 
 
 def _worker(fn: Callable, args: tuple, rank: int, nprocs: int, port: int, backend: str | None,
-            results: Any, env: dict) -> None:
+            results: Any, env: dict, parent: int) -> None:
+    die_with_parent(parent)  # first: a SIGKILLed caller must not leave this rank running
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -45,7 +49,7 @@ def _worker(fn: Callable, args: tuple, rank: int, nprocs: int, port: int, backen
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-        results.put((rank, True, value, None))
+        results.put((rank, True, value, None, None, time.time()))
     except SystemExit:
         raise
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
@@ -54,33 +58,32 @@ def _worker(fn: Callable, args: tuple, rank: int, nprocs: int, port: int, backen
 
 def _report_failure(results: Any, rank: int, error: BaseException) -> None:
     tb = traceback.format_exc()
+    cause = cause_of(error)
     try:
-        results.put((rank, False, error, tb))
+        results.put((rank, False, error, tb, cause, time.time()))
     except Exception:  # the exception itself does not pickle: send its text
-        results.put((rank, False, None, tb))
-
-
-# What a rank raises when it failed only because another rank died first.
-SECONDARY_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                    "NCCL communicator was aborted")
-
-
-def _secondary(failure: tuple) -> bool:
-    """A rank that failed only because another rank died first."""
-    return any(marker in (failure[2] or "") for marker in SECONDARY_ERRORS)
+        results.put((rank, False, None, tb, cause, time.time()))
 
 
 def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | None = None,
-           timeout: float = 300.0, env: dict | None = None) -> list:
+           timeout: float = 300.0, dist_timeout: float | None = None, env: dict | None = None) -> list:
     """Run ``fn(*args)`` on ``nprocs`` new processes forming one process group; return their results by rank.
 
     Each process gets torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``MASTER_ADDR``/``MASTER_PORT`` on a free port), ``OMP_NUM_THREADS=1`` unless set,
     and joins the group (gloo on CPU, NCCL on CUDA) before ``fn`` runs. ``fn`` and
-    ``args`` must be picklable (a module-level function). If a rank raises, the
-    others are stopped and its exception is raised here with the rank's traceback
-    attached; a job that runs longer than ``timeout`` seconds is killed and raises
-    :class:`LaunchError`. Nothing waits forever.
+    ``args`` must be picklable (a module-level function). Nothing waits forever:
+
+    * If a rank raises, the others are stopped and the exception of the rank that
+      failed first for its own reason is raised here, with that rank's traceback
+      attached (a rank that only lost its connection to a dead peer is not blamed;
+      a rank killed by a signal raises :class:`LaunchError` naming it).
+    * A hung rank is found by the collective timeout: a peer waiting for it fails
+      after ``dist_timeout`` seconds (default ``$FUNCTRAIN_DIST_TIMEOUT``, else
+      300), and :class:`LaunchError` names the rank that did not arrive.
+    * A job that runs longer than ``timeout`` seconds is killed (:class:`LaunchError`).
+    * The ranks die with the calling process, even if it is SIGKILLed (Linux
+      parent-death signal).
 
     Example::
 
@@ -92,66 +95,110 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | No
 
         ft.launch(work, nprocs=2, args=(10,))   # [21, 21]
     """
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"launch: nprocs must be an int >= 1; got {nprocs!r}")
+    check_int("launch: nprocs", nprocs, minimum=1)
     if not callable(fn):
-        raise TypeError(f"launch: fn must be callable; got {type(fn).__name__}")
+        raise TypeError(f"launch: fn must be callable; got {describe(fn)}")
+    timeout = check_real("launch: timeout", timeout, lo=0, lo_open=True)
+    child_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+    if dist_timeout is not None:
+        dist_timeout = check_real("launch: dist_timeout", dist_timeout, lo=0, lo_open=True)
+        child_env["FUNCTRAIN_DIST_TIMEOUT"] = f"{dist_timeout:g}"
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    child_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, args, r, nprocs, port, backend, results, child_env), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(fn, args, r, nprocs, port, backend, results, child_env, os.getpid()),
+                         daemon=True)
              for r in range(nprocs)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
     values: dict[int, Any] = {}
-    failure: tuple | None = None
+    errors: dict[int, tuple] = {}  # rank -> (exception or None, traceback text, cause, time)
+    ends: list[RankEnd] | None = None
+
+    def receive(wait: float) -> bool:
+        try:
+            rank, ok, value, tb, cause, when = results.get(timeout=wait)
+        except queue.Empty:
+            return False
+        if ok:
+            values[rank] = value
+        else:
+            errors[rank] = (value, tb, cause, when)
+        return True
+
     try:
-        while len(values) < nprocs and failure is None:
-            try:
-                rank, ok, value, tb = results.get(timeout=0.2)
-            except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)
-                        and r not in values]
-                if dead:
-                    time.sleep(0.5)  # its report may still be in the pipe
-                    try:
-                        rank, ok, value, tb = results.get(timeout=1.0)
-                    except queue.Empty:
-                        r, code = dead[0]
-                        failure = (r, None, f"rank {r} exited with code {code} without reporting")
+        while len(values) < nprocs:
+            receive(0.2)
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
+            if errors or dead:
+                # settle: reports still in the pipe, the rank that failed first (its report may come second),
+                # a peer that dies of the same cause a moment later
+                settle = time.monotonic() + 2.0
+                while time.monotonic() < settle:
+                    if receive(0.1):
+                        continue
+                    if any(e[2] == "own" for e in errors.values()) or not any(p.is_alive() for p in procs):
                         break
-                elif time.monotonic() > deadline:
-                    raise LaunchError(f"launch: the job did not finish within {timeout:g} s "
-                                      f"(ranks done: {sorted(values)}); all ranks were killed")
-                else:
-                    continue
-            if ok:
-                values[rank] = value
-            else:
-                failure = (rank, value, tb)
-                if _secondary(failure):  # wait briefly for the rank that failed first
-                    try:
-                        other = results.get(timeout=2.0)
-                        if not other[1] and not _secondary(other):
-                            failure = (other[0], other[2], other[3])
-                    except queue.Empty:
-                        pass
+                ends = _ends(procs, values, errors)
+                break
+            if time.monotonic() > deadline:
+                running = [r for r, p in enumerate(procs) if p.is_alive() and r not in values]
+                raise LaunchError(f"launch: the job did not finish within timeout={timeout:g} s (ranks done: "
+                                  f"{sorted(values)}; still running: {running}); all ranks were killed")
     finally:
         for p in procs:
-            p.join(timeout=0.0 if failure or len(values) < nprocs else 5.0)
+            p.join(timeout=0.0 if ends is not None or len(values) < nprocs else 5.0)
         for p in procs:
             if p.is_alive():
                 p.kill()
             p.join(timeout=5.0)
         results.close()
-    if failure is not None:
-        rank, exc, tb = failure
-        message = f"rank {rank} of {nprocs} failed:\n{tb}"
+    if ends is not None:
+        known = child_env.get("FUNCTRAIN_DIST_TIMEOUT", os.environ.get("FUNCTRAIN_DIST_TIMEOUT", "300"))
+        try:
+            known_timeout: float | None = float(known)
+        except ValueError:
+            known_timeout = None
+        _raise(ends, errors, nprocs, known_timeout)
+    return [values[r] for r in range(nprocs)]
+
+
+def _ends(procs: list, values: dict, errors: dict) -> list[RankEnd]:
+    ends = []
+    for r, p in enumerate(procs):
+        code = p.exitcode
+        if r in errors:
+            exc, tb, cause, when = errors[r]
+            last = (tb or "").strip().splitlines()
+            message = last[-1] if last else f"{type(exc).__name__}: {exc}"
+            ends.append(RankEnd(r, "error", cause=cause, time=when, message=message))
+        elif r in values:
+            ends.append(RankEnd(r, "done"))
+        elif code is None:
+            ends.append(RankEnd(r, "running"))
+        elif code < 0:
+            ends.append(RankEnd(r, "signal", code=-code, time=time.time()))
+        else:
+            ends.append(RankEnd(r, "exit", code=code, time=time.time()))
+    return ends
+
+
+def _raise(ends: list[RankEnd], errors: dict, nprocs: int, dist_timeout: float | None) -> None:
+    root = root_cause(ends)
+    others = [f"rank {e.rank}: {describe_end(e, ends)}" for e in ends if e.rank != root.rank and e.how != "done"]
+    tail = ("\nother ranks: " + "; ".join(others)) if others else ""
+    if root.how == "error":
+        exc, tb, _, _ = errors[root.rank]
+        message = f"rank {root.rank} of {nprocs} failed:\n{tb}{tail}"
         if isinstance(exc, BaseException):
             exc.add_note(message)
             raise exc
         raise LaunchError(message)
-    return [values[r] for r in range(nprocs)]
-
+    message = f"rank {root.rank} of {nprocs} {describe_end(root, ends, dist_timeout)}"
+    waiting = [errors[e.rank][1] for e in ends if e.how == "error" and e.rank in errors]
+    if waiting:
+        message += f"{tail}\nthe first report of another rank:\n{waiting[0]}"
+    else:
+        message += tail
+    raise LaunchError(message)

@@ -79,7 +79,7 @@ class TrainConfig:
             object.__setattr__(self, n, check_int(name(n), getattr(self, n), minimum=1, what="a positive int"))
         for n in ("train_lr", "max_grad_norm", "save_timeout"):
             object.__setattr__(self, n, check_real(name(n), getattr(self, n), lo=0.0, lo_open=True,
-                                                  what="a positive (finite) number"))
+                                                  what="a positive number (finite)"))
         object.__setattr__(self, "weight_decay", check_real(name("weight_decay"), self.weight_decay, lo=0.0,
                                                             what="a finite number >= 0"))
         root = math.isqrt(self.num_samples)

@@ -12,7 +12,6 @@ import time
 import pytest
 import torch
 
-import functrain as ft
 from functrain import checkpoint as ck
 from functrain.tree import tree_equal
 

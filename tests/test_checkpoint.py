@@ -19,6 +19,7 @@ from hypothesis import given, settings, strategies as st
 
 import functrain as ft
 from functrain import checkpoint as ck
+from functrain import registry
 from functrain.optim import AdamState, SGDState
 from functrain.tree import tree_equal
 
@@ -66,10 +67,10 @@ def rewrite_marker(path, **changes):
     marker = json.load(open(mpath))
     for name in (ck.TREE, ck.EXTRA):
         data = open(os.path.join(path, name), "rb").read()
-        marker["files"][name] = {"size": len(data), "sha256": ck._sha256(data)}
+        marker["files"][name] = {"size": len(data), "sha256": ck.folder.sha256(data)}
     f = os.path.join(path, ck.TENSORS)
     entry = marker["files"][ck.TENSORS]
-    entry.update(size=os.path.getsize(f), chunks=ck._digest_file(f, entry["checksum"], entry["chunk_bytes"]))
+    entry.update(size=os.path.getsize(f), chunks=ck.tensorfile.digest_file(f, entry["checksum"], entry["chunk_bytes"]))
     marker.update(changes)
     open(mpath, "w").write(json.dumps(marker))
 
@@ -206,7 +207,7 @@ def test_checksum_sha256_and_multi_chunk_file(tmp_path, monkeypatch):
         path = ck.save(tmp_path / algo, tree, checksum=algo)
         entry = json.load(open(os.path.join(path, ck.MARKER)))["files"][ck.TENSORS]
         assert entry["checksum"] == algo and len(entry["chunks"]) > 10
-        assert entry["chunks"] == ck._digest_file(os.path.join(path, ck.TENSORS), algo, 1 << 16)
+        assert entry["chunks"] == ck.tensorfile.digest_file(os.path.join(path, ck.TENSORS), algo, 1 << 16)
         assert same(ck.load(path), tree) and same(ck.load(path, mmap=False), tree)
         flip_byte(os.path.join(path, ck.TENSORS), os.path.getsize(os.path.join(path, ck.TENSORS)) - 5)
         with pytest.raises(ck.CheckpointError, match="checksum mismatch"):
@@ -404,13 +405,13 @@ def test_a_failed_save_prunes_nothing_and_leaves_no_trace(tmp_path, monkeypatch)
     state = {"w": torch.randn(1000)}
     mgr.save(1, state)
     mgr.save(2, state)
-    real = ck.folder._write_tensors
+    real = ck.folder.write_tensors
 
     def failing(path, *args, **kwargs):
         real(path, *args, **kwargs)
         raise OSError("disk full")
 
-    monkeypatch.setattr(ck.folder, "_write_tensors", failing)  # as save() looks it up
+    monkeypatch.setattr(ck.folder, "write_tensors", failing)  # as save() looks it up
     with pytest.raises(OSError, match="disk full"):
         mgr.save(3, state)
     assert mgr.steps() == [1, 2] and sorted(os.listdir(tmp_path)) == ["step_00000001", "step_00000002"]
@@ -443,7 +444,7 @@ def test_unsavable_states_raise_before_writing(tmp_path):
     assert same(ck.load(ck.save(tmp_path / "c", tree)), tree)
     with pytest.raises(ValueError, match="already registered"):
         ck.register_checkpoint_type(Other, name="tests.Point")
-    del ck._TYPES["tests.Point"], ck._NAMES[Point]
+    registry.unregister("tests.Point")
     with pytest.raises(ck.CheckpointError, match="'tests.Point' is not an allowed"):
         ck.load(tmp_path / "c")
 

@@ -96,3 +96,52 @@ def test_grid_rejects_non_square_and_curve_draws(tmp_path):
     assert img.shape == (60, 100, 3) and (img != 255).any()
     write_png(tmp_path / "c.png", img)
     assert np.array_equal(_read_png(tmp_path / "c.png"), img)
+
+
+# Every field is checked when the config is built, with the field, what is allowed and the value named.
+@pytest.mark.parametrize("field,value,match", [
+    ("seed", -1, r"TrainConfig.seed must be an int in \[0, 2\*\*63\); got -1"),
+    ("seed", 2**64, r"seed must be an int in \[0, 2\*\*63\)"),
+    ("seed", 1.0, "seed"),
+    ("seed", True, "seed"),
+    ("weight_decay", float("nan"), r"weight_decay must be a finite number >= 0; got nan"),
+    ("weight_decay", -0.1, "weight_decay"),
+    ("weight_decay", float("inf"), "weight_decay"),
+    ("results_folder", "", "results_folder must be a non-empty path"),
+    ("results_folder", "  ", "results_folder"),
+    ("results_folder", 3, "results_folder"),
+    ("results_folder", b"runs", "results_folder"),
+    ("compile", "no", r"compile must be one of \(True, False\); got 'no'"),
+    ("compile", 1, "compile"),
+    ("skip_nonfinite", "yes", "skip_nonfinite"),
+    ("max_consecutive_nonfinite", 0, "max_consecutive_nonfinite must be a positive int"),
+    ("save_timeout", 0, "save_timeout must be a positive"),
+    ("save_timeout", float("nan"), "save_timeout"),
+    ("train_lr", float("nan"), "train_lr"),
+    ("train_lr", True, "train_lr"),
+    ("max_grad_norm", float("inf"), "max_grad_norm"),
+    ("ema_decay", float("nan"), "ema_decay"),
+    ("adam_betas", (0.9, float("nan")), "adam_betas"),
+    ("adam_betas", (True, 0.9), "adam_betas"),
+    ("adam_betas", "0.9,0.99", "adam_betas"),
+    ("log_every", 0, "log_every"),
+    ("keep_checkpoints", 0, "keep_checkpoints"),
+    ("ema_update_every", True, "ema_update_every"),
+    ("num_samples", 4.0, "num_samples"),
+    ("mixed_precision", None, "mixed_precision"),
+    ("trackers", ("jsonl", "jsonl"), "each tracker once"),
+    ("trackers", 5, "trackers"),
+])
+def test_every_field_is_checked_at_construction(field, value, match):
+    with pytest.raises(ValueError, match=match) as e:
+        ft.TrainConfig(**{field: value})
+    assert isinstance(e.value, TypeError)  # BadValue: catchable as either
+
+
+def test_valid_edge_values_are_kept():
+    cfg = ft.TrainConfig(seed=2**63 - 1, weight_decay=0, results_folder=__import__("pathlib").Path("r"),
+                         compile=False, skip_nonfinite=False, max_consecutive_nonfinite=1, save_timeout=0.5,
+                         trackers="jsonl", adam_betas=[0.0, 0.5])
+    assert (cfg.seed, cfg.weight_decay, cfg.results_folder, cfg.trackers, cfg.adam_betas) == \
+        (2**63 - 1, 0.0, "r", ("jsonl",), (0.0, 0.5))
+    assert ft.TrainConfig.from_dict(cfg.to_dict()) == cfg

@@ -1,6 +1,7 @@
 """A small ft.Trainer job for the trainer tests: dropout, shuffling, accumulation, fp16, EMA.
 
     python tests/trainer_job.py RESULTS [--steps N] [--save-every K] [--precision fp16] [--no-compile]
+                                        [--log-every L] [--step-sleep S] [--slow S]
 """
 import argparse
 import sys
@@ -17,7 +18,11 @@ class Model(torch.nn.Module):
         self.net = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.GELU(), torch.nn.Dropout(0.2),
                                        torch.nn.Linear(32, 6))
 
+    step_sleep = 0.0  # seconds each forward sleeps (eager only): a slow step, for the SIGTERM tests
+
     def forward(self, x, y):
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
         noise = 0.01 * torch.randn_like(x)  # randomness in the loss too, drawn from the state's generator
         return torch.nn.functional.mse_loss(self.net(x + noise), y)
 
@@ -31,6 +36,8 @@ def main():
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--trackers", default="jsonl")
     p.add_argument("--slow", type=float, default=0.0, help="seconds to sleep per sample fn (to be killed)")
+    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (needs --no-compile)")
     a = p.parse_args()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(72, 6, generator=g)
@@ -38,7 +45,7 @@ def main():
     torch.manual_seed(0)
     config = ft.TrainConfig(train_batch_size=4, gradient_accumulate_every=2, train_lr=3e-3, train_num_steps=a.steps,
                             ema_update_every=2, ema_decay=0.9, save_and_sample_every=a.save_every, num_samples=4,
-                            mixed_precision=a.precision, results_folder=a.results, seed=3, log_every=1,
+                            mixed_precision=a.precision, results_folder=a.results, seed=3, log_every=a.log_every,
                             keep_checkpoints=100, compile=not a.no_compile, trackers=tuple(a.trackers.split(",")))
 
     def sample_fn(ema_params, n):
@@ -47,7 +54,9 @@ def main():
         w = ema_params["net.0.weight"]
         return torch.sigmoid(w[: n * 4].reshape(n, 1, 4, 6))
 
-    state = ft.Trainer(Model(), data, config, sample_fn=sample_fn).train()
+    model = Model()
+    model.step_sleep = a.step_sleep
+    state = ft.Trainer(model, data, config, sample_fn=sample_fn).train()
     sys.stdout.write(f"DONE step={int(state.step)} rank={ft.distributed.rank()}\n")
 
 

@@ -64,29 +64,32 @@ Example::
 """
 from __future__ import annotations
 
-# format: file names, dtype codes, the allow-list of node types, the tree <-> JSON encoding, template matching
+# format: file names, dtype codes, the tree <-> JSON encoding, template matching, the errors
 # tensorfile: the safetensors file of all tensors, written and read in checksummed chunks (crc32/sha256)
 # folder: the checkpoint folder: completion mark, atomic save, verified load, leftovers of killed saves
-# manager: CheckpointManager (numbered checkpoints, rotation) and Restored
-from . import folder, format, manager, tensorfile
-from .folder import _sha256, load, load_extra, save
-from ..registry import _NAMES, _TYPES, register_checkpoint_type
-from .format import EXTRA, FORMAT, MARKER, TENSORS, TREE, VERSION, CheckpointError
+# manager: CheckpointManager (numbered checkpoints, rotation, fallback) and Restored
+# lock: FolderLock (one writer per folder) and the in-use marks of a save's folders
+# The node-type allow-list lives in functrain.registry (core layer): types register where they are defined.
+# The classes below declare ``functrain.checkpoint`` as their ``__module__`` (their public home in reprs).
+from . import folder, format, lock, manager, tensorfile
+from ..registry import register_checkpoint_type
+from .folder import check_structure, load, load_extra, save
+from .format import (EXTRA, FORMAT, MARKER, TENSORS, TREE, VERSION, CheckpointError, CheckpointSpaceError,
+                     StructureMismatch)
+from .lock import FolderLock, FolderLocked
 from .manager import CheckpointManager, Restored
-from .tensorfile import _digest_file  # the block checksums of a tensor file, for tools and tests
 
 __all__ = [
     "save",
     "load",
     "load_extra",
+    "check_structure",
     "CheckpointManager",
     "CheckpointError",
+    "CheckpointSpaceError",
+    "StructureMismatch",
+    "FolderLock",
+    "FolderLocked",
     "Restored",
     "register_checkpoint_type",
 ]
-
-# The public names keep ``functrain.checkpoint`` as their module, as before the split into submodules: it is
-# the path in reprs, docs and pickles, and the name under which ``Restored`` is allowed in checkpoints.
-for _obj in (save, load, load_extra, CheckpointManager, CheckpointError, Restored):
-    _obj.__module__ = __name__
-del _obj

@@ -7,6 +7,7 @@ it into place; :func:`load` checks every file against the mark before using it.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -17,9 +18,10 @@ from typing import Any
 
 import torch
 
-from .format import (EXTRA, FORMAT, MARKER, TENSORS, TREE, VERSION, CheckpointError, _check_size, _decode, _encode,
-                     _fill, _json_bytes, _match, _walk_refs)
-from .tensorfile import _check_checksum, _load_tensors, _pwrite_all, _write_tensors
+from .format import (EXTRA, FORMAT, MARKER, TENSORS, TREE, VERSION, CheckpointError, CheckpointSpaceError, check_size,
+                     decode, encode, fill, json_bytes, match, tensor_refs)
+from .lock import hold_dir, try_hold_dir
+from .tensorfile import check_checksum, load_tensors, pwrite_all, write_tensors
 
 _MAX_JSON = 256 << 20   # refuse absurdly large JSON files before reading them
 
@@ -41,30 +43,30 @@ def _fsync_dir(path: str) -> None:
 def _write_file(path: str, data: bytes, sync: bool) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        _pwrite_all(fd, memoryview(data), 0)
+        pwrite_all(fd, memoryview(data), 0)
         if sync:
             os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _sha256(data: bytes) -> str:
+def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
 # -------------------------------------------------------------------------- the completion mark
-def _read_json(path: str, expect: dict | None) -> Any:
+def read_json(path: str, expect: dict | None) -> Any:
     try:
         size = os.stat(path).st_size
         if expect is not None:
-            _check_size(path, size, expect)
+            check_size(path, size, expect)
         if size > _MAX_JSON:
             raise CheckpointError(f"{path}: {size} bytes is too large for a checkpoint JSON file")
         with open(path, "rb") as f:
             data = f.read(_MAX_JSON + 1)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read it ({e})") from None
-    if expect is not None and _sha256(data) != expect.get("sha256"):
+    if expect is not None and sha256(data) != expect.get("sha256"):
         raise CheckpointError(f"{path}: its sha256 does not match the completion mark: the file was edited or "
                               f"replaced")
     try:
@@ -73,14 +75,14 @@ def _read_json(path: str, expect: dict | None) -> Any:
         raise CheckpointError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
 
 
-def _read_marker(path: str) -> dict:
+def read_marker(path: str) -> dict:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint folder")
     mpath = os.path.join(path, MARKER)
     if not os.path.isfile(mpath):
         raise CheckpointError(f"{path}: no completion mark {MARKER}: the checkpoint is incomplete (its save was "
                               f"interrupted) or this is not a functrain checkpoint")
-    marker = _read_json(mpath, None)
+    marker = read_json(mpath, None)
     files = marker.get("files") if isinstance(marker, dict) else None
     if not isinstance(files, dict) or marker.get("format") != FORMAT:
         raise CheckpointError(f"{mpath}: not a functrain checkpoint mark")
@@ -92,33 +94,53 @@ def _read_marker(path: str) -> dict:
     return files
 
 
-def _sizes_ok(path: str, files: dict) -> bool:
-    try:
-        return all(os.stat(os.path.join(path, f)).st_size == meta.get("size") for f, meta in files.items())
-    except OSError:
-        return False
+def check_complete(path: str) -> dict:
+    """The completion mark's file list, after checking that every listed file has the size it lists
+    (the files' contents are checked only when loaded); a :class:`CheckpointError` says what is wrong."""
+    files = read_marker(path)
+    for f, meta in files.items():
+        fpath = os.path.join(path, f)
+        try:
+            size = os.stat(fpath).st_size
+        except OSError as e:
+            raise CheckpointError(f"{fpath}: cannot read it ({e})") from None
+        check_size(fpath, size, meta)
+    return files
 
 
-def _is_complete(path: str) -> bool:
-    """Whether ``path`` is a complete checkpoint: a valid completion mark and every listed file at its size
-    (the files' contents are checked only when loaded)."""
+def is_complete(path: str) -> bool:
+    """Whether ``path`` is a complete checkpoint (see :func:`check_complete`)."""
     try:
-        return _sizes_ok(path, _read_marker(path))
+        check_complete(path)
+        return True
     except CheckpointError:
         return False
+
+
+def read_marks(path: str) -> dict:
+    """The marks a writer attached to the checkpoint at ``path`` (``{}`` if none), e.g. ``{"finite": True}``."""
+    try:
+        marker = read_json(os.path.join(path, MARKER), None)
+    except CheckpointError:
+        return {}
+    marks = marker.get("marks") if isinstance(marker, dict) else None
+    return marks if isinstance(marks, dict) else {}
 
 
 # -------------------------------------------------------------------------- save
 _LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old|del)-[0-9a-f]{12}$")
 
 
-def _tidy(parent: str, keep_name: Any) -> None:
+def tidy(parent: str, keep_name: Any) -> None:
     """Clean what a killed save or removal left in ``parent`` for the names ``keep_name(name)`` accepts.
 
     ``.<name>.tmp-*`` (an unfinished save) and ``.<name>.del-*`` (an unfinished
     removal) are deleted. ``.<name>.old-*`` is a complete checkpoint that a
     replacing save renamed aside: it is renamed back when ``<name>`` is missing
-    (the kill came between the two renames), deleted otherwise.
+    (the kill came between the two renames), deleted otherwise. A folder that a
+    live process is still writing or removing (it holds the folder's in-use mark,
+    :func:`~functrain.checkpoint.lock.hold_dir`) is left alone: only what a dead
+    process left is tidied.
     """
     try:
         entries = sorted(os.listdir(parent))
@@ -129,13 +151,19 @@ def _tidy(parent: str, keep_name: Any) -> None:
         if not m or not keep_name(m.group("name")):
             continue
         p, target = os.path.join(parent, entry), os.path.join(parent, m.group("name"))
-        if m.group("kind") == "old" and not os.path.lexists(target) and _is_complete(p):
-            try:
-                os.rename(p, target)
-                continue
-            except OSError:
-                pass
-        shutil.rmtree(p, ignore_errors=True)
+        fd = try_hold_dir(p)
+        if fd is None:  # in use by a live writer (or already gone)
+            continue
+        try:
+            if m.group("kind") == "old" and not os.path.lexists(target) and is_complete(p):
+                try:
+                    os.rename(p, target)
+                    continue
+                except OSError:
+                    pass
+            shutil.rmtree(p, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 def _check_replaceable(path: str) -> None:
@@ -146,6 +174,46 @@ def _check_replaceable(path: str) -> None:
     if os.path.islink(path) or not os.path.isdir(path) or not set(os.listdir(path)) <= ours:
         raise FileExistsError(f"{path} exists and is not a functrain checkpoint folder; not replacing it "
                               f"(a checkpoint folder holds only {', '.join(sorted(ours))})")
+
+
+def _free_bytes(folder: str) -> int | None:
+    """Bytes an unprivileged writer may still use in ``folder``'s file system (``None`` if unknown)."""
+    try:
+        st = os.statvfs(folder)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize if st.f_blocks else None
+
+
+def _size_limit() -> int | None:
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def _mib(n: int | None) -> str:
+    return "unknown" if n is None else f"{n} bytes ({n / 2**20:.1f} MiB)"
+
+
+def _space_error(e: OSError | None, path: str, needed: int, largest: int) -> CheckpointSpaceError:
+    parent = os.path.dirname(path)
+    free, limit = _free_bytes(parent), _size_limit()
+    if e is not None and e.errno == errno.EFBIG or e is None and limit is not None and largest > limit:
+        return CheckpointSpaceError(
+            errno.EFBIG, f"cannot save checkpoint {path}: it needs {_mib(needed)} in files of up to "
+                         f"{_mib(largest)}, and this process may write files of at most {_mib(limit)} "
+                         f"(the file-size limit, RLIMIT_FSIZE / ulimit -f); {_mib(free)} are free in {parent}. "
+                         f"Nothing was written and the older checkpoints are intact", path, needed, limit)
+    code = e.errno if e is not None else errno.ENOSPC
+    return CheckpointSpaceError(
+        code, f"cannot save checkpoint {path}: it needs {_mib(needed)} and {parent} has {_mib(free)} free "
+              f"({errno.errorcode.get(code, code)}: {'disk quota exceeded' if code == errno.EDQUOT else 'no space left on the device'}). "
+              f"Nothing was written and the older checkpoints are intact; free some space (or keep fewer "
+              f"checkpoints)", path, needed, free)
 
 
 def save(path: str | os.PathLike, state: Any, extra: Any = None, *, checksum: str = "crc32",
@@ -162,56 +230,143 @@ def save(path: str | os.PathLike, state: Any, extra: Any = None, *, checksum: st
 
     Everything that could make the state unsavable (an unsupported leaf or node
     type, an unregistered NamedTuple, ``extra`` that is not JSON) raises before
-    anything is written.
+    anything is written. A checkpoint that does not fit (the free space, checked
+    before writing, or the file-size limit; or ENOSPC/EFBIG while writing) raises
+    :class:`CheckpointSpaceError` (an ``OSError``) naming the path, the bytes
+    needed and the bytes free; the older checkpoints stay intact.
+
+    Example::
+
+        >>> import tempfile, torch, functrain as ft
+        >>> path = ft.save(tempfile.mkdtemp() + "/ckpt", {"w": torch.ones(2)}, extra={"epoch": 1})
+        >>> ft.load_extra(path)
+        {'epoch': 1}
     """
-    _check_checksum(checksum)
+    return write_checkpoint(path, state, extra, checksum=checksum, fsync=fsync)
+
+
+def write_checkpoint(path: str | os.PathLike, state: Any, extra: Any = None, *, checksum: str = "crc32",
+                     fsync: bool = True, marks: dict | None = None) -> str:
+    """:func:`save`, with ``marks`` (a small JSON dict, e.g. ``{"finite": True}``) recorded in the completion
+    mark, where :func:`read_marks` finds them without reading the other files."""
+    check_checksum(checksum)
     path = os.path.abspath(os.fspath(path))
     parent, name = os.path.split(path)
     if not name:
         raise ValueError(f"save needs a folder path with a name; got {path!r}")
-    node, tensors = _encode(state)
-    tree_bytes = _json_bytes({"format": FORMAT, "version": VERSION, "tree": node})
+    node, tensors = encode(state)
+    tree_bytes = json_bytes({"format": FORMAT, "version": VERSION, "tree": node})
     try:
-        extra_bytes = _json_bytes(extra)
+        extra_bytes = json_bytes(extra)
     except (TypeError, ValueError) as e:
         raise TypeError(f"extra must be JSON-serialisable (dicts, lists, str, numbers, bool, None): {e}") from None
+    marker: dict = {"format": FORMAT, "version": VERSION}
+    if marks:
+        try:
+            json_bytes(marks)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"marks must be a JSON-serialisable dict: {e}") from None
+        marker["marks"] = dict(marks)
+    tensor_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    needed = tensor_bytes + len(tree_bytes) + len(extra_bytes)
+    largest = max(tensor_bytes, len(tree_bytes), len(extra_bytes))
 
     os.makedirs(parent, exist_ok=True)
-    _tidy(parent, lambda n: n == name)
+    tidy(parent, lambda n: n == name)
     _check_replaceable(path)
-    tmp = os.path.join(parent, f".{name}.tmp-{secrets.token_hex(6)}")
-    old = None
-    os.mkdir(tmp)
+    free, limit = _free_bytes(parent), _size_limit()
+    if (free is not None and needed > free) or (limit is not None and largest > limit):
+        raise _space_error(None, path, needed, largest)
+    tmp, held = _new_tmp(parent, name)
+    old = old_fd = None
     try:
-        files = {TENSORS: _write_tensors(os.path.join(tmp, TENSORS), tensors, checksum, fsync)}
+        files = {TENSORS: write_tensors(os.path.join(tmp, TENSORS), tensors, checksum, fsync)}
         for fname, data in ((TREE, tree_bytes), (EXTRA, extra_bytes)):
             _write_file(os.path.join(tmp, fname), data, fsync)
-            files[fname] = {"size": len(data), "sha256": _sha256(data)}
+            files[fname] = {"size": len(data), "sha256": sha256(data)}
         # the completion mark, written last: a folder without it is never loaded
-        _write_file(os.path.join(tmp, MARKER), _json_bytes({"format": FORMAT, "version": VERSION, "files": files}),
-                    fsync)
+        _write_file(os.path.join(tmp, MARKER), json_bytes({**marker, "files": files}), fsync)
         if fsync:
             _fsync_dir(tmp)
         if os.path.lexists(path):
             _check_replaceable(path)
+            old_fd = hold_dir(path)  # the aside folder is in use until this save ends: never tidied meanwhile
             old = os.path.join(parent, f".{name}.old-{secrets.token_hex(6)}")
             os.rename(path, old)
         os.rename(tmp, path)
         if fsync:
             _fsync_dir(parent)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and not os.path.lexists(path):
             os.rename(old, path)  # put the previous checkpoint back
+        for fd in (held, old_fd):
+            if fd is not None:
+                os.close(fd)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) \
+                and not isinstance(e, CheckpointSpaceError):
+            raise _space_error(e, path, needed, largest) from e
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    os.close(held)
+    if old_fd is not None:
+        os.close(old_fd)
     return path
+
+
+def _new_tmp(parent: str, name: str) -> tuple[str, int]:
+    """A new temporary folder for ``name`` and the fd that marks it in use (so no other save tidies it)."""
+    for _ in range(8):
+        tmp = os.path.join(parent, f".{name}.tmp-{secrets.token_hex(6)}")
+        os.mkdir(tmp)
+        fd = hold_dir(tmp)
+        try:  # a tidier may have taken it between mkdir and the mark: then it is gone, take another name
+            if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
+                return tmp, fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    raise RuntimeError(f"cannot create a temporary folder in {parent}: another process keeps removing them")
 
 
 # -------------------------------------------------------------------------- load
 def _device(d: Any) -> torch.device | None:
     return None if d is None else torch.device(d)
+
+
+def _read_structure(path: str, files: dict) -> tuple[Any, list]:
+    """The decoded tree.json of ``path`` (checked against the mark) and its tensor references."""
+    tree_file = os.path.join(path, TREE)
+    doc = read_json(tree_file, files[TREE])
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or set(doc) != {"format", "version", "tree"}:
+        raise CheckpointError(f"{tree_file}: not a functrain checkpoint structure")
+    tree = decode(doc["tree"], tree_file)
+    refs = tensor_refs(tree)
+    if len({r.key for r in refs}) != len(refs):
+        raise CheckpointError(f"{tree_file}: a tensor key appears twice")
+    return tree, refs
+
+
+def check_structure(path: str | os.PathLike, template: Any) -> None:
+    """Refuse the checkpoint at ``path`` unless its saved structure (``tree.json``: node types, keys, each
+    tensor's dtype and shape) is the template's, before any tensor is read.
+
+    Raises :class:`StructureMismatch` naming every differing path (e.g. ``'slots'``: a transform's slot only in
+    the checkpoint), or :class:`CheckpointError` if ``tree.json`` is damaged.
+
+    Example::
+
+        >>> import tempfile, torch, functrain as ft
+        >>> path = ft.save(tempfile.mkdtemp() + "/c", {"w": torch.ones(2)})
+        >>> ft.checkpoint.check_structure(path, {"w": torch.zeros(3)})
+        Traceback (most recent call last):
+        ...
+        functrain.checkpoint.StructureMismatch: checkpoint ... at 'w': tensor (2,) torch.float32 in the checkpoint, (3,) torch.float32 in the template
+    """
+    path = os.path.abspath(os.fspath(path))
+    tree, _ = _read_structure(path, read_marker(path))
+    match(tree, template, path)
 
 
 def load(path: str | os.PathLike, template: Any = None, *, device: Any = None, mmap: bool = True) -> Any:
@@ -237,27 +392,20 @@ def load(path: str | os.PathLike, template: Any = None, *, device: Any = None, m
     copied there from the mapping.
     """
     path = os.path.abspath(os.fspath(path))
-    files = _read_marker(path)
-    tree_file = os.path.join(path, TREE)
-    doc = _read_json(tree_file, files[TREE])
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or set(doc) != {"format", "version", "tree"}:
-        raise CheckpointError(f"{tree_file}: not a functrain checkpoint structure")
-    tree = _decode(doc["tree"], tree_file)
-    refs = _walk_refs(tree)
-    if len({r.key for r in refs}) != len(refs):
-        raise CheckpointError(f"{tree_file}: a tensor key appears twice")
-    targets = _match(tree, template, path, tree_file) if template is not None else {}
-    tensors = _load_tensors(os.path.join(path, TENSORS), files[TENSORS], refs, bool(mmap))
+    files = read_marker(path)
+    tree, refs = _read_structure(path, files)
+    targets = match(tree, template, path) if template is not None else {}
+    tensors = load_tensors(os.path.join(path, TENSORS), files[TENSORS], refs, bool(mmap))
     dev = _device(device)
     for key, t in tensors.items():
         target = dev if dev is not None else (targets[key].device if key in targets else None)
         if target is not None and t.device != target:
             tensors[key] = t.to(target)
-    return _fill(tree, tensors)
+    return fill(tree, tensors)
 
 
 def load_extra(path: str | os.PathLike) -> Any:
     """The ``extra`` JSON value saved with the checkpoint at ``path`` (checked against the completion mark)."""
     path = os.path.abspath(os.fspath(path))
-    files = _read_marker(path)
-    return _read_json(os.path.join(path, EXTRA), files[EXTRA])
+    files = read_marker(path)
+    return read_json(os.path.join(path, EXTRA), files[EXTRA])

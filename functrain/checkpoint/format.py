@@ -12,14 +12,15 @@ from typing import Any
 
 import torch
 
-from ..registry import register_checkpoint_type, type_by_name, type_name  # noqa: F401 - re-exported
+from .._validate import path_str
+from ..registry import type_by_name, type_name
 
 FORMAT = "functrain-checkpoint"
 VERSION = 1
 TENSORS, TREE, EXTRA, MARKER = "tensors.safetensors", "tree.json", "extra.json", "COMPLETE.json"
 
 # torch dtype <-> safetensors dtype code (the ones both sides support)
-_ST_CODES = {
+ST_CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
@@ -27,32 +28,47 @@ _ST_CODES = {
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
     torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
 }
-_DTYPES = {str(d).removeprefix("torch."): d for d in _ST_CODES}  # "float32" -> torch.float32 (allow-list)
+_DTYPES = {str(d).removeprefix("torch."): d for d in ST_CODES}  # "float32" -> torch.float32 (allow-list)
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is incomplete, damaged, not a functrain checkpoint, or does not match the template."""
 
+    __module__ = "functrain.checkpoint"  # its public home, in reprs and tracebacks
 
-def _check_size(path: str, size: int, expect: dict) -> None:
+
+class CheckpointSpaceError(OSError):
+    """A checkpoint that does not fit: the disk or quota is full (ENOSPC, EDQUOT), or a file would pass the
+    process's file-size limit (EFBIG, ``RLIMIT_FSIZE``). An ``OSError`` with that errno.
+
+    ``path`` is the checkpoint, ``needed`` the bytes it needs, ``free`` the bytes the file system (or the size
+    limit) allows. Nothing of the new checkpoint is left behind, and the older ones are intact.
+    """
+
+    __module__ = "functrain.checkpoint"  # its public home, in reprs and tracebacks
+
+    def __init__(self, errno_: int, message: str, path: str, needed: int, free: int | None):
+        super().__init__(errno_, message)
+        self.path, self.needed, self.free = path, needed, free
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def check_size(path: str, size: int, expect: dict) -> None:
     """Refuse a file whose size is not the one its completion-mark entry ``expect`` lists."""
     if size != expect.get("size"):
         raise CheckpointError(f"{path}: size {size} bytes, the completion mark says {expect.get('size')}: "
                               f"the file was truncated or changed")
 
 
-def _json_bytes(obj: Any) -> bytes:
+def json_bytes(obj: Any) -> bytes:
     """The bytes of a JSON file (or header) of the format: compact, UTF-8."""
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
-# -------------------------------------------------------------------------- allow-listed node types
-# NamedTuple node types register themselves where they are defined (functrain.registry, core layer).
-_type_name, _type_by_name = type_name, type_by_name
-
-
 # -------------------------------------------------------------------------- tree <-> JSON
-class _Ref:
+class TensorRef:
     """A tensor leaf of the structure read from tree.json, before its data is read."""
 
     __slots__ = ("key", "dtype", "shape")
@@ -76,13 +92,13 @@ def _scalar(value: Any, where: str) -> dict:
                     f"dict/list/tuple/NamedTuple nodes, None, bool, int, float and str)")
 
 
-def _encode(tree: Any) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
+def encode(tree: Any) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
     """tree.json's node for ``tree`` and the tensor leaves as ``[(key, tensor)]`` in tree order."""
     tensors: list[tuple[str, torch.Tensor]] = []
     used: set[str] = {"__metadata__"}  # reserved by safetensors headers
 
     def key_for(path: list[str]) -> str:
-        key = "/".join(path) or "<root>"
+        key = path_str(path)
         base, n = key, 0
         while key in used:
             n += 1
@@ -91,12 +107,12 @@ def _encode(tree: Any) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
         return key
 
     def enc(x: Any, path: list[str]) -> dict:
-        where = "/".join(path) or "<root>"
+        where = path_str(path)
         if torch.is_tensor(x):
             if x.layout != torch.strided or x.is_quantized or x.is_nested or x.device.type == "meta":
                 raise TypeError(f"cannot checkpoint the tensor at {where!r}: only dense (strided) tensors with "
                                 f"data; this one is {x.layout}{' quantized' if x.is_quantized else ''} on {x.device}")
-            if x.dtype not in _ST_CODES:
+            if x.dtype not in ST_CODES:
                 raise TypeError(f"cannot checkpoint the tensor at {where!r}: dtype {x.dtype} has no safetensors "
                                 f"code; supported: {', '.join(sorted(_DTYPES))}")
             key = key_for(path)
@@ -112,7 +128,7 @@ def _encode(tree: Any) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
         if cls is list or cls is tuple:
             return {"t": cls.__name__, "children": [enc(c, path + [str(i)]) for i, c in enumerate(x)]}
         if isinstance(x, tuple) and hasattr(cls, "_fields"):
-            name = _type_name(cls)
+            name = type_name(cls)
             if name is None:
                 raise TypeError(f"cannot checkpoint the {cls.__module__}.{cls.__qualname__} at {where!r}: not an "
                                 f"allowed node type; register it with ft.register_checkpoint_type({cls.__name__})")
@@ -134,8 +150,8 @@ def _key(k: Any, where: str) -> dict:
                     f"(keys must be str, int, bool or None)")
 
 
-def _decode(node: Any, file: str) -> Any:
-    """Rebuild the tree from tree.json's node, with a :class:`_Ref` for each tensor."""
+def decode(node: Any, file: str) -> Any:
+    """Rebuild the tree from tree.json's node, with a :class:`TensorRef` for each tensor."""
 
     def bad(what: str) -> CheckpointError:
         return CheckpointError(f"{file}: invalid structure ({what})")
@@ -178,7 +194,7 @@ def _decode(node: Any, file: str) -> Any:
             if not isinstance(key, str) or dtype not in _DTYPES or not isinstance(shape, list) or \
                     not all(type(s) is int and s >= 0 for s in shape):
                 raise bad(f"bad tensor entry {n!r}")
-            return _Ref(key, _DTYPES[dtype], tuple(shape))
+            return TensorRef(key, _DTYPES[dtype], tuple(shape))
         if t in ("dict", "odict"):
             keys, kids = fields(n, "keys", "children")
             if not isinstance(keys, list) or not isinstance(kids, list) or len(keys) != len(kids):
@@ -197,7 +213,7 @@ def _decode(node: Any, file: str) -> Any:
             return out if t == "list" else tuple(out)
         if t == "namedtuple":
             name, names, kids = fields(n, "type", "fields", "children")
-            cls = _type_by_name(name) if isinstance(name, str) else None
+            cls = type_by_name(name) if isinstance(name, str) else None
             if cls is None:
                 raise CheckpointError(f"{file}: node type {name!r} is not an allowed checkpoint type; if it is "
                                       f"yours, call ft.register_checkpoint_type(<the class>, name={name!r}) first")
@@ -217,11 +233,11 @@ def _decode(node: Any, file: str) -> Any:
         raise bad("nested too deeply") from None
 
 
-def _walk_refs(tree: Any) -> list[_Ref]:
-    out: list[_Ref] = []
+def tensor_refs(tree: Any) -> list[TensorRef]:
+    out: list[TensorRef] = []
 
     def walk(x: Any) -> None:
-        if isinstance(x, _Ref):
+        if isinstance(x, TensorRef):
             out.append(x)
         elif isinstance(x, dict):
             for v in x.values():
@@ -234,60 +250,94 @@ def _walk_refs(tree: Any) -> list[_Ref]:
     return out
 
 
-def _fill(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(tree, _Ref):
+def fill(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(tree, TensorRef):
         return tensors[tree.key]
     cls = type(tree)
     if cls is dict or cls is collections.OrderedDict:
-        return cls((k, _fill(v, tensors)) for k, v in tree.items())
+        return cls((k, fill(v, tensors)) for k, v in tree.items())
     if cls is list:
-        return [_fill(v, tensors) for v in tree]
+        return [fill(v, tensors) for v in tree]
     if cls is tuple:
-        return tuple(_fill(v, tensors) for v in tree)
+        return tuple(fill(v, tensors) for v in tree)
     if isinstance(tree, tuple):  # an allow-listed NamedTuple
-        return cls._make(_fill(v, tensors) for v in tree)
+        return cls._make(fill(v, tensors) for v in tree)
     return tree
 
 
-def _match(loaded: Any, template: Any, path: str, file: str) -> dict[str, Any]:
-    """Check the decoded tree against the template; returns ``{tensor key: template leaf}``."""
-    targets: dict[str, Any] = {}
+def differences(loaded: Any, template: Any, limit: int = 8) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """Compare a decoded tree with a template: ``([(path, what differs)], {tensor key: template leaf})``.
 
-    def fail(where: list[str], what: str) -> CheckpointError:
-        p = "/".join(where) or "<root>"
-        return CheckpointError(f"checkpoint {path} does not match the template at {p!r}: {what}")
+    Every differing path is listed (up to ``limit``), in tree order: node types, dict keys, numbers of
+    children, and each tensor's dtype and shape. Only the structure is compared, never tensor values.
+    """
+    targets: dict[str, Any] = {}
+    found: list[tuple[str, str]] = []
 
     def kind(x: Any) -> str:
-        if isinstance(x, _Ref) or torch.is_tensor(x):
+        if isinstance(x, TensorRef) or torch.is_tensor(x):
             return "tensor"
         if isinstance(x, tuple) and hasattr(type(x), "_fields"):
             return f"{type(x).__qualname__}"
         return type(x).__name__
 
     def walk(a: Any, b: Any, where: list[str]) -> None:
-        if isinstance(a, _Ref):
+        if len(found) >= limit:
+            return
+        if isinstance(a, TensorRef):
             if not torch.is_tensor(b):
-                raise fail(where, f"a tensor in the checkpoint, {kind(b)} in the template")
-            if a.dtype != b.dtype or a.shape != tuple(b.shape):
-                raise fail(where, f"tensor {tuple(a.shape)} {a.dtype} in the checkpoint, "
-                                  f"{tuple(b.shape)} {b.dtype} in the template")
-            targets[a.key] = b
+                found.append((path_str(where), f"a tensor in the checkpoint, {kind(b)} in the template"))
+            elif a.dtype != b.dtype or a.shape != tuple(b.shape):
+                found.append((path_str(where), f"tensor {tuple(a.shape)} {a.dtype} in the checkpoint, "
+                                               f"{tuple(b.shape)} {b.dtype} in the template"))
+            else:
+                targets[a.key] = b
             return
         if type(a) is not type(b):
-            raise fail(where, f"{kind(a)} in the checkpoint, {kind(b)} in the template")
+            found.append((path_str(where), f"{kind(a)} in the checkpoint, {kind(b)} in the template"))
+            return
         if isinstance(a, dict):
             if set(a) != set(b):
                 only_a = sorted(set(a) - set(b), key=repr)
                 only_b = sorted(set(b) - set(a), key=repr)
-                raise fail(where, f"dict keys differ: only in the checkpoint {only_a}, only in the template {only_b}")
+                found.append((path_str(where), f"dict keys differ: only in the checkpoint {only_a}, only in the "
+                                               f"template {only_b}"))
             for k in a:
-                walk(a[k], b[k], where + [str(k)])
+                if k in b:
+                    walk(a[k], b[k], where + [str(k)])
         elif isinstance(a, (list, tuple)):
             if len(a) != len(b):
-                raise fail(where, f"{len(a)} children in the checkpoint, {len(b)} in the template")
+                found.append((path_str(where), f"{len(a)} children in the checkpoint, {len(b)} in the template"))
+                return
             names = type(a)._fields if hasattr(type(a), "_fields") else range(len(a))
             for n, x, y in zip(names, a, b):
                 walk(x, y, where + [str(n)])
 
     walk(loaded, template, [])
+    return found, targets
+
+
+class StructureMismatch(CheckpointError):
+    """A checkpoint whose state structure (node types, keys, tensor dtypes and shapes) differs from the template.
+
+    ``differences`` lists ``(path, what differs)``; ``path`` is the checkpoint folder. Raised before any tensor
+    is read. Unlike damage, it is never skipped by a fallback to an older checkpoint.
+    """
+
+    __module__ = "functrain.checkpoint"  # its public home, in reprs and tracebacks
+
+    def __init__(self, path: str, differences: list[tuple[str, str]]):
+        self.path, self.differences = path, differences
+        where = "; ".join(f"at {p!r}: {w}" for p, w in differences)
+        super().__init__(f"checkpoint {path} does not match the template {where}")
+
+
+def match(loaded: Any, template: Any, path: str) -> dict[str, Any]:
+    """Check the decoded tree against the template; returns ``{tensor key: template leaf}``.
+
+    Raises :class:`StructureMismatch` naming every differing path (the first one first).
+    """
+    found, targets = differences(loaded, template)
+    if found:
+        raise StructureMismatch(path, found)
     return targets

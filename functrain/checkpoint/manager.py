@@ -10,13 +10,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .folder import _is_complete, _tidy, load, load_extra, save
-from .format import CheckpointError
-from .tensorfile import _check_checksum
+from .folder import check_complete, check_structure, load, load_extra, read_marks, tidy, write_checkpoint
+from .format import CheckpointError, StructureMismatch
+from .lock import hold_dir
+from .tensorfile import check_checksum
 
 
 class Restored(NamedTuple):
     """What :meth:`CheckpointManager.load_latest` returns."""
+
+    __module__ = "functrain.checkpoint"  # its public home, in reprs and docs
 
     state: Any
     extra: Any
@@ -41,6 +44,8 @@ class CheckpointManager:
     One process should save into a folder at a time (rank 0 under data parallelism).
     """
 
+    __module__ = "functrain.checkpoint"  # its public home, in reprs and tracebacks
+
     _NAME = re.compile(r"step_(\d+)$")
     _ASIDE = re.compile(r"\.step_(\d+)\.old-[0-9a-f]{12}$")
 
@@ -48,7 +53,7 @@ class CheckpointManager:
                  fsync: bool = True):
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be an int >= 1 or None (keep all); got {keep!r}")
-        _check_checksum(checksum)
+        check_checksum(checksum)
         self.folder = os.path.abspath(os.fspath(folder))
         self.keep, self.checksum, self.fsync = keep, checksum, fsync
 
@@ -59,25 +64,39 @@ class CheckpointManager:
         """The folder of the checkpoint for ``step``."""
         return os.path.join(self.folder, f"step_{int(step):08d}")
 
-    def _complete(self) -> dict[int, str]:
-        """``{step: path}`` of the complete checkpoints (a valid mark and every listed file at its size)."""
+    def _scan(self) -> tuple[dict[int, str], dict[int, tuple[str, str]]]:
+        """``({step: path} of the complete checkpoints, {step: (path, why)} of the damaged ones)``.
+
+        Complete: a valid mark and every listed file at its size. A ``step_*`` folder that is not complete
+        is damaged (a save never leaves one: it renames a finished folder into place).
+        """
         try:
             entries = os.listdir(self.folder)
         except FileNotFoundError:
-            return {}
+            return {}, {}
         found: dict[int, str] = {}
         asides: dict[int, str] = {}
+        damaged: dict[int, tuple[str, str]] = {}
         for entry in entries:
             m, a = self._NAME.match(entry), self._ASIDE.match(entry)
             if not (m or a):
                 continue
             p = os.path.join(self.folder, entry)
-            if _is_complete(p):
-                (found if m else asides)[int((m or a).group(1))] = p
+            step = int((m or a).group(1))
+            try:
+                check_complete(p)
+            except CheckpointError as e:
+                if m:
+                    damaged[step] = (p, str(e))
+                continue
+            (found if m else asides)[step] = p
         # a replaced step's old folder, if the kill came between the two renames of a replacement
         for step, p in asides.items():
             found.setdefault(step, p)
-        return found
+        return found, {s: d for s, d in damaged.items() if s not in found}
+
+    def _complete(self) -> dict[int, str]:
+        return self._scan()[0]
 
     def steps(self) -> list[int]:
         """The steps of the complete checkpoints, oldest first."""
@@ -88,51 +107,100 @@ class CheckpointManager:
         found = self._complete()
         return found[max(found)] if found else None
 
-    def save(self, step: int, state: Any, extra: Any = None) -> str:
-        """Save ``state`` as the checkpoint of ``step``, then prune to the newest ``keep``. Returns its path."""
+    def save(self, step: int, state: Any, extra: Any = None, *, finite: bool | None = None) -> str:
+        """Save ``state`` as the checkpoint of ``step``, then prune to the newest ``keep``. Returns its path.
+
+        ``finite`` (whether the state's parameters are finite, if the caller checked) is recorded in the
+        checkpoint's completion mark. Pruning never removes the newest checkpoint not marked
+        ``finite=False``: after non-finite saves, the last good one stays (``keep + 1`` folders then).
+        """
         if isinstance(step, torch.Tensor):
             step = int(step)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0; got {step!r}")
+        if finite is not None and not isinstance(finite, bool):
+            raise TypeError(f"finite must be a bool or None; got {finite!r}")
         os.makedirs(self.folder, exist_ok=True)
-        _tidy(self.folder, lambda n: self._NAME.match(n) is not None)  # leftovers of killed saves and removals
-        path = save(self.path(step), state, extra, checksum=self.checksum, fsync=self.fsync)
+        tidy(self.folder, lambda n: self._NAME.match(n) is not None)  # leftovers of killed saves and removals
+        path = write_checkpoint(self.path(step), state, extra, checksum=self.checksum, fsync=self.fsync,
+                                marks=None if finite is None else {"finite": finite})
         if self.keep is not None:
             found = self._complete()
             others = sorted(s for s in found if s != step)  # the one just saved always stays
-            for old in others[:max(0, len(others) - (self.keep - 1))]:
+            doomed = others[:max(0, len(others) - (self.keep - 1))]
+            if finite is False:
+                good = self.newest_finite(found)
+                if good is not None and good in doomed:
+                    doomed.remove(good)
+            for old in doomed:
                 self._remove(found[old])
         return path
+
+    def newest_finite(self, found: dict[int, str] | None = None) -> int | None:
+        """The step of the newest complete checkpoint not marked ``finite=False`` (``None`` if there is none)."""
+        found = self._complete() if found is None else found
+        for step in sorted(found, reverse=True):
+            if read_marks(found[step]).get("finite") is not False:
+                return step
+        return None
 
     def _remove(self, path: str) -> None:
         m = self._NAME.match(os.path.basename(path)) or self._ASIDE.match(os.path.basename(path))
         doomed = os.path.join(self.folder, f".step_{m.group(1)}.del-{secrets.token_hex(6)}")
         try:
-            os.rename(path, doomed)
+            fd = hold_dir(path)  # in use while it is removed: a concurrent tidy leaves it alone
         except OSError:
             return
-        shutil.rmtree(doomed, ignore_errors=True)
+        try:
+            os.rename(path, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     def load_latest(self, template: Any = None, *, device: Any = None, mmap: bool = True,
                     fallback: bool = True) -> Restored | None:
         """Load the newest complete checkpoint as a :class:`Restored` ``(state, extra, step, path)``.
 
-        ``template``, ``device`` and ``mmap`` are :func:`load`'s. Returns ``None``
-        when there is no checkpoint. If the newest fails to load (damaged on disk)
-        and ``fallback`` is true, a warning names it and the next older one is
-        tried; the error of the newest is raised if none loads.
+        ``template``, ``device`` and ``mmap`` are :func:`load`'s; with a template,
+        the saved structure is compared with it first, and a difference raises
+        :class:`StructureMismatch` naming every differing path, before any tensor
+        is read (that is a different run, not damage: there is no fallback).
+        Returns ``None`` when there is no checkpoint. With ``fallback`` (the
+        default), damage in the newest checkpoint (a truncated or missing file,
+        a checksum mismatch, an invalid ``tree.json`` or ``extra.json``) falls back
+        to the newest good one; a ``RuntimeWarning`` names each checkpoint skipped
+        and why. If checkpoints exist and none loads, the newest one's error is
+        raised.
         """
-        found = self._complete()
+        found, damaged = self._scan()
+        skipped: list[tuple[int, str, str]] = [(s, p, why) for s, (p, why) in damaged.items()]
         first: CheckpointError | None = None
+        restored = None
         for step in sorted(found, reverse=True):
             p = found[step]
             try:
-                return Restored(load(p, template, device=device, mmap=mmap), load_extra(p), step, p)
+                if template is not None:
+                    check_structure(p, template)
+                restored = Restored(load(p, template, device=device, mmap=mmap), load_extra(p), step, p)
+                break
+            except StructureMismatch:
+                raise
             except CheckpointError as e:
                 if not fallback:
                     raise
                 first = first or e
-                warnings.warn(f"skipping checkpoint {p}: {e}", RuntimeWarning, stacklevel=2)
-        if first is not None:
-            raise first
-        return None
+                skipped.append((step, p, str(e)))
+        newer = sorted((s, p, why) for s, p, why in skipped if restored is None or s > restored.step)
+        if newer and not fallback:
+            raise CheckpointError(f"{newer[-1][1]}: {newer[-1][2]}")
+        then = f"; loading {restored.path} (step {restored.step}) instead" if restored is not None else ""
+        for _, p, why in reversed(newer):
+            warnings.warn(f"skipping checkpoint {p}: {why}{then}", RuntimeWarning, stacklevel=2)
+        if restored is None and newer:
+            if first is not None:
+                raise first
+            raise CheckpointError(f"no checkpoint in {self.folder} loads: {', '.join(p for _, p, _ in newer)} "
+                                  f"are damaged (see the warnings); move them away to start afresh")
+        return restored

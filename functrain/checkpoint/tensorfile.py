@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .format import FORMAT, TREE, _ST_CODES, CheckpointError, _check_size, _json_bytes, _Ref
+from .format import FORMAT, TREE, ST_CODES, CheckpointError, check_size, json_bytes, TensorRef
 
 CHUNK_BYTES = 16 << 20  # checksum block of the tensor file
 _THREADS = max(1, min(4, os.cpu_count() or 1))  # chunks written/read and checksummed at once
@@ -66,7 +66,7 @@ class _Digests:
         return self.digests
 
 
-def _digest_file(path: str, algo: str = "crc32", chunk: int = CHUNK_BYTES) -> list[str]:
+def digest_file(path: str, algo: str = "crc32", chunk: int = CHUNK_BYTES) -> list[str]:
     """The block checksums of a file as the marker records them (for tools and tests)."""
     d = _Digests(algo, chunk)
     with open(path, "rb") as f:
@@ -79,7 +79,7 @@ def _hasher(algo: str) -> Any:
     return _Digests(algo, 1 << 62)
 
 
-def _check_checksum(checksum: str) -> None:
+def check_checksum(checksum: str) -> None:
     if checksum not in _CHECKSUMS:
         raise ValueError(f"checksum must be one of {_CHECKSUMS}; got {checksum!r}")
 
@@ -123,7 +123,7 @@ def _host_bytes(t: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
     return t, memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def _pwrite_all(fd: int, data: memoryview, at: int) -> None:
+def pwrite_all(fd: int, data: memoryview, at: int) -> None:
     while len(data):
         n = os.pwrite(fd, data, at)
         data, at = data[n:], at + n
@@ -158,7 +158,7 @@ class _HostBytes:
                 self.live.pop(i, None)
 
 
-def _write_tensors(path: str, tensors: list[tuple[str, torch.Tensor]], algo: str, sync: bool) -> dict:
+def write_tensors(path: str, tensors: list[tuple[str, torch.Tensor]], algo: str, sync: bool) -> dict:
     """Write a safetensors file; each piece is checksummed just before it is written (while it is in cache)."""
     # Largest element size first and the header padded to 8 bytes: every tensor's data is aligned.
     order = sorted(range(len(tensors)), key=lambda i: (-tensors[i][1].element_size(), tensors[i][0]))
@@ -167,9 +167,9 @@ def _write_tensors(path: str, tensors: list[tuple[str, torch.Tensor]], algo: str
     offset = 0
     for i, n in zip(order, sizes):
         key, t = tensors[i]
-        header[key] = {"dtype": _ST_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        header[key] = {"dtype": ST_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
-    hb = _json_bytes(header)
+    hb = json_bytes(header)
     hb += b" " * (-len(hb) % 8)
     prefix = struct.pack("<Q", len(hb)) + hb
     # segment 0 is the prefix (length + header), segment k >= 1 the tensor order[k - 1]
@@ -192,7 +192,7 @@ def _write_tensors(path: str, tensors: list[tuple[str, torch.Tensor]], algo: str
             for s in range(start, stop, _PIECE):
                 piece = mv[s:min(stop, s + _PIECE)]
                 h.update(piece)
-                _pwrite_all(fd, piece, at + s - start)
+                pwrite_all(fd, piece, at + s - start)
             del mv
             if seg:
                 sources.done(seg)
@@ -208,14 +208,14 @@ def _write_tensors(path: str, tensors: list[tuple[str, torch.Tensor]], algo: str
 
 
 # -------------------------------------------------------------------------- read
-def _load_tensors(file: str, meta: dict, refs: list[_Ref], map_file: bool) -> dict[str, torch.Tensor]:
+def load_tensors(file: str, meta: dict, refs: list[TensorRef], map_file: bool) -> dict[str, torch.Tensor]:
     try:
         from safetensors import SafetensorError, safe_open
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("loading a checkpoint needs safetensors: pip install 'functrain[checkpoint]'") from e
 
     size = os.stat(file).st_size
-    _check_size(file, size, meta)
+    check_size(file, size, meta)
     algo, chunk, expected = meta.get("checksum"), meta.get("chunk_bytes"), meta.get("chunks")
     if (algo not in _CHECKSUMS or type(chunk) is not int or chunk < (1 << 16) or not isinstance(expected, list)
             or len(expected) != max(1, -(-size // chunk))):
@@ -255,7 +255,7 @@ def _load_tensors(file: str, meta: dict, refs: list[_Ref], map_file: bool) -> di
         for key, h in entries:
             ref = wanted[key]
             start, end = h["data_offsets"]
-            if h["dtype"] != _ST_CODES[ref.dtype] or tuple(h["shape"]) != ref.shape or len(prefix) + start != pos:
+            if h["dtype"] != ST_CODES[ref.dtype] or tuple(h["shape"]) != ref.shape or len(prefix) + start != pos:
                 raise CheckpointError(f"{file}: tensor {key!r} is {h['dtype']} {tuple(h['shape'])} in the file, "
                                       f"{ref.dtype} {ref.shape} in {TREE}")
             numel = 1

@@ -8,22 +8,13 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .._validate import BadValue, check_choice, check_int, check_real, describe, is_real
+
 __all__ = ["TrainConfig"]
 
 _PRECISIONS = ("no", "bf16", "fp16")
-# Changing one of these changes the shapes or structure of the training state:
-# a checkpoint written under the old value cannot be resumed under the new one.
-STRUCTURAL = ("mixed_precision",)
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"TrainConfig.{name} must be a positive int; got {value!r}")
-
-
-def _positive_float(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
-        raise ValueError(f"TrainConfig.{name} must be a positive number; got {value!r}")
+_TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+_SEED_MAX = 2**63 - 1  # the generator seeds of step.init and ft.shard
 
 
 @dataclass(frozen=True)
@@ -34,7 +25,15 @@ class TrainConfig:
     ``gradient_accumulate_every``, ...). ``train_batch_size`` is the batch of one
     micro-step on one process; an optimizer update sees ``train_batch_size *
     gradient_accumulate_every * processes`` samples. ``num_samples`` must be a
-    perfect square: samples are tiled into a ``sqrt(n) x sqrt(n)`` grid.
+    perfect square: samples are tiled into a ``sqrt(n) x sqrt(n)`` grid. Every
+    field is checked here (a :class:`ValueError` that is also a ``TypeError``
+    names the field, what is allowed and the value), not later in ``train()``.
+
+    Faults: ``skip_nonfinite`` (default on) drops an update whose loss or
+    gradient is not finite (fp16 does it through its loss scale), and the
+    trainer warns with the count; ``max_consecutive_nonfinite`` such updates in
+    a row stop the run with an error. ``save_timeout`` is how many seconds the
+    other processes wait for rank 0 to write a checkpoint and its samples.
 
     Example::
 
@@ -66,40 +65,54 @@ class TrainConfig:
     keep_checkpoints: int = 3
     compile: bool = True
     trackers: tuple = field(default=("jsonl",))
+    skip_nonfinite: bool = True
+    max_consecutive_nonfinite: int = 100
+    save_timeout: float = 1800.0
 
     def __post_init__(self) -> None:
-        for name in ("train_batch_size", "gradient_accumulate_every", "train_num_steps", "ema_update_every",
-                     "save_and_sample_every", "num_samples", "log_every", "keep_checkpoints"):
-            _positive_int(name, getattr(self, name))
-        for name in ("train_lr", "max_grad_norm"):
-            _positive_float(name, getattr(self, name))
-        if isinstance(self.weight_decay, bool) or not isinstance(self.weight_decay, (int, float)) \
-                or self.weight_decay < 0:
-            raise ValueError(f"TrainConfig.weight_decay must be a number >= 0; got {self.weight_decay!r}")
+        def name(n: str) -> str:
+            return f"TrainConfig.{n}"
+
+        for n in ("train_batch_size", "gradient_accumulate_every", "train_num_steps", "ema_update_every",
+                  "save_and_sample_every", "num_samples", "log_every", "keep_checkpoints",
+                  "max_consecutive_nonfinite"):
+            object.__setattr__(self, n, check_int(name(n), getattr(self, n), minimum=1, what="a positive int"))
+        for n in ("train_lr", "max_grad_norm", "save_timeout"):
+            object.__setattr__(self, n, check_real(name(n), getattr(self, n), lo=0.0, lo_open=True,
+                                                  what="a positive number (finite)"))
+        object.__setattr__(self, "weight_decay", check_real(name("weight_decay"), self.weight_decay, lo=0.0,
+                                                            what="a finite number >= 0"))
         root = math.isqrt(self.num_samples)
         if root * root != self.num_samples:
-            raise ValueError(f"TrainConfig.num_samples must be a perfect square (samples are tiled into a square "
-                             f"grid); got {self.num_samples}")
-        if isinstance(self.ema_decay, bool) or not isinstance(self.ema_decay, (int, float)) \
-                or not 0.0 < self.ema_decay < 1.0:
-            raise ValueError(f"TrainConfig.ema_decay must be in (0, 1); got {self.ema_decay!r}")
+            raise BadValue(f"TrainConfig.num_samples must be a perfect square (samples are tiled into a square "
+                           f"grid); got {self.num_samples}")
+        object.__setattr__(self, "ema_decay", check_real(name("ema_decay"), self.ema_decay, lo=0.0, hi=1.0,
+                                                         lo_open=True, hi_open=True, what="in (0, 1)"))
         betas = tuple(self.adam_betas) if isinstance(self.adam_betas, (list, tuple)) else None
-        if betas is None or len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"TrainConfig.adam_betas must be two numbers in [0, 1); got {self.adam_betas!r}")
+        if betas is None or len(betas) != 2 or not all(is_real(b) and 0.0 <= b < 1.0 for b in betas):
+            raise BadValue(f"TrainConfig.adam_betas must be two numbers in [0, 1); got {describe(self.adam_betas)}")
         object.__setattr__(self, "adam_betas", tuple(float(b) for b in betas))
-        if self.mixed_precision not in _PRECISIONS:
-            raise ValueError(f"TrainConfig.mixed_precision must be one of {_PRECISIONS}; got {self.mixed_precision!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"TrainConfig.seed must be an int; got {self.seed!r}")
-        if not isinstance(self.results_folder, (str, os.PathLike)):
-            raise ValueError(f"TrainConfig.results_folder must be a path; got {self.results_folder!r}")
-        object.__setattr__(self, "results_folder", os.fspath(self.results_folder))
-        trackers = (self.trackers,) if isinstance(self.trackers, str) else tuple(self.trackers)
-        known = ("jsonl", "tensorboard", "wandb", "mlflow")
-        unknown = [t for t in trackers if t not in known]
+        check_choice(name("mixed_precision"), self.mixed_precision, _PRECISIONS)
+        object.__setattr__(self, "seed", check_int(name("seed"), self.seed, minimum=0, maximum=_SEED_MAX,
+                                                   what="an int in [0, 2**63)"))
+        folder = self.results_folder
+        if not isinstance(folder, (str, os.PathLike)) or not isinstance(os.fspath(folder), str) \
+                or not os.fspath(folder).strip() or "\0" in os.fspath(folder):
+            raise BadValue(f"TrainConfig.results_folder must be a non-empty path (str or os.PathLike); got "
+                           f"{describe(folder)}")
+        object.__setattr__(self, "results_folder", os.fspath(folder))
+        for n in ("compile", "skip_nonfinite"):
+            check_choice(name(n), getattr(self, n), (True, False))
+        trackers = (self.trackers,) if isinstance(self.trackers, str) else self.trackers
+        if not isinstance(trackers, (tuple, list)):
+            raise BadValue(f"TrainConfig.trackers must be a tracker name or a tuple of them from {_TRACKERS}; "
+                           f"got {describe(self.trackers)}")
+        unknown = [t for t in trackers if not (isinstance(t, str) and t in _TRACKERS)]
         if unknown:
-            raise ValueError(f"TrainConfig.trackers: unknown {unknown}; choose from {known}")
-        object.__setattr__(self, "trackers", trackers)
+            raise BadValue(f"TrainConfig.trackers: unknown {unknown}; choose from {_TRACKERS}")
+        if len(set(trackers)) != len(trackers):
+            raise BadValue(f"TrainConfig.trackers: each tracker once; got {tuple(trackers)}")
+        object.__setattr__(self, "trackers", tuple(trackers))
 
     # -- conversions -------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -1,0 +1,159 @@
+"""OS-level locks: one writer per folder (:class:`FolderLock`), and "in use" marks on the folders of a save.
+
+Both are ``flock`` locks, which the kernel releases when the holding process
+dies (SIGKILL included): a lock never outlives its holder, so a stale one is
+simply taken over. On Linux, NFS emulates ``flock`` with byte-range locks that
+the server sees, so the lock holds across machines sharing the folder too.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from typing import Any
+
+__all__ = ["FolderLock", "FolderLocked", "hold_dir", "try_hold_dir"]
+
+
+class FolderLocked(RuntimeError):
+    """Another live process holds the :class:`FolderLock` of a folder."""
+
+    __module__ = "functrain.checkpoint"  # its public home, in reprs and tracebacks
+
+    def __init__(self, message: str, folder: str, holder: dict | None):
+        super().__init__(message)
+        self.folder, self.holder = folder, holder
+
+
+def _busy(e: OSError) -> bool:
+    return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+
+
+class FolderLock:
+    """An exclusive lock on ``folder`` (``flock`` on ``folder/.lock``), for one writer at a time.
+
+    ``acquire()`` never waits: when a live process holds the lock it raises
+    :class:`FolderLocked` naming the folder and the holder (pid, host and start
+    time, which the holder writes into the lock file). The kernel drops the lock
+    when its holder exits or is killed, so a lock left by a dead process is taken
+    over without any cleanup. Use it as a context manager or call ``release()``.
+
+    Example::
+
+        >>> import os, tempfile
+        >>> from functrain.checkpoint import FolderLock
+        >>> with FolderLock(tempfile.mkdtemp()) as lock:
+        ...     lock.holder()["pid"] == os.getpid()
+        True
+    """
+
+    __module__ = "functrain.checkpoint"  # its public home, in reprs and tracebacks
+
+    NAME = ".lock"
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = os.path.abspath(os.fspath(folder))
+        self.path = os.path.join(self.folder, self.NAME)
+        self._fd: int | None = None
+
+    def __repr__(self) -> str:
+        return f"FolderLock({self.folder!r}, held={self._fd is not None})"
+
+    @property
+    def held(self) -> bool:
+        """Whether this object holds the lock."""
+        return self._fd is not None
+
+    def acquire(self) -> "FolderLock":
+        """Take the lock, or raise :class:`FolderLocked` if another process holds it."""
+        if self._fd is not None:
+            return self
+        os.makedirs(self.folder, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = _read_holder(fd)
+            os.close(fd)
+            if not _busy(e):
+                raise
+            who = "another process (it has not written its name yet)" if holder is None else \
+                f"process {holder.get('pid')} on host {holder.get('host')!r}" + (
+                    f" (since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder['since']))})"
+                    if isinstance(holder.get("since"), (int, float)) else "")
+            raise FolderLocked(f"{self.folder} is in use by {who}: one run writes to a results folder at a time "
+                               f"(lock file {self.path}); stop that run or use another folder", self.folder,
+                               holder) from None
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info, 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Drop the lock (the lock file stays; its next holder overwrites it)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.ftruncate(fd, 0)
+            except OSError:
+                pass
+            os.close(fd)  # closing the last descriptor releases the flock
+
+    def holder(self) -> dict | None:
+        """``{"pid", "host", "since"}`` of the process that holds (or last held) the lock, if written."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            return _read_holder(fd)
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> "FolderLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def _read_holder(fd: int) -> dict | None:
+    try:
+        data = os.pread(fd, 4096, 0)
+        info = json.loads(data.decode("utf-8")) if data else None
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def hold_dir(path: str) -> int:
+    """Mark the folder ``path`` as in use by this process (waits for a tidier that holds it); returns the fd.
+
+    The mark moves with the folder when it is renamed and lasts until the fd is
+    closed (or the process dies).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def try_hold_dir(path: str) -> int | None:
+    """The fd of ``path`` with its in-use mark taken, or ``None`` if a live process holds it (or it is gone)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd

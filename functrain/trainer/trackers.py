@@ -207,6 +207,24 @@ class TensorBoardTracker(Tracker):
         return f"TensorBoard: tensorboard --logdir {self.logdir}"
 
 
+def _wait_for_a_new_run_folder(root: str, run_id: str) -> None:
+    """Wait (< 1 s) if a session of ``run_id`` started in this very second.
+
+    wandb names a session's folder ``{offline-,}run-<YYYYmmdd_HHMMSS>-<id>``; a resumed session
+    started within the same second as the previous one would reuse that folder and replace its
+    records. Only a quick restart pays the wait.
+    """
+    import datetime
+    import glob
+
+    for _ in range(3):
+        now = datetime.datetime.now()
+        stamp = now.strftime("%Y%m%d_%H%M%S")
+        if not glob.glob(os.path.join(root, "wandb", f"*run-{stamp}-{run_id}")):
+            return
+        time.sleep(1.0 - now.microsecond / 1e6 + 0.01)
+
+
 class WandbTracker(_Resumable):
     """A Weights & Biases run: offline under the results folder unless ``WANDB_MODE``/``WANDB_DIR`` say otherwise.
 
@@ -221,17 +239,15 @@ class WandbTracker(_Resumable):
         import wandb
 
         super().__init__(folder, resume_step)
-        kwargs: dict[str, Any] = {}
-        if not os.environ.get("WANDB_MODE"):
-            kwargs["mode"] = "offline"  # explicit init arguments beat wandb's env variables: only when unset
-        if not os.environ.get("WANDB_DIR"):
-            kwargs["dir"] = os.path.abspath(folder)
-        if not os.environ.get("WANDB_PROJECT"):
-            kwargs["project"] = "functrain"
+        # Passed explicitly, read now: wandb reads its env variables once per process (at its first setup).
+        kwargs: dict[str, Any] = {"mode": os.environ.get("WANDB_MODE") or "offline",
+                                  "dir": os.environ.get("WANDB_DIR") or os.path.abspath(folder),
+                                  "project": os.environ.get("WANDB_PROJECT") or "functrain"}
         if self.resumed_id:
             kwargs.update(id=self.resumed_id, resume="allow")
+            _wait_for_a_new_run_folder(kwargs["dir"], self.resumed_id)
         self.run = wandb.init(config=dict(config or {}), reinit="create_new", allow_val_change=True, **kwargs)
-        self.mode = getattr(self.run.settings, "mode", kwargs.get("mode", "?"))
+        self.mode = kwargs["mode"]
         self._opened(self.run.id)
 
     def _log(self, step: int, metrics: dict) -> None:

@@ -70,6 +70,7 @@ from __future__ import annotations
 # manager: CheckpointManager (numbered checkpoints, rotation) and Restored
 from . import folder, format, manager, tensorfile
 from .folder import _sha256, load, load_extra, save
+from .export import export_state_dict, export_weights  # final weights as plain state_dict files
 from ..registry import _NAMES, _TYPES, register_checkpoint_type
 from .format import EXTRA, FORMAT, MARKER, TENSORS, TREE, VERSION, CheckpointError
 from .manager import CheckpointManager, Restored

@@ -385,9 +385,11 @@ class _Guarded(Tracker):
 
     def __init__(self, tracker: Any, label: str):
         self.tracker, self.label, self.failed = tracker, label, False
+        self.error: str | None = None  # the failure that switched it off, for the summary
 
     def _fail(self, what: str, e: BaseException) -> None:
         self.failed = True
+        self.error = f"{type(e).__name__} in {what}"
         warnings.warn(f"tracker {self.label!r} failed in {what} and is switched off for the rest of this run: "
                       f"{type(e).__name__}: {e}", TrackerWarning, stacklevel=3)
         close = getattr(self.tracker, "close", None)
@@ -417,6 +419,8 @@ class _Guarded(Tracker):
                 self._fail("close()", e)
 
     def where(self) -> str | None:
+        if self.error is not None:
+            return f"tracker {self.label!r}: switched off after {self.error} (see the warning)"
         where = getattr(self.tracker, "where", None)
         if not callable(where):
             return None

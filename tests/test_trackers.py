@@ -97,8 +97,9 @@ def test_failing_tracker_warns_once_and_the_others_go_on(tmp_path):
     flaky, rec, plain = Flaky(), Recorder(), NoClose()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        _session([flaky, rec, plain], tmp_path, range(1, 6))
+        trackers = _session([flaky, rec, plain], tmp_path, range(1, 6))
     found = _tracker_warnings(record)
+    assert "switched off after RuntimeError in log()" in trackers[0].where()
     assert len(found) == 1, [str(w.message) for w in found]
     assert "'Flaky'" in str(found[0].message) and "RuntimeError: disk full" in str(found[0].message)
     assert flaky.calls == 2  # switched off after the failure
@@ -149,7 +150,8 @@ def test_mlflow_resume_continues_one_run(tmp_path):
     mlflow = pytest.importorskip("mlflow")
     before = mlflow.get_tracking_uri()
     _session(["mlflow"], tmp_path, range(1, 6))
-    _session(["mlflow"], tmp_path, range(6, 11), resume_step=5, config={"lr": 0.2, "batch": 8})
+    with pytest.warns(TrackerWarning, match=r"params \['lr'\] changed since run"):
+        _session(["mlflow"], tmp_path, range(6, 11), resume_step=5, config={"lr": 0.2, "batch": 8})
     uri = "sqlite:///" + str(tmp_path / "mlflow.db")  # the default store: in the results folder
     runs = _mlflow_runs(uri)
     assert len(runs) == 1
@@ -280,3 +282,17 @@ def test_wandb_honours_wandb_mode_and_dir(tmp_path, monkeypatch):
     (tracker,) = _session(["wandb"], results, range(1, 3))
     assert glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*"))
     assert "wandb sync" in tracker.where() and str(tmp_path / "wb") in tracker.where()
+
+
+# -- TensorBoard ----------------------------------------------------------------------------------
+def test_tensorboard_resume_after_kill_purges_the_rewound_steps(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _session(["tensorboard"], tmp_path, range(1, 9))  # logged to 8, last checkpoint at 5
+    _session(["tensorboard"], tmp_path, range(6, 11), resume_step=5)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    events = acc.Scalars("loss")
+    assert [e.step for e in events] == list(range(1, 11))
+    assert [e.value for e in events] == pytest.approx([1.0 / s for s in range(1, 11)])

@@ -462,7 +462,8 @@ def make_trackers(names: Iterable[Any], folder: str, config: dict | None = None,
             else:
                 tracker = item
         except Exception as e:
-            hint = f" (pip install 'functrain[trackers]')" if isinstance(e, ImportError) else ""
+            extra = {"wandb": "trackers", "mlflow": "trackers", "tensorboard": "tensorboard"}.get(label)
+            hint = f" (pip install 'functrain[{extra}]')" if isinstance(e, ImportError) and extra else ""
             warnings.warn(f"tracker {label!r} could not start and is skipped: {type(e).__name__}: {e}{hint}",
                           TrackerWarning, stacklevel=2)
             continue

@@ -56,6 +56,8 @@ def check_params(params: Any) -> None:
 def check_batch(batch: Any) -> None:
     """``batch`` is a pytree of tensors (and Python numbers)."""
     leaves = optree.tree_leaves(batch)
+    if all(map(torch.is_tensor, leaves)):  # the common case, without a Python loop
+        return
     for leaf in leaves:
         if not torch.is_tensor(leaf) and not isinstance(leaf, (int, float, bool)):
             bad = [(path_str(p), type(x).__name__) for p, x in zip(optree.tree_paths(batch), leaves)
@@ -68,6 +70,12 @@ def _kind(value: Any) -> str:
     if torch.is_tensor(value):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
     return type(value).__name__
+
+
+def rng_problem(rng: Any) -> str:
+    """The message for a malformed ``state.rng`` (shared with :func:`functrain.rng.with_rng`)."""
+    return (f"state.rng must be None or {{'key': int64 CPU tensor [seed, counter]}} (from step.init(..., "
+            f"seed=s)); got {_kind(rng) if not isinstance(rng, dict) else {k: _kind(v) for k, v in rng.items()}}")
 
 
 def _rng_ok(rng: Any) -> bool:
@@ -109,34 +117,40 @@ class Layout(NamedTuple):
         return cls(type(state.opt_state), {k: type(v) for k, v in state.slots.items()}, frozenset())
 
 
-def check_state(step: Any, state: Any) -> None:
+def check_state(step: Any, state: Any, *, rng: bool = True) -> None:
     """Raise unless ``state`` matches ``step`` (a :class:`functrain.Step`); see :meth:`functrain.Step.check_state`.
 
     The common case, a state the step made, costs a handful of attribute reads
     and type comparisons; only a mismatch (or the first call, when the step's
     layout is not known yet) takes the slow path that builds the message.
+    ``rng=False`` leaves the form of ``state.rng`` to :func:`functrain.rng.with_rng`,
+    which checks it as it reads the key (the call path of a step).
     """
-    count = _check_kind(state)
-    layout = step._layout
-    slots = state.slots
-    rng = state.rng
-    if (layout is None or count.dtype is not torch.int64 or count.dim() != 0 or type(slots) is not dict
+    if not isinstance(state, TrainState):
+        return _check_state_slowly(step, state)
+    count, layout, slots = state.step, step._layout, state.slots
+    # (a donated state's step has shape (0,): dim() != 0 sends it to the slow path, which says so)
+    if (layout is None or not isinstance(count, torch.Tensor) or count.dtype is not torch.int64 or count.dim() != 0
+            or type(slots) is not dict
             or (layout.opt_type is not None and type(state.opt_state) is not layout.opt_type)
-            or (rng is not None and not _rng_ok(rng))
-            or (not layout.unknown and len(slots) != len(layout.slots))
-            or any(type(slots.get(k, _MISSING)) is not t for k, t in layout.slots.items())):
-        _check_state_slowly(step, state)
+            or (rng and state.rng is not None and not _rng_ok(state.rng))
+            or (not layout.unknown and len(slots) != len(layout.slots))):
+        return _check_state_slowly(step, state)
+    for name, kind in layout.slots.items():
+        if type(slots.get(name, _MISSING)) is not kind:
+            return _check_state_slowly(step, state)
+    return None
 
 
-def _check_state_slowly(step: Any, state: TrainState) -> None:
+def _check_state_slowly(step: Any, state: Any) -> None:
+    _check_kind(state)
     problems = []
     count, slots = state.step, state.slots
     if count.dtype is not torch.int64 or count.dim() != 0:
         problems.append(f"state.step must be an int64 scalar tensor (the count of steps called); got "
                         f"{_kind(count)}")
     if state.rng is not None and not _rng_ok(state.rng):
-        problems.append(f"state.rng must be None or {{'key': int64 CPU tensor [seed, counter]}} (from "
-                        f"step.init(..., seed=s)); got {_kind(state.rng)}")
+        problems.append(rng_problem(state.rng))
     if type(slots) is not dict:
         problems.append(f"state.slots must be a dict {{transform name: slot}}; got {_kind(slots)}")
         raise BadValue("the state does not match this step: " + "; ".join(problems))

@@ -458,7 +458,7 @@ class Step:
         """Run ``fn(state, batch)`` (``self.apply`` or its compiled form) with the host-side work of a call:
         :meth:`check_state`, the batch check, and the RNG hand-over (:func:`functrain.rng.with_rng`) with
         this process's :meth:`rng_offset`. ``Step.__call__`` and ``CompiledStep.__call__`` are this."""
-        _check_state(self, state)
+        _check_state(self, state, rng=False)  # with_rng checks state.rng as it reads the key
         check_batch(batch)
         offsets = self._offsets
         return with_rng(fn, state, batch, sum(f() for f in offsets) if offsets else 0)

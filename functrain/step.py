@@ -36,6 +36,7 @@ from . import tree as T
 from .checks import Layout, check_batch, check_inputs, check_loss, check_params
 from .checks import check_state as _check_state
 from .rng import rng_init, with_rng
+from ._optimizer_check import check_optimizer
 from .state import TrainState, register_accessor
 
 __all__ = ["Step", "Transform", "StepContext", "Stage", "train_step", "STAGES", "PIPELINE", "HOOKS",
@@ -564,10 +565,7 @@ def train_step(loss_fn: LossFn, optimizer: Any) -> Step:
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable(params, buffers, batch) -> loss; got {type(loss_fn).__name__}")
-    for attr in ("init", "update", "learning_rate"):
-        if not callable(getattr(optimizer, attr, None)):
-            raise TypeError(f"optimizer must be a functrain optimizer with init/update/learning_rate "
-                            f"(e.g. ft.optim.adamw(1e-3)); got {type(optimizer).__name__} without {attr!r}")
+    check_optimizer(optimizer)  # explains the protocol and how to adapt torch.optim / Optax-style optimizers
     return Step(loss_fn, optimizer)
 
 

@@ -34,7 +34,7 @@ def _short(obj: Any) -> str:
 
 def _torch_optim_message(obj: Any) -> str:
     cls = obj if isinstance(obj, type) else type(obj)
-    head = (f"{cls.__module__}.{cls.__qualname__} is not a functrain optimizer but a stateful torch.optim "
+    head = (f"{cls.__module__}.{cls.__qualname__} is a stateful torch.optim optimizer, not a functrain "
             "optimizer: it holds the "
             "parameters and mutates them and its state in step(), which a pure, compiled functrain step "
             "cannot call. ")

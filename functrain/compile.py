@@ -8,6 +8,8 @@ from typing import Any
 import optree
 import torch
 
+from ._validate import check_choice
+from .capture import FastPath
 from .state import TrainState
 from .step import Step, check_inputs, with_rng
 
@@ -98,12 +100,31 @@ class CompiledStep:
 
     def __init__(self, step: Step, *, donate: bool = False, fullgraph: bool = True, backend: Any = None,
                  mode: str | None = None, options: dict | None = None, dynamic: bool | None = None,
-                 **kwargs: Any):
+                 capture: str = "auto", **kwargs: Any):
         if not isinstance(step, Step):
             raise TypeError(f"ft.compile takes a functrain Step (from ft.train_step); got {type(step).__name__}")
         self.step = step
         self.donate = bool(donate)
         self.fullgraph = fullgraph
+        # The fast path (functrain/capture.py): trace once over flat leaves, call the compiled code
+        # directly with functrain's own signature check. Dynamo's per-call frame remains for what
+        # only it can do: graph breaks (fullgraph=False), dynamic shapes, CUDA graphs, extra options.
+        self._fast: FastPath | None = None
+        check_choice("capture", capture, ("auto", "flat", "dynamo"))
+        fast_ok = fullgraph and not dynamic and mode != "reduce-overhead" and not kwargs
+        if capture == "flat" and not fast_ok:
+            raise ValueError("ft.compile: capture='flat' needs fullgraph=True, static shapes, no mode="
+                             "'reduce-overhead' and no extra torch.compile arguments; got "
+                             f"fullgraph={fullgraph!r}, dynamic={dynamic!r}, mode={mode!r}, extra={sorted(kwargs)}")
+        if fast_ok and capture != "dynamo":
+            fast_options = options
+            if backend in (None, "inductor"):
+                # the signature check compares every input's strides: inductor's per-call asserts are redundant
+                fast_options = {"size_asserts": False, **(options or {})}
+            self._backend = _make_backend(backend, mode, fast_options, dynamic)
+            self._fast = FastPath(step.apply, self._backend, donate=self.donate, check=check_inputs,
+                                  with_rng=with_rng, rank=step.rng_rank, explain=self._explain)
+            return
         self._backend = _make_backend(backend, mode, options, dynamic)
         fn = _own_code(self._donating if self.donate else _apply)
         fn.__defaults__ = (step,)
@@ -129,6 +150,8 @@ class CompiledStep:
         return state, metrics
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        if self._fast is not None:
+            return self._fast(state, batch)
         check_inputs(state, batch)
         try:
             new, metrics = with_rng(self._compiled, state, batch, self.step.rng_rank())
@@ -153,13 +176,14 @@ class CompiledStep:
             f"the step cannot be compiled as one graph (fullgraph=True): {first}. "
             f"A step must have no host sync (.item(), print, Python branches on tensor values) and call only "
             f"traceable code; fix the loss function, or pass fullgraph=False to ft.compile to allow graph "
-            f"breaks (slower). Dynamo said:\n{error}")
+            f"breaks (slower). The tracer said:\n{error}")
 
     def __repr__(self) -> str:
         return f"compile({self.step!r}, donate={self.donate})"
 
 
-def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, **torch_compile_kwargs: Any) -> CompiledStep:
+def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture: str = "auto",
+            **torch_compile_kwargs: Any) -> CompiledStep:
     """Compile the whole step with ``torch.compile`` (``fullgraph=True`` by default).
 
     The result is called like the step and gives the same results (to float
@@ -170,6 +194,16 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, **torch
     Other keyword arguments go to ``torch.compile`` (``mode``, ``options``,
     ``dynamic``, ``backend``).
 
+    How it runs: by default (``capture="auto"``) the step is traced once per input
+    signature over the flat leaves of ``(state, batch)`` and the backend's code is
+    called directly on them (:mod:`functrain.capture`): no Dynamo frame per call, only
+    functrain's check that the state's structure and every leaf's shape, stride, dtype
+    and device match the capture (a change compiles again and counts in ``compiles``).
+    Python values the step reads (closures, globals) are constants of the capture, as
+    under ``jax.jit``. ``fullgraph=False``, ``dynamic=True``, ``mode="reduce-overhead"``
+    or extra ``torch.compile`` arguments use ``torch.compile`` per call instead, and
+    ``capture="dynamo"`` asks for that path explicitly (``"flat"`` insists on the fast one).
+
     Example::
 
         import functrain as ft
@@ -177,4 +211,4 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, **torch
         state, metrics = cstep(state, batch)
         cstep.compiles                      # 1
     """
-    return CompiledStep(step, donate=donate, fullgraph=fullgraph, **torch_compile_kwargs)
+    return CompiledStep(step, donate=donate, fullgraph=fullgraph, capture=capture, **torch_compile_kwargs)

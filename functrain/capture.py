@@ -152,7 +152,7 @@ class Captured:
     """
 
     __slots__ = ("signature", "fn", "constants", "out_spec", "out_plan", "random", "donate", "n_state",
-                 "state_spec", "trivial_out", "stable")
+                 "state_spec", "trivial_out", "stable", "step_index")
 
     def __init__(self, **kw: Any):
         for k, v in kw.items():
@@ -218,11 +218,15 @@ def capture(apply: Callable, state: Any, batch: Any, backend: Callable, *, donat
         raise CaptureError(f"{type(e).__name__}: {e}") from e
     constants = _lift_constants(gm)
     random = draws_random(gm)
-    fn = backend(gm, example + constants)
+    fn = _compile(backend, gm, example + constants)
     plan = record["plan"]
+    # where the state's step counter sits among the tensors (an owned donation re-homes only it)
+    step_t = getattr(state, "step", None)
+    step_index = next((k for k, i in enumerate(sig.tensor_pos) if leaves[i] is step_t), None)
     return Captured(signature=sig, fn=fn, constants=constants, out_spec=record["spec"], out_plan=plan,
                     random=random, donate=donate, n_state=n_state, state_spec=state_spec,
-                    trivial_out=all(p is None for p in plan), stable=None)
+                    trivial_out=all(p is None for p in plan), stable=None,
+                    step_index=step_index)
 
 
 @contextlib.contextmanager
@@ -243,6 +247,18 @@ def _compiling() -> Iterator[None]:
         torch.compiler._is_compiling_flag = old
 
 
+def _compile(backend: Callable, gm: torch.fx.GraphModule, inputs: list) -> Callable:
+    """``backend(gm, inputs)`` inside a tracing context with a shape environment, as Dynamo
+    calls backends: without one, AOTAutograd's and inductor's FX-graph caches bypass the
+    graph ("No shape env") and every process compiles it from scratch."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
+        return backend(gm, inputs)
+
+
 def _describe(x: Any) -> str:
     if torch.is_tensor(x):
         return f"a {x.dtype} tensor of shape {tuple(x.shape)} on {x.device}"
@@ -259,24 +275,28 @@ def _lift_constants(gm: torch.fx.GraphModule) -> list:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     constants = []
     anchor = placeholders[-1] if placeholders else None
+    lifted: dict = {}  # attribute name -> its placeholder (several get_attr nodes may read one constant)
     for node in list(graph.nodes):
         if node.op != "get_attr":
             continue
         value = getattr(gm, node.target, None)
         if not torch.is_tensor(value):
             continue
-        if anchor is None:
-            with graph.inserting_before(next(iter(graph.nodes))):
-                ph = graph.placeholder(f"const_{len(constants)}")
-        else:
-            with graph.inserting_after(anchor):
-                ph = graph.placeholder(f"const_{len(constants)}")
-        ph.meta.update(node.meta)
-        anchor = ph
+        ph = lifted.get(node.target)
+        if ph is None:
+            if anchor is None:
+                with graph.inserting_before(next(iter(graph.nodes))):
+                    ph = graph.placeholder(f"const_{len(constants)}")
+            else:
+                with graph.inserting_after(anchor):
+                    ph = graph.placeholder(f"const_{len(constants)}")
+            ph.meta.update(node.meta)
+            anchor = lifted[node.target] = ph
+            constants.append(value)
         node.replace_all_uses_with(ph)
         graph.erase_node(node)
-        delattr(gm, node.target)
-        constants.append(value)
+    for name in lifted:
+        delattr(gm, name)
     if constants:
         graph.lint()
         gm.recompile()
@@ -305,14 +325,17 @@ class FastPath:
     backend, ``check(state, batch)`` the step's host-side input check (raises the clear
     error for a bad input), ``with_rng(fn, state, batch, rank)`` the host RNG hand-over,
     ``rank()`` the RNG offset of this process, ``explain(error, state, batch)`` turns a
-    failed trace into the exception to raise.
+    failed trace into the exception to raise. ``owned=True`` (with ``donate``) is the
+    driver's donation: the caller holds no other reference to the state, so the new state
+    keeps the donated tensor objects and only the old step counter is emptied.
     """
 
     def __init__(self, apply: Callable, backend: Callable, *, donate: bool, check: Callable, with_rng: Callable,
-                 rank: Callable[[], int], explain: Callable):
+                 rank: Callable[[], int], explain: Callable, owned: bool = False):
         self.apply = apply
         self.backend = backend
         self.donate = donate
+        self.owned = owned
         self.check = check
         self.with_rng = with_rng
         self.rank = rank
@@ -364,6 +387,17 @@ class FastPath:
             return new, metrics, out[:k] if cap.trivial_out else [x for x in optree.tree_leaves(new)
                                                                    if torch.is_tensor(x)]
         metrics = optree.tree_unflatten(cap.out_spec, cap.outputs(list(out)))
+        if self.owned and cap.step_index is not None:
+            # The caller owns the state (ft.run): the new state keeps the very tensors the graph wrote
+            # into; only the step counter moves to a new tensor object, and the old one is emptied, so
+            # the old state cannot be stepped again (check_inputs raises) at the cost of one re-home.
+            new_tensors = tensors[:k]
+            old_step = new_tensors[cap.step_index]
+            new_tensors[cap.step_index] = old_step.detach()
+            old_step.set_()
+            new_leaves = list(leaves[:cap.n_state])
+            new_leaves[cap.signature.tensor_pos[cap.step_index]] = new_tensors[cap.step_index]
+            return optree.tree_unflatten(cap.state_spec, new_leaves), metrics, new_tensors
         old = leaves[:cap.n_state]
         new = [x.detach() if torch.is_tensor(x) else x for x in old]
         for x in old:

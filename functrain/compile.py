@@ -110,6 +110,9 @@ class CompiledStep:
         # directly with functrain's own signature check. Dynamo's per-call frame remains for what
         # only it can do: graph breaks (fullgraph=False), dynamic shapes, CUDA graphs, extra options.
         self._fast: FastPath | None = None
+        self._owned: Any = None  # the driver's donating call path, made on first use (see donating())
+        self._config = dict(fullgraph=fullgraph, backend=backend, mode=mode, options=options, dynamic=dynamic,
+                            capture=capture, **kwargs)
         check_choice("capture", capture, ("auto", "flat", "dynamo"))
         fast_ok = fullgraph and not dynamic and mode != "reduce-overhead" and not kwargs
         if capture == "flat" and not fast_ok:
@@ -122,17 +125,47 @@ class CompiledStep:
                 # the signature check compares every input's strides: inductor's per-call asserts are redundant
                 fast_options = {"size_asserts": False, **(options or {})}
             self._backend = _make_backend(backend, mode, fast_options, dynamic)
-            self._fast = FastPath(step.apply, self._backend, donate=self.donate, check=check_inputs,
-                                  with_rng=with_rng, rank=step.rng_rank, explain=self._explain)
+            self._fast = self._fast_path(owned=False)
             return
         self._backend = _make_backend(backend, mode, options, dynamic)
         fn = _own_code(self._donating if self.donate else _apply)
         fn.__defaults__ = (step,)
         self._compiled = torch.compile(fn, fullgraph=fullgraph, backend=self._backend, dynamic=dynamic, **kwargs)
 
+    def _fast_path(self, owned: bool) -> FastPath:
+        return FastPath(self.step.apply, self._backend, donate=self.donate or owned, check=check_inputs,
+                        with_rng=with_rng, rank=self.step.rng_rank, explain=self._explain, owned=owned)
+
     @property
     def compiles(self) -> int:
-        return self._backend.count
+        twin = self._owned.compiles if isinstance(self._owned, CompiledStep) else 0  # the Dynamo path's donating twin
+        return self._backend.count + twin
+
+    def donating(self) -> Any:
+        """This step as a call that donates its input state: what :func:`functrain.run` uses.
+
+        For a caller that owns the state it passes from step to step and keeps no other
+        reference to it: the new state is written into the input state's buffers (no
+        allocation per step), and the input state cannot be stepped again (its step
+        counter is emptied, so a step on it raises). Unlike ``donate=True``, the other
+        leaves of the input state are not emptied: they *are* the new state's. Graphs it
+        compiles count in :attr:`compiles`.
+
+        Example::
+
+            state = ft.tree.tree_map(torch.clone, state)   # own it
+            run = cstep.donating()
+            for batch in loader:
+                state, metrics = run(state, batch)
+        """
+        if self.donate:
+            return self
+        if self._owned is None:
+            if self._fast is not None:
+                self._owned = self._fast_path(owned=True)
+            else:
+                self._owned = CompiledStep(self.step, donate=True, **self._config)
+        return self._owned
 
     def init(self, params: Any, buffers: Any = None, **kwargs: Any) -> TrainState:
         """Same as :meth:`Step.init`."""
@@ -203,6 +236,10 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture
     under ``jax.jit``. ``fullgraph=False``, ``dynamic=True``, ``mode="reduce-overhead"``
     or extra ``torch.compile`` arguments use ``torch.compile`` per call instead, and
     ``capture="dynamo"`` asks for that path explicitly (``"flat"`` insists on the fast one).
+
+    A later process that traces the same graph (a resumed run, a second run, another
+    rank) reuses AOTAutograd's and inductor's on-disk caches (``TORCHINDUCTOR_CACHE_DIR``),
+    keyed by torch on the graph, shapes, config and version.
 
     Example::
 

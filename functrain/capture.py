@@ -255,8 +255,17 @@ def _compile(backend: Callable, gm: torch.fx.GraphModule, inputs: list) -> Calla
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
+    # A graph that reads a scalar out of a tensor (``.item()`` of a constant, traced as
+    # ``_local_scalar_dense``) trips AOTAutograd's scalar pass under a shape environment
+    # (torch 2.13): compile it without one (no cross-process cache for that graph).
+    scalar_reads = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+    if any(n.op == "call_function" and n.target in scalar_reads for n in gm.graph.nodes):
         return backend(gm, inputs)
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    # static shapes, as captured: the signature check guarantees them at every call
+    fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in inputs]
+    with tracing(TracingContext(fake_mode)):
+        return backend(gm, fakes)
 
 
 def _describe(x: Any) -> str:

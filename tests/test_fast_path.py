@@ -350,3 +350,20 @@ def test_a_second_process_reuses_the_compile_and_a_changed_loss_does_not(tmp_pat
     assert second["hit"] == 1 and second["miss"] == 0 and second["aot_hit"] == 1 and second["equal"], second
     changed = run(3.0)
     assert changed["miss"] == 1 and changed["hit"] == 0 and changed["equal"], changed
+
+
+def test_inductor_fast_path_with_accumulate_clip_ema():
+    """accumulate(n) splits the batch inside the graph: compiled with static shapes (a regression:
+    a symbolic size from the compile's shape environment once broke inductor's scalar pass)."""
+    step, params, buffers, batches = problem()
+    step = ft.ema(0.99)(ft.clip(1.0)(ft.accumulate(3)(step)))
+    big = [(torch.cat([b[0]] * 3), torch.cat([b[1]] * 3)) for b in batches[:3]]
+    ftt_state = step.init(fresh(params), buffers)
+    cstep = ft.compile(step)
+    e = c = ftt_state
+    for b in big:
+        e, em = step(e, b)
+        c, cm = cstep(c, b)
+    assert T.tree_allclose(e, c, rtol=1e-5, atol=1e-6)
+    assert T.tree_allclose(em, cm, rtol=1e-5, atol=1e-6)
+    assert cstep.compiles == 1

@@ -21,6 +21,10 @@ Diagnostic variants (``--diag``), to see where functrain's time goes:
                           no ``CompiledStep.__call__``.
 * ``ft_compiled_donate``  ``ft.compile(step, donate=True)``.
 * ``torch_eager_foreach`` ``torch_eager`` with ``AdamW(foreach=True)``.
+* ``ft_compiled_owned``   ``ft.compile(step).donating()``: ``ft.run``'s owned donation.
+* ``ft_compiled_dynamo``  ``ft.compile(step, capture="dynamo")``: the Dynamo frame on every
+                          call (the call path before the flat capture).
+* ``ft_dynamo_donate``    the same with ``donate=True``.
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ from .workloads import Workload, functrain_step, loss_of, make_model
 __all__ = ["MAIN", "DIAG", "make_variant", "dynamo_counts"]
 
 MAIN = ("torch_eager", "functrain_eager", "functrain_compiled")
-DIAG = ("torch_eager_foreach", "ft_compiled_noseed", "bare_compile", "ft_compiled_donate")
+DIAG = ("torch_eager_foreach", "ft_compiled_noseed", "bare_compile", "ft_compiled_donate", "ft_compiled_owned",
+        "ft_compiled_dynamo", "ft_dynamo_donate")
 
 
 def dynamo_counts() -> tuple[int, int]:
@@ -185,10 +190,11 @@ class FunctrainCompiled(FunctrainEager):
     name = "functrain_compiled"
     compiled = True
 
-    def __init__(self, wl: Workload, *, seed: int | None = 0, donate: bool = False, name: str | None = None):
+    def __init__(self, wl: Workload, *, seed: int | None = 0, donate: bool = False, name: str | None = None,
+                 capture: str = "auto"):
         Variant.__init__(self, wl)
         step, params, buffers = functrain_step(wl)
-        self.fn = ft.compile(step, donate=donate)
+        self.fn = ft.compile(step, donate=donate, capture=capture)
         self.state = self.fn.init(params, buffers, seed=seed)
         if name:
             self.name = name
@@ -196,6 +202,23 @@ class FunctrainCompiled(FunctrainEager):
     @property
     def graphs(self) -> int | None:
         return self.fn.compiles
+
+
+class FunctrainOwned(FunctrainCompiled):
+    """``ft.compile(step).donating()``: the owned donation ``ft.run`` uses (in-place state updates)."""
+    name = "ft_compiled_owned"
+
+    def __init__(self, wl: Workload):
+        super().__init__(wl, name=self.name)
+        self.compiled_step = self.fn
+        self.call = self.fn.donating()
+
+    def step(self, i: int) -> None:
+        self.state, _ = self.call(self.state, self.wl.batches[i])
+
+    @property
+    def graphs(self) -> int | None:
+        return self.compiled_step.compiles
 
 
 class BareCompile(FunctrainEager):
@@ -223,6 +246,12 @@ def make_variant(name: str, wl: Workload) -> Variant:
         return FunctrainCompiled(wl, seed=None, name=name)
     if name == "ft_compiled_donate":
         return FunctrainCompiled(wl, donate=True, name=name)
+    if name == "ft_compiled_owned":
+        return FunctrainOwned(wl)
+    if name == "ft_compiled_dynamo":
+        return FunctrainCompiled(wl, capture="dynamo", name=name)
+    if name == "ft_dynamo_donate":
+        return FunctrainCompiled(wl, capture="dynamo", donate=True, name=name)
     if name == "bare_compile":
         return BareCompile(wl)
     raise ValueError(f"unknown variant {name!r}; known: {', '.join(MAIN + DIAG)}")

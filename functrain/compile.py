@@ -8,6 +8,10 @@ from typing import Any
 import optree
 import torch
 
+from ._validate import check_choice
+from .capture import FastPath
+from .checks import check_batch
+from .rng import with_rng
 from .state import TrainState
 from .step import Step
 
@@ -98,20 +102,81 @@ class CompiledStep:
 
     def __init__(self, step: Step, *, donate: bool = False, fullgraph: bool = True, backend: Any = None,
                  mode: str | None = None, options: dict | None = None, dynamic: bool | None = None,
-                 **kwargs: Any):
+                 capture: str = "auto", **kwargs: Any):
         if not isinstance(step, Step):
             raise TypeError(f"ft.compile takes a functrain Step (from ft.train_step); got {type(step).__name__}")
         self.step = step
         self.donate = bool(donate)
         self.fullgraph = fullgraph
+        # The fast path (functrain/capture.py): trace once over flat leaves, call the compiled code
+        # directly with functrain's own signature check. Dynamo's per-call frame remains for what
+        # only it can do: graph breaks (fullgraph=False), dynamic shapes, CUDA graphs, extra options.
+        self._fast: FastPath | None = None
+        self._owned: Any = None  # the driver's donating call path, made on first use (see donating())
+        self._config = dict(fullgraph=fullgraph, backend=backend, mode=mode, options=options, dynamic=dynamic,
+                            capture=capture, **kwargs)
+        check_choice("capture", capture, ("auto", "flat", "dynamo"))
+        fast_ok = fullgraph and not dynamic and mode != "reduce-overhead" and not kwargs
+        if capture == "flat" and not fast_ok:
+            raise ValueError("ft.compile: capture='flat' needs fullgraph=True, static shapes, no mode="
+                             "'reduce-overhead' and no extra torch.compile arguments; got "
+                             f"fullgraph={fullgraph!r}, dynamic={dynamic!r}, mode={mode!r}, extra={sorted(kwargs)}")
+        if fast_ok and capture != "dynamo":
+            fast_options = options
+            if backend in (None, "inductor"):
+                # the signature check compares every input's strides: inductor's per-call asserts are redundant
+                fast_options = {"size_asserts": False, **(options or {})}
+            self._backend = _make_backend(backend, mode, fast_options, dynamic)
+            self._fast = self._fast_path(owned=False)
+            return
         self._backend = _make_backend(backend, mode, options, dynamic)
         fn = _own_code(self._donating if self.donate else _apply)
         fn.__defaults__ = (step,)
         self._compiled = torch.compile(fn, fullgraph=fullgraph, backend=self._backend, dynamic=dynamic, **kwargs)
 
+    def _fast_path(self, owned: bool) -> FastPath:
+        step = self.step
+
+        def check(state: Any, batch: Any) -> None:  # what Step.host_call checks before running
+            step.check_state(state)
+            check_batch(batch)
+
+        def explain(error: Exception, state: Any, batch: Any) -> None:  # always raises
+            self._explain(error, state, batch, graph_break=True)
+
+        return FastPath(step.apply, self._backend, donate=self.donate or owned, check=check, with_rng=with_rng,
+                        rank=step.rng_offset, explain=explain, owned=owned)
+
     @property
     def compiles(self) -> int:
-        return self._backend.count
+        twin = self._owned.compiles if isinstance(self._owned, CompiledStep) else 0  # the Dynamo path's donating twin
+        return self._backend.count + twin
+
+    def donating(self) -> Any:
+        """This step as a call that donates its input state: what :func:`functrain.run` uses.
+
+        For a caller that owns the state it passes from step to step and keeps no other
+        reference to it: the new state is written into the input state's buffers (no
+        allocation per step), and the input state cannot be stepped again (its step
+        counter is emptied, so a step on it raises). Unlike ``donate=True``, the other
+        leaves of the input state are not emptied: they *are* the new state's. Graphs it
+        compiles count in :attr:`compiles`.
+
+        Example::
+
+            state = ft.tree.tree_map(torch.clone, state)   # own it
+            run = cstep.donating()
+            for batch in loader:
+                state, metrics = run(state, batch)
+        """
+        if self.donate:
+            return self
+        if self._owned is None:
+            if self._fast is not None:
+                self._owned = self._fast_path(owned=True)
+            else:
+                self._owned = CompiledStep(self.step, donate=True, **self._config)
+        return self._owned
 
     def init(self, params: Any, buffers: Any = None, **kwargs: Any) -> TrainState:
         """Same as :meth:`Step.init`."""
@@ -129,6 +194,8 @@ class CompiledStep:
         return state, metrics
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        if self._fast is not None:
+            return self._fast(state, batch)
         try:
             new, metrics = self.step.host_call(self._compiled, state, batch)
         except torch._dynamo.exc.TorchDynamoException as error:
@@ -141,15 +208,16 @@ class CompiledStep:
                     leaf.set_()  # the old state no longer owns storage: using it raises
         return new, metrics
 
-    def _explain(self, error: Exception, state: TrainState, batch: Any) -> None:
+    def _explain(self, error: Exception, state: TrainState, batch: Any, graph_break: bool = False) -> None:
         """Raise what the step itself says about ``error``, Dynamo's report of a failed capture.
 
         Dynamo reports an exception raised by the user's code while tracing (a bad
         loss, a batch of the wrong shape) as ``Unsupported`` or ``TorchRuntimeError``
         with pages of its own logs: running the step eagerly once raises the real
         error, which is raised instead (without Dynamo's chain). If the eager step
-        runs, a graph break is a :class:`GraphBreakError`; anything else returns and
-        the caller re-raises Dynamo's error as it is.
+        runs, a graph break is a :class:`GraphBreakError` (any failed capture of the flat
+        path, ``graph_break=True``); anything else returns and the caller re-raises
+        Dynamo's error as it is.
         """
         try:
             self.step.host_call(self.step.apply, state, batch)
@@ -158,19 +226,20 @@ class CompiledStep:
                 real.add_note(f"(raised by the step run eagerly: ft.compile could not trace it, "
                               f"torch._dynamo.exc.{type(error).__name__})")
             raise real from None
-        if isinstance(error, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
+        if graph_break or isinstance(error, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise GraphBreakError(
                 f"the step cannot be compiled as one graph (fullgraph=True): {first}. "
                 f"A step must have no host sync (.item(), print, Python branches on tensor values) and call "
                 f"only traceable code; fix the loss function, or pass fullgraph=False to ft.compile to allow "
-                f"graph breaks (slower). Dynamo said:\n{error}") from error
+                f"graph breaks (slower). The tracer said:\n{error}") from error
 
     def __repr__(self) -> str:
         return f"compile({self.step!r}, donate={self.donate})"
 
 
-def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, **torch_compile_kwargs: Any) -> CompiledStep:
+def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture: str = "auto",
+            **torch_compile_kwargs: Any) -> CompiledStep:
     """Compile the whole step with ``torch.compile`` (``fullgraph=True`` by default).
 
     The result is called like the step and gives the same results (to float
@@ -181,6 +250,20 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, **torch
     Other keyword arguments go to ``torch.compile`` (``mode``, ``options``,
     ``dynamic``, ``backend``).
 
+    How it runs: by default (``capture="auto"``) the step is traced once per input
+    signature over the flat leaves of ``(state, batch)`` and the backend's code is
+    called directly on them (:mod:`functrain.capture`): no Dynamo frame per call, only
+    functrain's check that the state's structure and every leaf's shape, stride, dtype
+    and device match the capture (a change compiles again and counts in ``compiles``).
+    Python values the step reads (closures, globals) are constants of the capture, as
+    under ``jax.jit``. ``fullgraph=False``, ``dynamic=True``, ``mode="reduce-overhead"``
+    or extra ``torch.compile`` arguments use ``torch.compile`` per call instead, and
+    ``capture="dynamo"`` asks for that path explicitly (``"flat"`` insists on the fast one).
+
+    A later process that traces the same graph (a resumed run, a second run, another
+    rank) reuses AOTAutograd's and inductor's on-disk caches (``TORCHINDUCTOR_CACHE_DIR``),
+    keyed by torch on the graph, shapes, config and version.
+
     Example::
 
         import functrain as ft
@@ -188,4 +271,4 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, **torch
         state, metrics = cstep(state, batch)
         cstep.compiles                      # 1
     """
-    return CompiledStep(step, donate=donate, fullgraph=fullgraph, **torch_compile_kwargs)
+    return CompiledStep(step, donate=donate, fullgraph=fullgraph, capture=capture, **torch_compile_kwargs)

@@ -38,7 +38,8 @@ def _to_host(metrics: dict) -> dict:
 
 def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: TrainState, data: Iterable,
         num_steps: int | None = None, *, log_every: int = 50, device: torch.device | str | None = None,
-        progress: bool = True, on_log: Callable[[int, dict], None] | None = None) -> TrainState:
+        progress: bool = True, on_log: Callable[[int, dict], None] | None = None,
+        donate: bool = True) -> TrainState:
     """Run ``step`` over ``data`` and return the final state.
 
     Batches are moved to ``device`` (default: where the state lives). Metrics
@@ -48,6 +49,13 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
     metrics)``; other steps make no device-to-host sync. With ``num_steps``
     the data is iterated again (epochs) until that many steps ran, if it can be;
     without it, one pass.
+
+    ``run`` owns the states it passes from step to step, so with a compiled step
+    (``ft.compile``) it donates them by default (``donate=True``): each step writes
+    the new state into the previous one's buffers instead of allocating a new
+    state (see :meth:`functrain.CompiledStep.donating`). The ``state`` you pass in
+    is copied once first and is never written; the returned state is yours.
+    ``donate=False`` calls the step as given. Eager steps are always called as given.
 
     Example::
 
@@ -59,7 +67,14 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
         raise ValueError(f"run: log_every must be an int >= 1; got {log_every!r}")
     if not isinstance(state, TrainState):
         raise TypeError(f"run: state must be a functrain TrainState (from step.init); got {type(state).__name__}")
+    if not isinstance(donate, bool):
+        raise TypeError(f"run: donate must be a bool; got {type(donate).__name__}")
     device = torch.device(device) if device is not None else state.step.device
+    donating = getattr(step, "donating", None) if donate else None
+    if donating is not None:
+        # one copy of the caller's state, then every state is run's own and is donated to the next step
+        state = optree.tree_map(lambda x: x.clone() if torch.is_tensor(x) else x, state)
+        step = donating()
     batches = _batches(data, num_steps)
     total = num_steps if num_steps is not None else _len(data)
     bar = _progress(total) if progress else None

@@ -68,8 +68,11 @@ from __future__ import annotations
 # tensorfile: the safetensors file of all tensors, written and read in checksummed chunks (crc32/sha256)
 # folder: the checkpoint folder: completion mark, atomic save, verified load, leftovers of killed saves
 # manager: CheckpointManager (numbered checkpoints, rotation) and Restored
-from . import folder, format, manager, tensorfile
-from .folder import _sha256, load, load_extra, save
+# sharded: checkpoints of sharded states (one folder per rank, resharding load); save/load/load_extra below
+#          are its dispatchers, which hand unsharded states and folders to folder's save/load unchanged
+from . import folder, format, manager, sharded, tensorfile
+from .folder import _sha256
+from .sharded import load, load_extra, save  # hook (sharded states): dispatch to folder.save/load otherwise
 from ..registry import _NAMES, _TYPES, register_checkpoint_type
 from .format import EXTRA, FORMAT, MARKER, TENSORS, TREE, VERSION, CheckpointError
 from .manager import CheckpointManager, Restored

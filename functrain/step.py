@@ -32,6 +32,7 @@ import torch
 from torch.func import grad_and_value
 
 from . import tree as T
+from .layout import SLOT, ShardState  # [sharded state] check in Step.apply
 from .state import TrainState
 
 __all__ = ["Step", "Transform", "StepContext", "train_step", "STAGES"]
@@ -261,6 +262,12 @@ class Step:
 
     def apply(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         """The pure step without the host-side RNG handling (what :func:`functrain.compile` traces)."""
+        # [sharded state] only a data_parallel(shard=...) step can run a sharded state (functrain.layout)
+        owner = self.transform_named(SLOT)
+        if isinstance(state.slots.get(SLOT), ShardState) and not getattr(owner, "shards_state", False):
+            raise ValueError(f"this state is sharded over ranks (it has a {SLOT!r} ShardState slot) but this step "
+                             f"{self!r} is not a sharded data_parallel step: use the step that made it, gather it "
+                             f"(ft.gather_state) or load its checkpoint into this step's state (ft.load)")
         ctx = StepContext(state, batch)
         hooks = self._hooks
 

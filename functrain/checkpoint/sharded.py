@@ -283,8 +283,8 @@ def _cut(logical: Any, template: Any, path: str) -> Any:
         raise CheckpointError(f"{path}: its params cannot be sharded like the template's: {e}") from None
     if not mine.same_params(layout):
         raise CheckpointError(f"{path}: its params (structure, dtypes, shapes) are not the template's: the "
-                              f"checkpoint is of another model. Checkpoint: "
-                              f"{[e[:2] for e in mine.entries][:4]}..., template: {[e[:2] for e in layout.entries][:4]}...")
+                              f"checkpoint is of another model. Checkpoint: {[e[:2] for e in mine.entries][:4]}..., "
+                              f"template: {[e[:2] for e in layout.entries][:4]}...")
 
     def cut(t: Any, x: Any) -> Any:
         return layout.shard_of(x, copy=True) if layout.is_shard_tree(t) else x

@@ -76,6 +76,7 @@ class ShardedDataParallel(Transform):
     """
 
     name = SLOT
+    shards_state = True  # Step.apply runs a sharded state only in a step with such a transform
     order = 1000  # last in each stage: cut after every gradient transform, gather after the EMA
 
     def __init__(self, replicated: Transform, shard: str):

@@ -140,7 +140,7 @@ class FlatLayout:
         one leaf is otherwise a view that keeps the whole leaf alive): for state at
         rest. Inside the step views are fine.
         """
-        leaves = self.spec.flatten_up_to(tree)
+        leaves = self._leaves(tree)
         out = {}
         for k in self.keys:
             lo, hi = self.span(k, rank)
@@ -163,10 +163,25 @@ class FlatLayout:
                 out[k] = torch.cat(pieces)
         return out
 
-    def unflatten(self, flats: dict[str, torch.Tensor]) -> Any:
-        """The params-shaped tree from whole (gathered) flat buffers of at least ``numel`` each (views)."""
+    def unflatten(self, flats: dict[str, torch.Tensor], like: Any = None) -> Any:
+        """The params-shaped tree from whole (gathered) flat buffers of at least ``numel`` each (views).
+
+        ``like``: any tree with the params' structure (inside a compiled step, the
+        state's :class:`ShardState` ``layout``: Dynamo rebuilds trees only from
+        structures it flattened itself).
+        """
         leaves = [flats[k][off:off + n].view(shape) for k, shape, n, off in self.entries]
-        return optree.tree_unflatten(self.spec, leaves)
+        spec = self.spec if like is None else optree.tree_flatten(like)[1]
+        return optree.tree_unflatten(spec, leaves)
+
+    def _leaves(self, tree: Any) -> list:
+        if torch.compiler.is_compiling():  # the structure was checked eagerly or at the first trace
+            leaves = optree.tree_leaves(tree)
+            if len(leaves) != len(self.entries):
+                raise ValueError(f"expected a tree of {len(self.entries)} leaves shaped like the params; got "
+                                 f"{len(leaves)}")
+            return leaves
+        return self.spec.flatten_up_to(tree)
 
     def is_shard_tree(self, node: Any) -> bool:
         """Whether ``node`` is a shard tree of this layout (a dict of its dtype keys, 1-D shards of its size)."""
@@ -175,12 +190,18 @@ class FlatLayout:
                         and tuple(node[k].shape) == (self.size[k],) for k in self.keys))
 
     def is_params_like(self, node: Any) -> bool:
-        """Whether ``node`` has the params' structure, dtypes and shapes (an optimizer moment, an EMA)."""
-        try:
-            leaves = self.spec.flatten_up_to(node)
-        except (ValueError, TypeError):
-            return False
-        return optree.tree_structure(node) == self.spec and all(
+        """Whether ``node`` has the params' structure, dtypes and shapes (an optimizer moment, an EMA).
+
+        (While compiling, the structure itself is not compared, only the leaves' count, dtypes and shapes:
+        Dynamo cannot compare a tree structure made outside the graph.)
+        """
+        if torch.compiler.is_compiling():
+            leaves = optree.tree_leaves(node)
+        else:
+            if optree.tree_structure(node) != self.spec:
+                return False
+            leaves = optree.tree_leaves(node)
+        return len(leaves) == len(self.entries) and all(
             torch.is_tensor(x) and x.dtype == self.dtypes[k] and tuple(x.shape) == shape
             for x, (k, shape, _, _) in zip(leaves, self.entries))
 

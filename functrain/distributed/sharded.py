@@ -173,9 +173,10 @@ class ShardedDataParallel(Transform):
                     f"size only through a checkpoint: ft.save(path, state) on the old group, then "
                     f"ft.load(path, step.init(params, buffers)) on the new one")
 
-    def _gather(self, shards: dict) -> Any:
+    def _gather(self, shards: dict, ctx: StepContext) -> Any:
         layout, group, world = self.layout, self._group(), self.layout.world
-        return layout.unflatten({k: _all_gather(shards[k], group, world) for k in layout.keys})
+        flats = {k: _all_gather(shards[k], group, world) for k in layout.keys}
+        return layout.unflatten(flats, like=ctx.slots[SLOT].layout)
 
     def wrap_grad(self, grad_fn: Callable, ctx: StepContext) -> Callable:
         self._check(ctx)
@@ -184,7 +185,7 @@ class ShardedDataParallel(Transform):
 
         def gathered(params, buffers, batch):
             # the whole params exist only while this micro-batch's forward and backward run
-            return grad_fn(self._gather(params), buffers, batch)
+            return grad_fn(self._gather(params, ctx), buffers, batch)
 
         return gathered
 
@@ -200,7 +201,7 @@ class ShardedDataParallel(Transform):
     def after(self, ctx: StepContext) -> None:
         # after the EMA (order 0) has blended its shard from the new param shard
         if self.shard == "optimizer":
-            ctx.params = self._gather(ctx.params)
+            ctx.params = self._gather(ctx.params, ctx)
 
     def __repr__(self) -> str:
         return f"data_parallel(shard={self.shard!r})"

@@ -286,3 +286,80 @@ def test_sharded_inductor_all_transforms():
 def test_shard_argument_is_checked():
     with pytest.raises(ValueError, match="shard must be one of"):
         ft.data_parallel(shard="zero3")
+
+
+# -------------------------------------------------------------------------- SIGKILL during sharded saves
+KILL_CHILD = """
+import sys
+sys.path.insert(0, {root!r})
+import torch
+import functrain as ft
+
+def make(step_no):
+    g = torch.Generator().manual_seed(step_no % 3)
+    params = {{"w": torch.randn(1024, 1024, generator=g), "b": torch.randn(1024, generator=g)}}
+    step = ft.data_parallel(shard="params")(ft.ema(0.9)(ft.train_step(lambda p, b, x: (p["b"] * x).sum(),
+                                                                       ft.optim.adamw(1e-3))))
+    return step.init(params)._replace(step=torch.tensor(step_no))
+
+if __name__ == "__main__":
+    path, start = sys.argv[1], int(sys.argv[2])
+    print("ready", flush=True)
+    n = start
+    while True:
+        ft.save(path, make(n), extra={{"step": n}})
+        print("saved", n, flush=True)
+        n += 1
+"""
+
+
+def test_sigkill_during_sharded_saves_leaves_a_complete_checkpoint(tmp_path):
+    import random
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = KILL_CHILD.format(root=root)
+    script = tmp_path / "child.py"
+    script.write_text(code)
+    scope: dict = {}
+    exec(code.split("if __name__")[0], scope)
+    make = scope["make"]
+    path = str(tmp_path / "ckpt")
+    ft.save(path, make(0), extra={"step": 0})
+    rng = random.Random(7)
+    start, leftovers_seen = 1, 0
+    for _ in range(6):
+        proc = subprocess.Popen([sys.executable, str(script), path, str(start)], stdout=subprocess.PIPE, text=True)
+        lines: list = []
+        ready = threading.Event()
+
+        def reader():
+            for line in proc.stdout:
+                lines.append(line.split())
+                ready.set()
+
+        t = threading.Thread(target=reader, daemon=True)
+        t.start()
+        try:
+            assert ready.wait(120), "the child did not start"
+            time.sleep(rng.uniform(0.0, 1.0))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+            t.join(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        leftovers_seen += any(e.startswith(".") for e in os.listdir(tmp_path))
+        saved = [int(x[1]) for x in lines if x[0] == "saved"]
+        n = ft.load_extra(path)["step"]
+        assert n >= max(saved, default=0)
+        assert T.tree_equal(ft.load(path), ft.gather_state(make(n))), f"checkpoint of step {n} is not its state"
+        start = n + 1
+    ft.save(path, make(start), extra={"step": start})  # the next save cleans what the killed ones left
+    assert not [e for e in os.listdir(tmp_path) if e.startswith(".")]
+    print(f"{leftovers_seen} of 6 kills left a temporary folder")

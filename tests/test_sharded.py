@@ -36,17 +36,19 @@ def _problem(config: str, rank: int, micro: int = 2):
         mask[:4].view(-1)[:9] = 1
         mask[4:].view(-1)[:3] = 1
 
-        def loss_fn(params, buffers, batch):
+        def items_loss(params, buffers, batch):
             x, y, m = batch
             return ((apply_fn(params, buffers, x) - y) ** 2 * m).sum(), {"num_items": m.sum()}
 
-        batch = (x, y, mask)
+        loss_fn, batch = items_loss, (x, y, mask)
     elif config == "two_dtypes":  # one float64 parameter: a second flat buffer
         params = {**params, "scale": torch.full((3,), 1.5, dtype=torch.float64)}
 
-        def loss_fn(params, buffers, batch):
+        def scaled_loss(params, buffers, batch):
             out = apply_fn({k: v for k, v in params.items() if k != "scale"}, buffers, batch[0])
             return torch.nn.functional.mse_loss(out * params["scale"].float(), batch[1])
+
+        loss_fn = scaled_loss
     elif config == "fp16_overflow":
         x[6, 0] = 1e30  # in rank 1's half only: inf in fp16
     transforms = {

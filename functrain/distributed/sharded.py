@@ -50,10 +50,19 @@ def _world_of(group: Any) -> int:
 
 
 def _all_gather(shard: torch.Tensor, group: Any, world: int) -> torch.Tensor:
+    """The shards of every rank, concatenated in rank order (functional collectives: traceable)."""
     if world == 1:
         return shard
     from torch.distributed import _functional_collectives as funcol
 
+    if dist.get_backend(group) == "gloo":
+        # gloo's allgather is several times slower than its allreduce (2 ranks, 400 MB: 2.3 s vs 0.36 s), so
+        # sum a buffer holding this rank's shard and -0.0 elsewhere: x + (-0.0) == x for every float x
+        # (+0.0 and -0.0 included), so the sum is the exact concatenation, in any reduction order
+        rank, size = dist.get_rank(group), shard.numel()
+        pad = lambda n: torch.full((n,), -0.0, dtype=shard.dtype, device=shard.device)  # noqa: E731
+        buf = torch.cat([pad(rank * size), shard.reshape(-1), pad((world - 1 - rank) * size)])
+        return funcol.wait_tensor(funcol.all_reduce(buf, "sum", group))
     gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # (renamed in torch 2.1x)
     return funcol.wait_tensor(gather(shard.contiguous(), 0, group))
 

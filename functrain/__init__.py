@@ -25,7 +25,7 @@ from . import checkpoint, distributed, optim, tree
 from .checkpoint import (CheckpointError, CheckpointManager, Restored, load, load_extra, register_checkpoint_type,
                          save)
 from .compile import CompiledStep, GraphBreakError, compile
-from .distributed import ShardedLoader, data_parallel, gather_for_eval, launch, shard
+from .distributed import ShardedLoader, data_parallel, gather_for_eval, gather_state, launch, shard
 from .distributed import data  # noqa: F401 - ``ft.data`` (the sharded loader's module) stays a public name
 from .driver import run, to_device
 from .module import functionalize, to_module
@@ -41,6 +41,6 @@ __all__ = [
     "TrainState", "Step", "StepContext", "Transform", "STAGES", "train_step",
     "functionalize", "to_module", "compile", "CompiledStep", "GraphBreakError", "run", "to_device",
     "accumulate", "clip", "clip_value", "ema", "EmaState", "skip_nonfinite", "mixed_precision", "Policy",
-    "LossScaleState", "optim", "tree", "data_parallel", "launch", "distributed", "TrainConfig", "shard", "ShardedLoader", "gather_for_eval", "data", "save", "load", "load_extra", "CheckpointManager",
+    "LossScaleState", "optim", "tree", "data_parallel", "gather_state", "launch", "distributed", "TrainConfig", "shard", "ShardedLoader", "gather_for_eval", "data", "save", "load", "load_extra", "CheckpointManager",
     "CheckpointError", "Trainer", "Restored", "register_checkpoint_type", "checkpoint",
 ]

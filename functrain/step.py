@@ -35,6 +35,7 @@ from torch.func import grad_and_value
 from . import tree as T
 from .checks import Layout, check_batch, check_inputs, check_loss, check_params
 from .checks import check_state as _check_state
+from .layout import SLOT, ShardState
 from .rng import rng_init, with_rng
 from ._optimizer_check import check_optimizer
 from .state import TrainState, register_accessor
@@ -375,6 +376,7 @@ class Step:
         self._stages = tuple((s.run, tuple(getattr(t, s.hook) for t in ordered if _uses(t, s.hook)) if s.hook else ())
                              for s in PIPELINE)
         self._offsets = tuple(t.rng_offset for t in ordered if _uses(t, "rng_offset"))
+        self._shards_state = any(getattr(t, "shards_state", False) for t in self.transforms)
         self._layout: Layout | None = None  # check_state's expectations, found once
 
     # -- building ---------------------------------------------------------------------------
@@ -449,7 +451,17 @@ class Step:
             ...
             functrain._validate.BadValue: the state does not match this step: state.slots has 'ema' ...
         """
+        self._refuse_foreign_shards(state)
         _check_state(self, state)
+
+    def _refuse_foreign_shards(self, state: Any) -> None:
+        # a state sharded over ranks (functrain.layout's ShardState slot) runs only in a sharded
+        # data_parallel step: say so before the generic slot mismatch would
+        slots = getattr(state, "slots", None)
+        if not self._shards_state and isinstance(slots, dict) and isinstance(slots.get(SLOT), ShardState):
+            raise ValueError(f"this state is sharded over ranks (it has a {SLOT!r} ShardState slot) but this step "
+                             f"{self!r} is not a sharded data_parallel step: use the step that made it, gather it "
+                             f"(ft.gather_state) or load its checkpoint into this step's state (ft.load)")
 
     # -- running ----------------------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
@@ -459,6 +471,7 @@ class Step:
         """Run ``fn(state, batch)`` (``self.apply`` or its compiled form) with the host-side work of a call:
         :meth:`check_state`, the batch check, and the RNG hand-over (:func:`functrain.rng.with_rng`) with
         this process's :meth:`rng_offset`. ``Step.__call__`` and ``CompiledStep.__call__`` are this."""
+        self._refuse_foreign_shards(state)
         _check_state(self, state, rng=False)  # with_rng checks state.rng as it reads the key
         check_batch(batch)
         offsets = self._offsets

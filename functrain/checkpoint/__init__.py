@@ -68,13 +68,16 @@ from __future__ import annotations
 # tensorfile: the safetensors file of all tensors, written and read in checksummed chunks (crc32/sha256)
 # folder: the checkpoint folder: completion mark, atomic save, verified load, leftovers of killed saves
 # manager: CheckpointManager (numbered checkpoints, rotation, fallback) and Restored
+# sharded: checkpoints of sharded states (one folder per rank, resharding load); save/load/load_extra
+#          below are its dispatchers, which hand unsharded states and folders to folder.save/load unchanged
 # lock: FolderLock (one writer per folder) and the in-use marks of a save's folders
 # The node-type allow-list lives in functrain.registry (core layer): types register where they are defined.
 # The classes below declare ``functrain.checkpoint`` as their ``__module__`` (their public home in reprs).
-from . import folder, format, lock, manager, tensorfile
+from . import folder, format, lock, manager, sharded, tensorfile
 from ..registry import register_checkpoint_type
 from .export import export_state_dict, export_weights  # final weights as plain state_dict files
-from .folder import check_structure, load, load_extra, save
+from .folder import check_structure
+from .sharded import load, load_extra, save  # sharded states: one folder per rank; others go to folder
 from .format import (EXTRA, FORMAT, MARKER, TENSORS, TREE, VERSION, CheckpointError, CheckpointSpaceError,
                      StructureMismatch)
 from .lock import FolderLock, FolderLocked

@@ -92,7 +92,7 @@ def flat_state_dict(*trees: Any, module: torch.nn.Module | None = None) -> dict[
     return out
 
 
-def _fsync_dir(folder: str) -> None:
+def fsync_dir(folder: str) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:  # some platforms cannot open a folder
@@ -139,7 +139,7 @@ def export_state_dict(path: str | os.PathLike, params: Any, buffers: Any = None,
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    _fsync_dir(folder)
+    fsync_dir(folder)
     return path
 
 

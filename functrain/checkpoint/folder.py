@@ -27,7 +27,7 @@ _MAX_JSON = 256 << 20   # refuse absurdly large JSON files before reading them
 
 
 # -------------------------------------------------------------------------- small file helpers
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -40,7 +40,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_file(path: str, data: bytes, sync: bool) -> None:
+def write_file(path: str, data: bytes, sync: bool) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         pwrite_all(fd, memoryview(data), 0)
@@ -166,7 +166,7 @@ def tidy(parent: str, keep_name: Any) -> None:
             os.close(fd)
 
 
-def _check_replaceable(path: str) -> None:
+def check_replaceable(path: str) -> None:
     """Refuse to replace anything at ``path`` but a functrain checkpoint folder (complete or not)."""
     if not os.path.lexists(path):
         return
@@ -273,7 +273,7 @@ def write_checkpoint(path: str | os.PathLike, state: Any, extra: Any = None, *, 
 
     os.makedirs(parent, exist_ok=True)
     tidy(parent, lambda n: n == name)
-    _check_replaceable(path)
+    check_replaceable(path)
     free, limit = _free_bytes(parent), _size_limit()
     if (free is not None and needed > free) or (limit is not None and largest > limit):
         raise _space_error(None, path, needed, largest)
@@ -282,20 +282,20 @@ def write_checkpoint(path: str | os.PathLike, state: Any, extra: Any = None, *, 
     try:
         files = {TENSORS: write_tensors(os.path.join(tmp, TENSORS), tensors, checksum, fsync)}
         for fname, data in ((TREE, tree_bytes), (EXTRA, extra_bytes)):
-            _write_file(os.path.join(tmp, fname), data, fsync)
+            write_file(os.path.join(tmp, fname), data, fsync)
             files[fname] = {"size": len(data), "sha256": sha256(data)}
         # the completion mark, written last: a folder without it is never loaded
-        _write_file(os.path.join(tmp, MARKER), json_bytes({**marker, "files": files}), fsync)
+        write_file(os.path.join(tmp, MARKER), json_bytes({**marker, "files": files}), fsync)
         if fsync:
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
         if os.path.lexists(path):
-            _check_replaceable(path)
+            check_replaceable(path)
             old_fd = hold_dir(path)  # the aside folder is in use until this save ends: never tidied meanwhile
             old = os.path.join(parent, f".{name}.old-{secrets.token_hex(6)}")
             os.rename(path, old)
         os.rename(tmp, path)
         if fsync:
-            _fsync_dir(parent)
+            fsync_dir(parent)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and not os.path.lexists(path):

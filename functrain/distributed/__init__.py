@@ -13,9 +13,10 @@ rank that failed first with one classifier and end their ranks when they die
 from .data import ShardedLoader, shard
 from .data_parallel import DataParallel, data_parallel
 from .evaluation import gather_for_eval
+from .sharded import ShardedDataParallel, gather_state
 from .group import ProcessInfo, default_timeout, device, init, is_initialized, process_info, rank, world_size
 from .spawn import LaunchError, free_port, launch
 
 __all__ = ["ProcessInfo", "process_info", "init", "is_initialized", "rank", "world_size", "device",
-           "default_timeout", "data_parallel", "DataParallel", "shard", "ShardedLoader", "gather_for_eval",
+           "default_timeout", "data_parallel", "DataParallel", "ShardedDataParallel", "gather_state", "shard", "ShardedLoader", "gather_for_eval",
            "launch", "free_port", "LaunchError"]

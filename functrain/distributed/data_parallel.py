@@ -7,9 +7,11 @@ import torch
 import torch.distributed as dist
 
 from .. import tree as T
+from .._validate import check_choice
 from . import group as G
 from ..state import TrainState
 from ..step import StepContext, Transform
+from .sharded import MODES, ShardedDataParallel
 
 __all__ = ["data_parallel"]
 
@@ -124,7 +126,7 @@ class DataParallel(Transform):
         return "data_parallel()"
 
 
-def data_parallel(group: Any = None) -> DataParallel:
+def data_parallel(group: Any = None, shard: str = "none") -> DataParallel | ShardedDataParallel:
     """Average the step over processes (``pmap`` + ``pmean``, on ``torch.distributed``).
 
     Run the script with ``python -m functrain.launch --nproc N script.py`` (or
@@ -135,10 +137,19 @@ def data_parallel(group: Any = None) -> DataParallel:
     ``ft.distributed.init()``): the ranks never train alone in silence. On one
     process without launcher variables it does nothing.
 
+    ``shard`` (see :mod:`functrain.distributed.sharded`): ``"none"`` replicates
+    the whole state on every rank; ``"optimizer"`` (ZeRO-2) shards the optimizer
+    state and the EMA over the ranks; ``"params"`` (ZeRO-3 / FSDP) shards the
+    params at rest too and all-gathers them for the forward and backward.
+    :func:`functrain.gather_state` gives the whole state back.
+
     Example::
 
         >>> import functrain as ft
         >>> ft.data_parallel()
         data_parallel()
     """
-    return DataParallel(group)
+    check_choice("data_parallel: shard", shard, ("none",) + MODES)
+    if shard == "none":
+        return DataParallel(group)
+    return ShardedDataParallel(DataParallel(group), shard)

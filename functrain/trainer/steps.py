@@ -66,8 +66,19 @@ def output_loss(out: Any) -> Any:
     loss = getattr(out, "loss", None)
     if torch.is_tensor(loss):
         return loss
-    what = f"a {type(out).__name__} whose .loss is None" if hasattr(out, "loss") else describe(out)[:200]
+    what = f"a {type(out).__name__} whose .loss is None" if hasattr(out, "loss") else _what(out)
     raise TypeError(_no_loss(out, what))
+
+
+def _what(out: Any) -> str:
+    """A short description of a model output (types and shapes, not values)."""
+    def one(x: Any) -> str:
+        return f"a tensor of shape {tuple(x.shape)}" if torch.is_tensor(x) else f"a {type(x).__name__}"
+
+    if isinstance(out, (list, tuple)):
+        items = ", ".join(one(x) for x in out[:4]) + (", ..." if len(out) > 4 else "")
+        return f"a {type(out).__name__} of {len(out)} ({items})"
+    return one(out)
 
 
 def _no_loss(out: Any, what: str) -> str:

@@ -304,6 +304,7 @@ class Trainer:
             r.pending, r.pending_until = [], n
             r.in_a_row = self._count_skipped(n, flags, r.in_a_row)  # (a stop it calls for is made in _on_step)
         now = time.perf_counter()
+        r.first_done(now)
         if r.compiled and r.first_at is not None and "compile_s" not in r.reported:
             host["compile_s"] = r.compile_s
             r.reported.add("compile_s")
@@ -326,9 +327,7 @@ class Trainer:
     def _on_step(self, n: int, state: TrainState, metrics: dict) -> bool:
         c, r = self.config, self._run
         r.n = n
-        if r.first_at is None:  # the first step (which compiles) has returned
-            r.first_at = time.perf_counter()
-            r.compile_s = r.first_at - r.t0
+        r.first_done(time.perf_counter())
         if "skipped" in metrics and r.logged_at != n:
             r.pending.append(metrics["skipped"])
             r.pending_until = n
@@ -430,3 +429,8 @@ class _RunState:
         self.pending_until = start  # the step of the newest pending flag
         self.in_a_row = 0  # skipped updates in a row, as of the last read
         self.agree_at, self.agree_n, self.agree_t = start + 1, start, time.monotonic()
+
+    def first_done(self, now: float) -> None:
+        """Note when the first step (which compiles) returned; later calls change nothing."""
+        if self.first_at is None:
+            self.first_at, self.compile_s = now, now - self.t0

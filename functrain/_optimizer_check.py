@@ -34,7 +34,8 @@ def _short(obj: Any) -> str:
 
 def _torch_optim_message(obj: Any) -> str:
     cls = obj if isinstance(obj, type) else type(obj)
-    head = (f"{cls.__module__}.{cls.__qualname__} is a stateful torch.optim optimizer: it holds the "
+    head = (f"{cls.__module__}.{cls.__qualname__} is a stateful torch.optim optimizer, not a functrain "
+            "optimizer: it holds the "
             "parameters and mutates them and its state in step(), which a pure, compiled functrain step "
             "cannot call. ")
     port = _TORCH_PORTS.get(cls.__name__)

@@ -9,7 +9,7 @@ import optree
 import torch
 
 from .state import TrainState
-from .step import Step, check_inputs, with_rng
+from .step import Step
 
 __all__ = ["compile", "CompiledStep", "GraphBreakError"]
 
@@ -129,11 +129,11 @@ class CompiledStep:
         return state, metrics
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        check_inputs(state, batch)
         try:
-            new, metrics = with_rng(self._compiled, state, batch, self.step.rng_rank())
-        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
-            raise self._explain(e, state, batch) from e
+            new, metrics = self.step.host_call(self._compiled, state, batch)
+        except torch._dynamo.exc.TorchDynamoException as error:
+            self._explain(error, state, batch)
+            raise
         if self.donate:
             new = optree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, new)
             for leaf in optree.tree_leaves(state):
@@ -141,19 +141,30 @@ class CompiledStep:
                     leaf.set_()  # the old state no longer owns storage: using it raises
         return new, metrics
 
-    def _explain(self, error: Exception, state: TrainState, batch: Any) -> Exception:
-        # Dynamo reports an exception raised by user code (a bad loss, a bad batch) as
-        # "Unsupported"; running the step eagerly raises the real error with its message.
+    def _explain(self, error: Exception, state: TrainState, batch: Any) -> None:
+        """Raise what the step itself says about ``error``, Dynamo's report of a failed capture.
+
+        Dynamo reports an exception raised by the user's code while tracing (a bad
+        loss, a batch of the wrong shape) as ``Unsupported`` or ``TorchRuntimeError``
+        with pages of its own logs: running the step eagerly once raises the real
+        error, which is raised instead (without Dynamo's chain). If the eager step
+        runs, a graph break is a :class:`GraphBreakError`; anything else returns and
+        the caller re-raises Dynamo's error as it is.
+        """
         try:
-            with_rng(self.step.apply, state, batch, self.step.rng_rank())
+            self.step.host_call(self.step.apply, state, batch)
         except Exception as real:  # noqa: BLE001 - surface whatever the step itself raises
-            return real
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return GraphBreakError(
-            f"the step cannot be compiled as one graph (fullgraph=True): {first}. "
-            f"A step must have no host sync (.item(), print, Python branches on tensor values) and call only "
-            f"traceable code; fix the loss function, or pass fullgraph=False to ft.compile to allow graph "
-            f"breaks (slower). Dynamo said:\n{error}")
+            if hasattr(real, "add_note"):  # Python >= 3.11
+                real.add_note(f"(raised by the step run eagerly: ft.compile could not trace it, "
+                              f"torch._dynamo.exc.{type(error).__name__})")
+            raise real from None
+        if isinstance(error, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise GraphBreakError(
+                f"the step cannot be compiled as one graph (fullgraph=True): {first}. "
+                f"A step must have no host sync (.item(), print, Python branches on tensor values) and call "
+                f"only traceable code; fix the loss function, or pass fullgraph=False to ft.compile to allow "
+                f"graph breaks (slower). Dynamo said:\n{error}") from error
 
     def __repr__(self) -> str:
         return f"compile({self.step!r}, donate={self.donate})"

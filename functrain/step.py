@@ -1,17 +1,18 @@
 """The training step: a pipeline of stages over one state pytree, and the transform protocol.
 
-A step is ``step(state, batch) -> (new_state, metrics)``. It runs these stages,
-in this order, whatever order the transforms were wrapped in::
+A step is ``step(state, batch) -> (new_state, metrics)``. It runs the stages of
+:data:`PIPELINE`, in this order, whatever order the transforms were wrapped in::
 
-    loss       the loss of one micro-batch            (mixed_precision casts and scales it)
-    grad       loss -> gradients                      (accumulate splits the batch and sums)
-    reduce     gradients across processes             (data_parallel)
-    normalise  ÷ micro-batches, or ÷ total num_items  (built in)
-    check      unscale, finite?                       (mixed_precision, skip_nonfinite)
-    transform  change the gradients                   (clip, clip_value)
-    update     the optimizer                          (built in)
-    commit     keep or drop the update                (built in select; loss-scale growth/backoff)
-    after      after the update                       (ema)
+    stage      what it does                           hook          (built-in users)
+    loss       the loss of one micro-batch            wrap_loss     (mixed_precision casts and scales it)
+    grad       loss -> gradients                      wrap_grad     (accumulate splits the batch and sums)
+    reduce     gradients across processes             reduce        (data_parallel)
+    normalise  ÷ micro-batches, or ÷ total num_items  -             (built in)
+    check      unscale, finite?                       check         (mixed_precision, skip_nonfinite)
+    transform  change the gradients                   transform     (clip, clip_value)
+    update     the optimizer                          wrap_update   (built in; a sharded state wraps it)
+    commit     keep or drop the update                commit        (built-in select; loss-scale growth/backoff)
+    after      after the update                       after         (ema)
 
 Gradients travel in *sum form* until ``normalise``: each micro-batch
 contributes the gradient of its loss and a denominator (1 for a mean loss, the
@@ -25,19 +26,21 @@ captures it as one graph.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, ClassVar, Iterable, NamedTuple
 
 import optree
 import torch
 from torch.func import grad_and_value
 
 from . import tree as T
-from .state import TrainState
+from .checks import Layout, check_batch, check_inputs, check_loss, check_params
+from .checks import check_state as _check_state
+from .rng import rng_init, with_rng
+from ._optimizer_check import check_optimizer
+from .state import TrainState, register_accessor
 
-__all__ = ["Step", "Transform", "StepContext", "train_step", "STAGES"]
-
-STAGES = ("loss", "grad", "reduce", "normalise", "check", "transform", "update", "commit", "after")
-_HOOKS = ("wrap_loss", "wrap_grad", "reduce", "check", "transform", "commit", "after")
+__all__ = ["Step", "Transform", "StepContext", "Stage", "train_step", "STAGES", "PIPELINE", "HOOKS",
+           "check_inputs", "with_rng"]
 
 LossFn = Callable[[Any, Any, Any], Any]
 
@@ -77,6 +80,9 @@ class StepContext:
         self.apply: torch.Tensor | None = None
         self.boundary: torch.Tensor | None = None
         self.metrics: dict = {}
+        self._loss_fn: Callable | None = None   # the loss stage's result, differentiated by the grad stage
+        self._counts_items = False              # the loss is a sum over aux["num_items"] items
+        self._before_update: tuple = ()         # (params, opt_state) the commit stage falls back to
 
     def slot(self, transform: "Transform") -> Any:
         """The transform's slot as it is now in this step."""
@@ -94,35 +100,70 @@ class StepContext:
         """
         self.apply = pred if self.apply is None else self.apply & pred
 
+    def skip_unless_finite(self) -> torch.Tensor:
+        """Drop this step's update unless the loss and the gradients, as they are now, are finite.
+
+        The one "skip a non-finite update" rule, shared by every transform that
+        needs it (``skip_nonfinite``, fp16 loss scaling): and-s the result into
+        :attr:`finite`, keeps the update only where it holds (:meth:`keep_if`) and
+        sets ``metrics["skipped"]``. Returns this check's own bool scalar. Call it
+        in the ``check`` stage, after unscaling.
+
+        Example (a transform's ``check`` hook)::
+
+            def check(self, ctx):
+                finite = ctx.skip_unless_finite()
+                ctx.set_slot(self, {"bad": ctx.slot(self)["bad"] + (~finite).to(torch.int64)})
+        """
+        finite = T.tree_all_finite(self.grads) & torch.isfinite(self.metrics["loss"])
+        self.finite = finite if self.finite is None else self.finite & finite
+        self.keep_if(finite)
+        self.metrics["skipped"] = ~self.finite
+        return finite
+
 
 class Transform:
     """Base class of step transforms: ``Step -> Step`` features that own one state slot.
 
-    A transform has a ``name`` (its slot in ``state.slots``; a step holds at most
-    one transform of each name), an ``init(params, buffers)`` that returns its slot
-    state (``None`` for none), optionally a ``post_init(state) -> state`` run once on
-    the complete initial state, and overrides any of these hooks, each tied to a
-    stage (see :data:`STAGES`); ``order`` sorts transforms within a stage (ties by
-    name), so the wrapping order never matters:
+    The protocol is closed: a transform implements only the methods declared here,
+    and a step calls nothing else on it.
 
-    * ``wrap_loss(loss_fn, ctx) -> loss_fn`` (stage ``loss``): ``loss_fn(params,
-      buffers, batch) -> (objective, out)``, differentiated w.r.t. ``params``.
-    * ``wrap_grad(grad_fn, ctx) -> grad_fn`` (stage ``grad``): ``grad_fn(params,
-      buffers, batch) -> (grads, out)``; ``out`` holds ``loss``, ``denom``, ``aux``,
-      ``weight`` and ``buffers``, all summable.
-    * ``reduce(ctx)``, ``check(ctx)``, ``transform(ctx)``, ``commit(ctx)``,
-      ``after(ctx)``: read and write the :class:`StepContext`.
+    * ``name`` (its slot in ``state.slots``; a step holds at most one transform of
+      each name) and ``order`` (sorts transforms within a stage, ties by name, so
+      the wrapping order never matters).
+    * ``init(params, buffers)`` returns its slot's initial state (``None``: no slot,
+      and the state's structure does not depend on the transform); ``post_init(state)
+      -> state`` adjusts the complete initial state once, eagerly.
+    * ``accessors`` (class attribute): ``{attribute: fn(slot)}`` conveniences on
+      :class:`TrainState` (``state.ema`` comes from ``ft.ema``'s class).
+    * ``rng_offset()``: added to each step's random seed on this process (the
+      rank, under data parallelism); 0 by default.
+    * One hook per stage (see :data:`PIPELINE`):
+
+      - ``wrap_loss(loss_fn, ctx) -> loss_fn`` (stage ``loss``): ``loss_fn(params,
+        buffers, batch) -> (objective, out)``, differentiated w.r.t. ``params``.
+      - ``wrap_grad(grad_fn, ctx) -> grad_fn`` (stage ``grad``): ``grad_fn(params,
+        buffers, batch) -> (grads, out)``; ``out`` holds ``loss``, ``denom``, ``aux``,
+        ``weight`` and ``buffers``, all summable.
+      - ``wrap_update(update_fn, ctx) -> update_fn`` (stage ``update``):
+        ``update_fn(grads, opt_state, params) -> (params, opt_state)``, the
+        optimizer's update; a sharded-state transform updates its shard only.
+      - ``reduce(ctx)``, ``check(ctx)``, ``transform(ctx)``, ``commit(ctx)``,
+        ``after(ctx)``: read and write the :class:`StepContext`.
+
+      Wrapping hooks compose with the lowest ``order`` outermost.
 
     Applying a transform to a step returns a new step; the original is unchanged.
 
-    Example, a transform that adds Gaussian noise to the gradients, with its own
-    generator seed in the state::
+    Example, a transform that adds Gaussian noise to the gradients, with a count
+    in its slot and ``state.noise_count`` to read it::
 
         import torch, functrain as ft
 
         class GradNoise(ft.Transform):
             name = "grad_noise"
             order = 50                      # after clip (10) in the "transform" stage
+            accessors = {"noise_count": lambda slot: slot["count"]}
 
             def __init__(self, std):
                 self.std = std
@@ -140,6 +181,24 @@ class Transform:
 
     name: str = ""
     order: int = 0
+    accessors: ClassVar[dict[str, Callable[[Any], Any]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for attr, hook in _NOT_HOOKS.items():
+            if callable(cls.__dict__.get(attr)):
+                where = f"; the hook is {hook!r}" if hook else ""
+                raise TypeError(f"{cls.__qualname__}.{attr}: Transform has no hook {attr!r}{where}. "
+                                f"The hooks are {', '.join(HOOKS)} (see functrain.step.PIPELINE)")
+        accessors = cls.__dict__.get("accessors")
+        if accessors:
+            if not isinstance(accessors, dict):
+                raise TypeError(f"{cls.__qualname__}.accessors must be a dict {{attribute: fn(slot)}}; "
+                                f"got {type(accessors).__name__}")
+            if not isinstance(cls.__dict__.get("name", cls.name), str) or not cls.name:
+                raise TypeError(f"{cls.__qualname__} declares accessors, so it needs a class-level slot name")
+            for attr, fn in accessors.items():
+                register_accessor(attr, cls.name, fn, owner=f"{cls.__module__}.{cls.__qualname__}")
 
     def init(self, params: Any, buffers: Any) -> Any:
         """The slot's initial state (``None``: the transform keeps no state and gets no slot)."""
@@ -149,26 +208,42 @@ class Transform:
         """Adjust the complete initial state once, eagerly (data_parallel broadcasts it from rank 0)."""
         return state
 
+    def rng_offset(self) -> int:
+        """What this process adds to each step's random seed (data_parallel: its rank); 0 by default."""
+        return 0
+
     def wrap_loss(self, loss_fn: Callable, ctx: StepContext) -> Callable:
+        """Stage ``loss``: return a replacement of ``loss_fn(params, buffers, batch) -> (objective, out)``."""
         return loss_fn
 
     def wrap_grad(self, grad_fn: Callable, ctx: StepContext) -> Callable:
+        """Stage ``grad``: return a replacement of ``grad_fn(params, buffers, batch) -> (grads, out)``."""
         return grad_fn
 
     def reduce(self, ctx: StepContext) -> None:
-        pass
+        """Stage ``reduce``: combine the sum-form gradients and counts across processes."""
 
     def check(self, ctx: StepContext) -> None:
-        pass
+        """Stage ``check``: unscale, decide finiteness (:meth:`StepContext.skip_unless_finite`)."""
 
     def transform(self, ctx: StepContext) -> None:
-        pass
+        """Stage ``transform``: change the normalised gradients ``ctx.grads``."""
+
+    def wrap_update(self, update_fn: Callable, ctx: StepContext) -> Callable:
+        """Stage ``update``: return a replacement of ``update_fn(grads, opt_state, params) -> (params, opt_state)``.
+
+        The default is the optimizer's own update. A transform that keeps the
+        optimizer state sharded would slice ``grads``/``params`` to its shard, call
+        ``update_fn`` on them and gather the new params; ``commit`` then keeps or
+        drops the result as for any update.
+        """
+        return update_fn
 
     def commit(self, ctx: StepContext) -> None:
-        pass
+        """Stage ``commit``: after the built-in keep-or-drop select of params and optimizer state."""
 
     def after(self, ctx: StepContext) -> None:
-        pass
+        """Stage ``after``: read the committed params (``ema``)."""
 
     def __call__(self, step: "Step") -> "Step":
         if not isinstance(step, Step):
@@ -184,6 +259,104 @@ def _uses(t: Transform, hook: str) -> bool:
     return getattr(type(t), hook) is not getattr(Transform, hook)
 
 
+# -- the stages -------------------------------------------------------------------------------
+# Each built-in is ``run(step, ctx, hooks)``: the stage's own work around ``hooks``, the bound
+# hook methods of the transforms that implement it, sorted by (order, name).
+
+def _loss_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
+    loss_fn: Callable = step._base_loss
+    for hook in reversed(hooks):
+        loss_fn = hook(loss_fn, ctx)
+    ctx._loss_fn = loss_fn
+
+
+def _grad_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
+    loss_fn = ctx._loss_fn
+
+    def base_grad(params, buffers, batch):
+        if torch.compiler.is_compiling():  # traced: torch.func composes with Dynamo
+            grads, (_, out) = grad_and_value(_tensor_aux(loss_fn), has_aux=True)(params, buffers, batch)
+            return grads, {"denom": 1.0, "weight": 1.0, **out}
+        return _autograd_grad(loss_fn, params, buffers, batch)
+
+    grad_fn: Callable = base_grad
+    for hook in reversed(hooks):
+        grad_fn = hook(grad_fn, ctx)
+    ctx.grads, out = grad_fn(ctx.params, ctx.buffers, ctx.batch)
+    ctx.loss, ctx.denom, ctx.aux, ctx.weight = out["loss"], out["denom"], out["aux"], out["weight"]
+    ctx.buffers = out["buffers"]
+    ctx._counts_items = "num_items" in out
+
+
+def _normalise_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
+    # one division by the global denominator (micro-batches or items)
+    if not (isinstance(ctx.denom, float) and ctx.denom == 1.0):
+        ctx.grads = T.tree_scale(ctx.grads, 1.0 / ctx.denom)
+    ctx.metrics["loss"] = ctx.loss / ctx.denom
+    for k, v in ctx.aux.items():
+        ctx.metrics[k] = v / ctx.weight
+    if ctx._counts_items:  # the loss is a sum over items: report the global count
+        ctx.metrics["num_items"] = ctx.denom
+
+
+def _update_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
+    lr = step.optimizer.learning_rate(ctx.opt_state)
+    ctx.metrics["lr"] = torch.as_tensor(lr, dtype=torch.float64)
+    update_fn: Callable = step.optimizer.update
+    for hook in reversed(hooks):
+        update_fn = hook(update_fn, ctx)
+    ctx._before_update = (ctx.params, ctx.opt_state)
+    ctx.params, ctx.opt_state = update_fn(ctx.grads, ctx.opt_state, ctx.params)
+
+
+def _commit_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
+    if ctx.apply is not None:
+        old_params, old_opt = ctx._before_update
+        ctx.params = T.tree_select(ctx.apply, ctx.params, old_params)
+        ctx.opt_state = T.tree_select(ctx.apply, ctx.opt_state, old_opt)
+    for hook in hooks:
+        hook(ctx)
+
+
+def _hooks_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
+    for hook in hooks:
+        hook(ctx)
+
+
+class Stage(NamedTuple):
+    """One stage of the step: its ``name``, the :class:`Transform` method a transform
+    implements to act there (``hook``, or ``None``), and the built-in ``run(step,
+    ctx, hooks)`` that does the stage's own work around those hooks."""
+
+    name: str
+    hook: str | None
+    run: Callable[["Step", StepContext, tuple], None]
+
+
+PIPELINE: tuple[Stage, ...] = (
+    Stage("loss", "wrap_loss", _loss_stage),            # loss_fn -> (objective, out); buffers copied
+    Stage("grad", "wrap_grad", _grad_stage),            # grad_and_value / autograd.grad; accumulate
+    Stage("reduce", "reduce", _hooks_stage),            # data_parallel
+    Stage("normalise", None, _normalise_stage),         # ÷ the global denominator
+    Stage("check", "check", _hooks_stage),              # unscale, finite?
+    Stage("transform", "transform", _hooks_stage),      # clip, clip_value
+    Stage("update", "wrap_update", _update_stage),      # the optimizer
+    Stage("commit", "commit", _commit_stage),           # select(apply, new, old); loss-scale growth
+    Stage("after", "after", _hooks_stage),              # ema
+)
+"""The stages in the order every step runs them: the single source of that order."""
+
+STAGES: tuple[str, ...] = tuple(s.name for s in PIPELINE)
+"""The stage names, in order: ``("loss", "grad", ..., "after")``."""
+
+HOOKS: tuple[str, ...] = tuple(s.hook for s in PIPELINE if s.hook)
+"""The stage hooks a :class:`Transform` may implement, in stage order."""
+
+# Method names a transform might define expecting a call that never comes: refused when the class is made.
+_NOT_HOOKS = {"loss": "wrap_loss", "grad": "wrap_grad", "normalise": None, "update": "wrap_update",
+              "rng_rank": "rng_offset"}
+
+
 class Step:
     """A pure training step ``step(state, batch) -> (new_state, metrics)``.
 
@@ -196,8 +369,13 @@ class Step:
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.transforms: tuple[Transform, ...] = tuple(transforms)
-        key = lambda t: (t.order, t.name)  # noqa: E731 - the order within a stage never depends on wrapping
-        self._hooks = {h: sorted((t for t in self.transforms if _uses(t, h)), key=key) for h in _HOOKS}
+        ordered = sorted(self.transforms, key=lambda t: (t.order, t.name))  # never by wrapping order
+        self._ordered = tuple(ordered)
+        # PIPELINE, resolved for this step's transforms: (built-in, the bound hooks that run there)
+        self._stages = tuple((s.run, tuple(getattr(t, s.hook) for t in ordered if _uses(t, s.hook)) if s.hook else ())
+                             for s in PIPELINE)
+        self._offsets = tuple(t.rng_offset for t in ordered if _uses(t, "rng_offset"))
+        self._layout: Layout | None = None  # check_state's expectations, found once
 
     # -- building ---------------------------------------------------------------------------
     def with_transform(self, transform: Transform) -> "Step":
@@ -212,10 +390,6 @@ class Step:
                                  f"each transform may be applied once")
         return Step(self.loss_fn, self.optimizer, self.transforms + (transform,))
 
-    def transform_named(self, name: str) -> Transform | None:
-        """The transform with this slot name, or ``None``."""
-        return next((t for t in self.transforms if t.name == name), None)
-
     def __repr__(self) -> str:
         names = ", ".join(t.name for t in self.transforms)
         return f"Step({getattr(self.loss_fn, '__name__', 'loss_fn')}, transforms=[{names}])"
@@ -228,7 +402,7 @@ class Step:
         (dropout draws from it, so a step re-run from the same state draws the
         same numbers); ``seed=None`` carries none and uses torch's global RNG.
         """
-        _check_params(params)
+        check_params(params)
         buffers = {} if buffers is None else buffers
         leaves = T.tree_leaves(params)
         device = leaves[0].device if leaves else torch.device("cpu")
@@ -239,78 +413,68 @@ class Step:
             buffers=buffers,
             opt_state=self.optimizer.init(params),
             step=torch.zeros((), dtype=torch.int64, device=device),
-            rng=None if seed is None else _rng_init(seed, device),
+            rng=None if seed is None else rng_init(seed, device),
             slots=slots,
         )
-        for t in sorted(self.transforms, key=lambda t: (t.order, t.name)):
+        for t in self._ordered:
             state = t.post_init(state)
+        if self._layout is None:  # what check_state expects, known for free here
+            self._layout = Layout.of(state)
         return state
+
+    def check_state(self, state: Any) -> None:
+        """Raise unless ``state`` is a state of this step: cheap, metadata only, no device sync.
+
+        Checks the state's kind and fields (a :class:`TrainState`, not donated; an
+        int64 scalar ``step``; an ``rng`` of ``None`` or ``{"key": int64 host tensor
+        [seed, counter]}``; the optimizer state's type) and its slots: one per
+        stateful transform of this step, of the type its ``init`` makes, and no
+        other. The difference is named (a :class:`TypeError` that is also a
+        :class:`ValueError`)::
+
+            state.slots has 'ema' but this step has no 'ema' transform; expected slots ['mixed_precision']
+
+        What a step expects is found once (from :meth:`init`, or by running the
+        transforms' ``init`` on meta tensors shaped like ``state.params``) and cached.
+        Every call of the step runs this check; call it yourself to test a loaded
+        checkpoint against a step before training.
+
+        Example::
+
+            >>> import torch, functrain as ft
+            >>> step = ft.ema(0.9)(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1)))
+            >>> plain = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1))
+            >>> plain.check_state(step.init({"w": torch.ones(2)}))
+            Traceback (most recent call last):
+            ...
+            functrain._validate.BadValue: the state does not match this step: state.slots has 'ema' ...
+        """
+        _check_state(self, state)
 
     # -- running ----------------------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        check_inputs(state, batch)
-        return with_rng(self.apply, state, batch, self.rng_rank())
+        return self.host_call(self.apply, state, batch)
 
-    def rng_rank(self) -> int:
-        """The offset this process adds to each step's seed: its rank under data parallelism, else 0."""
-        for t in self.transforms:
-            rank = getattr(t, "rng_rank", None)
-            if rank is not None:
-                return rank()
-        return 0
+    def host_call(self, fn: Callable, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        """Run ``fn(state, batch)`` (``self.apply`` or its compiled form) with the host-side work of a call:
+        :meth:`check_state`, the batch check, and the RNG hand-over (:func:`functrain.rng.with_rng`) with
+        this process's :meth:`rng_offset`. ``Step.__call__`` and ``CompiledStep.__call__`` are this."""
+        _check_state(self, state, rng=False)  # with_rng checks state.rng as it reads the key
+        check_batch(batch)
+        offsets = self._offsets
+        return with_rng(fn, state, batch, sum(f() for f in offsets) if offsets else 0)
+
+    def rng_offset(self) -> int:
+        """What this process adds to each step's seed: the transforms' :meth:`Transform.rng_offset`
+        summed (its rank under data parallelism), else 0."""
+        return sum(f() for f in self._offsets)
 
     def apply(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        """The pure step without the host-side RNG handling (what :func:`functrain.compile` traces)."""
+        """The pure step without the host-side work (what :func:`functrain.compile` traces):
+        the stages of :data:`PIPELINE`, in order."""
         ctx = StepContext(state, batch)
-        hooks = self._hooks
-
-        loss_fn: Callable = self._base_loss
-        for t in reversed(hooks["wrap_loss"]):
-            loss_fn = t.wrap_loss(loss_fn, ctx)
-
-        def base_grad(params, buffers, batch):
-            if torch.compiler.is_compiling():  # traced: torch.func composes with Dynamo
-                grads, (_, out) = grad_and_value(_tensor_aux(loss_fn), has_aux=True)(params, buffers, batch)
-                return grads, {"denom": 1.0, "weight": 1.0, **out}
-            return _autograd_grad(loss_fn, params, buffers, batch)
-
-        grad_fn: Callable = base_grad
-        for t in reversed(hooks["wrap_grad"]):
-            grad_fn = t.wrap_grad(grad_fn, ctx)
-        ctx.grads, out = grad_fn(ctx.params, ctx.buffers, batch)
-        ctx.loss, ctx.denom, ctx.aux, ctx.weight = out["loss"], out["denom"], out["aux"], out["weight"]
-        ctx.buffers = out["buffers"]
-
-        for t in hooks["reduce"]:
-            t.reduce(ctx)
-
-        # normalise: one division by the global denominator (micro-batches or items)
-        if not (isinstance(ctx.denom, float) and ctx.denom == 1.0):
-            ctx.grads = T.tree_scale(ctx.grads, 1.0 / ctx.denom)
-        ctx.metrics["loss"] = ctx.loss / ctx.denom
-        for k, v in ctx.aux.items():
-            ctx.metrics[k] = v / ctx.weight
-        if "num_items" in out:  # the loss is a sum over items: report the global count
-            ctx.metrics["num_items"] = ctx.denom
-
-        for t in hooks["check"]:
-            t.check(ctx)
-        for t in hooks["transform"]:
-            t.transform(ctx)
-
-        lr = self.optimizer.learning_rate(ctx.opt_state)
-        ctx.metrics["lr"] = torch.as_tensor(lr, dtype=torch.float64)
-        old_params, old_opt = ctx.params, ctx.opt_state
-        ctx.params, ctx.opt_state = self.optimizer.update(ctx.grads, ctx.opt_state, ctx.params)
-
-        if ctx.apply is not None:
-            ctx.params = T.tree_select(ctx.apply, ctx.params, old_params)
-            ctx.opt_state = T.tree_select(ctx.apply, ctx.opt_state, old_opt)
-        for t in hooks["commit"]:
-            t.commit(ctx)
-        for t in hooks["after"]:
-            t.after(ctx)
-
+        for run, hooks in self._stages:
+            run(self, ctx, hooks)
         new_state = TrainState(
             params=ctx.params,
             buffers=ctx.buffers,
@@ -329,7 +493,7 @@ class Step:
         loss, aux = result if isinstance(result, tuple) else (result, {})
         if isinstance(result, tuple) and len(result) != 2:
             raise TypeError(f"loss_fn must return a scalar loss or (loss, aux_dict); got a tuple of {len(result)}")
-        _check_loss(loss)
+        check_loss(loss)
         if not isinstance(aux, dict):
             raise TypeError(f"loss_fn's aux must be a dict of tensors (metrics); got {type(aux).__name__}")
         aux = dict(aux)
@@ -351,7 +515,6 @@ class Step:
         if num_items is not None:
             out["num_items"] = out["denom"]
         return loss, out
-
 
 def _tensor_aux(loss_fn: Callable) -> Callable:
     """``loss_fn`` with the per-micro-batch constants (``denom``/``weight`` of 1.0) left out of its
@@ -402,115 +565,7 @@ def train_step(loss_fn: LossFn, optimizer: Any) -> Step:
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable(params, buffers, batch) -> loss; got {type(loss_fn).__name__}")
-    for attr in ("init", "update", "learning_rate"):
-        if not callable(getattr(optimizer, attr, None)):
-            raise TypeError(f"optimizer must be a functrain optimizer with init/update/learning_rate "
-                            f"(e.g. ft.optim.adamw(1e-3)); got {type(optimizer).__name__} without {attr!r}")
+    check_optimizer(optimizer)  # explains the protocol and how to adapt torch.optim / Optax-style optimizers
     return Step(loss_fn, optimizer)
 
 
-# -- checks ---------------------------------------------------------------------------------
-def _check_loss(loss: Any) -> None:
-    if not torch.is_tensor(loss):
-        raise TypeError(f"loss_fn must return a scalar tensor loss (or (loss, aux)); got {type(loss).__name__}")
-    if loss.dim() != 0:
-        raise ValueError(f"loss_fn must return a scalar loss (shape ()); got shape {tuple(loss.shape)}. "
-                         f"Reduce it, e.g. with .mean() or .sum() (with aux['num_items'])")
-    if not loss.is_floating_point():
-        raise TypeError(f"loss_fn must return a floating-point loss; got dtype {loss.dtype}")
-
-
-def _check_params(params: Any) -> None:
-    leaves = optree.tree_leaves(params)
-    if not leaves:
-        raise ValueError("params is empty: there is nothing to train")
-    for path, leaf in zip(optree.tree_paths(params), leaves):
-        name = "/".join(str(p) for p in path) or "<root>"
-        if not torch.is_tensor(leaf):
-            raise TypeError(f"params must be a pytree of floating-point tensors; {name!r} is {type(leaf).__name__}")
-        if not leaf.is_floating_point():
-            raise TypeError(f"params must be floating-point tensors; {name!r} has dtype {leaf.dtype}. "
-                            f"Move integer tensors to buffers")
-
-
-def check_inputs(state: Any, batch: Any) -> None:
-    """Host-side checks of a step's inputs (cheap: metadata only, no sync)."""
-    if not isinstance(state, TrainState):
-        raise TypeError(f"the step takes a functrain TrainState (from step.init); got {type(state).__name__}")
-    if state.step.numel() == 0:
-        raise RuntimeError("this TrainState was donated to an earlier compiled step (donate=True) and its "
-                           "buffers now belong to the state that step returned; use that one")
-    leaves = optree.tree_leaves(batch)
-    for leaf in leaves:
-        if not torch.is_tensor(leaf) and not isinstance(leaf, (int, float, bool)):
-            bad = [("/".join(map(str, p)) or "<root>", type(x).__name__)
-                   for p, x in zip(optree.tree_paths(batch), leaves)
-                   if not torch.is_tensor(x) and not isinstance(x, (int, float, bool))]
-            raise TypeError(f"the batch must be a pytree (tuple/list/dict) of tensors; leaf {bad[0][0]!r} is "
-                            f"{bad[0][1]}. Convert it to a tensor (ft.run converts numpy arrays)")
-
-
-# -- randomness -----------------------------------------------------------------------------
-def _rng_init(seed: int, device: torch.device) -> dict:
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
-        raise TypeError(f"seed must be an int in [0, 2**63) or None; got {seed!r}")
-    return {"key": torch.tensor([seed, 0], dtype=torch.int64)}
-
-
-def _mix64(x: int) -> int:
-    """splitmix64: a well-mixed 64-bit value from a counter."""
-    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return x ^ (x >> 31)
-
-
-def _devices(state: TrainState) -> list[str]:
-    device = state.step.device
-    return ["cpu"] if device.type != "cuda" else ["cpu", str(device)]
-
-
-def _get_rng(dev: str) -> torch.Tensor:
-    return torch.get_rng_state() if dev == "cpu" else torch.cuda.get_rng_state(dev)
-
-
-def _set_rng(dev: str, value: torch.Tensor) -> None:
-    if dev == "cpu":
-        torch.set_rng_state(value)
-    else:
-        torch.cuda.set_rng_state(value, dev)
-
-
-def _seed_globals(devices: list[str], seed: int) -> None:
-    for dev in devices:
-        if dev == "cpu":
-            torch.default_generator.manual_seed(seed)
-        else:
-            torch.cuda.default_generators[torch.device(dev).index or 0].manual_seed(seed)
-
-
-def with_rng(fn: Callable, state: TrainState, batch: Any, rank: int = 0) -> tuple[TrainState, dict]:
-    """Run ``fn(state, batch)`` drawing random numbers from ``state.rng`` (host side).
-
-    ``state.rng["key"]`` is a host int64 tensor ``[seed, counter]``, the same on
-    every process. Each step hashes it into a step seed (splitmix64), advances
-    the counter (into the new state), seeds the global generators with
-    ``step seed + rank`` (so data-parallel ranks draw different dropout masks,
-    yet the state stays replicated and a checkpoint holds everything), runs, and
-    restores the caller's generators. All of it is host work on host memory:
-    no device sync, no torch op that reads a value.
-    """
-    rng = state.rng
-    if rng is None:
-        return fn(state, batch)
-    seed, counter = (int(v) for v in rng["key"].numpy())  # a host tensor, read without a torch op
-    step_seed = _mix64(_mix64(seed) ^ counter) >> 2  # < 2**62, so seed + rank stays a valid seed
-    devices = _devices(state)
-    saved = {dev: _get_rng(dev) for dev in devices}
-    try:
-        _seed_globals(devices, step_seed + rank)
-        new_state, metrics = fn(state._replace(rng=None), batch)
-    finally:
-        for dev, value in saved.items():
-            _set_rng(dev, value)
-    return new_state._replace(rng={"key": torch.tensor([seed, counter + 1], dtype=torch.int64)}), metrics

@@ -68,6 +68,7 @@ except ImportError as e:  # pragma: no cover - hypothesis is the "test" extra
                       "(or pip install hypothesis)") from e
 
 from . import tree as T
+from ._validate import path_str
 from .compile import CompiledStep
 from .compile import compile as ft_compile
 from .step import Step
@@ -310,7 +311,7 @@ def assert_same_state(actual: Any, expected: Any, rtol: float = 0.0, atol: float
         raise AssertionError(f"{what}: the pytree structures differ:\n  actual:    {sa}\n  reference: {sb}")
     problems = []
     for path, a, b in zip(pa, la, lb):
-        msg = _describe_diff("/".join(map(str, path)) or "<root>", a, b, rtol, atol)
+        msg = _describe_diff(path_str(path), a, b, rtol, atol)
         if msg is not None:
             problems.append(msg)
     if problems:

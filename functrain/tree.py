@@ -15,7 +15,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import optree
 import torch
@@ -141,24 +141,3 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     if x.is_complex():
         x = torch.view_as_real(x)
     return x.view(ints[x.element_size()])
-
-
-def tree_describe(tree: Any, limit: int = 6) -> str:
-    """A short human description of a tree's leaves, for error messages."""
-    leaves, spec = optree.tree_flatten(tree)
-    parts = []
-    for path, leaf in zip(optree.tree_paths(tree), leaves):
-        name = "/".join(str(p) for p in path) or "<root>"
-        if torch.is_tensor(leaf):
-            parts.append(f"{name}: Tensor{tuple(leaf.shape)} {leaf.dtype}")
-        else:
-            parts.append(f"{name}: {type(leaf).__name__}")
-        if len(parts) >= limit:
-            parts.append("...")
-            break
-    return ", ".join(parts)
-
-
-def map_with_path(fn: Callable[[str, Any], Any], tree: Any) -> Any:
-    """``tree_map`` whose function also receives the leaf's path as ``"a/b/0"``."""
-    return optree.tree_map_with_path(lambda path, x: fn("/".join(str(p) for p in path), x), tree)

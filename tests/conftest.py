@@ -1,8 +1,37 @@
+"""Shared test settings, and the problems, batches and small transforms the transform tests share.
+
+The transform law tests (one file per transform: test_accumulate.py, test_clip.py,
+test_ema.py, test_mixed_precision.py, test_skip_nonfinite.py; test_composition.py
+for the built-ins together, test_compiled_transforms.py for compiled == eager,
+test_testing_kit.py for functrain.testing) import these helpers with
+``from conftest import ...``.
+
+Tolerances used across them (see each test for the reasoning):
+
+* fp32 laws (accumulation, streaming, item counts): rtol = atol = 1e-6. Summing
+  micro-batch gradients reorders fp32 sums: a few ulps (2**-23 ~ 1.2e-7) of O(1)
+  gradients, times lr <= 0.1, so ~1e-8 in the params; 1e-6 leaves margin yet
+  fails for any real mistake (a wrong divisor is off by a factor, a mean of
+  micro-batch token means by O(1e-2): see test_num_items_reference_discriminates).
+* wrapping order, mixed_precision("no"), clip with a huge max_norm, skip_nonfinite
+  vs the plain step on the finite batches: bitwise (same operations in the same order).
+* bf16/fp16 vs fp32: the update's relative error (norm-wise) <= 8 * eps of the
+  compute dtype (eps = 2**-7 for bf16, 2**-10 for fp16), see test_low_precision_close_to_fp32.
+* compiled vs eager: allclose 1e-5 (aot_eager runs eager's kernels; inductor's
+  fused fp32 kernels differ in the last bits); fp16 compute under inductor: see
+  test_compiled_inductor_all_four_fp16.
+"""
+from __future__ import annotations
+
 import os
 
+import optree
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+import functrain as ft
 
 settings.register_profile("functrain", deadline=None, suppress_health_check=[HealthCheck.too_slow],
                           derandomize=os.environ.get("CI") == "true")
@@ -13,3 +42,94 @@ settings.load_profile("functrain")
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+# -- shared by the transform tests ----------------------------------------------------------
+EPS = {"bf16": 2.0**-7, "fp16": 2.0**-10}  # machine epsilon of the compute dtype
+
+
+OPTIMIZERS = {
+    "sgd": lambda: ft.optim.sgd(0.1),
+    "nesterov": lambda: ft.optim.sgd(0.05, momentum=0.9, nesterov=True),
+    "adamw": lambda: ft.optim.adamw(1e-2, weight_decay=0.1),
+}
+
+
+optimizers = st.sampled_from(sorted(OPTIMIZERS))
+
+
+FAST = settings(deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow])
+
+
+def vec(tree) -> torch.Tensor:
+    """All leaves of a tree as one float64 vector."""
+    return torch.cat([x.detach().double().flatten() for x in optree.tree_leaves(tree)])
+
+
+def update_of(new_params, old_params) -> torch.Tensor:
+    return vec(new_params) - vec(old_params)
+
+
+def train_state_parts(state):
+    """What an update changes: params, optimizer state and the EMA (if any)."""
+    return state.params, state.opt_state, state.slots.get("ema")
+
+
+class Probe(ft.Transform):
+    """Records the gradients as they are at its place in the ``transform`` stage."""
+
+    def __init__(self, name="probe", order=1000):
+        self.name, self.order = name, order
+
+    def transform(self, ctx):
+        ctx.metrics[self.name] = ctx.grads
+
+
+class ScaleGrads(ft.Transform):
+    """A user transform: multiply the gradients by a constant (stage ``transform``)."""
+
+    name = "scale_grads"
+
+    def __init__(self, factor, order=50):
+        self.factor, self.order = factor, order
+
+    def transform(self, ctx):
+        ctx.grads = ft.tree.tree_scale(ctx.grads, self.factor)
+
+
+class GradNoise(ft.Transform):
+    """The Transform docstring's example: Gaussian gradient noise, with a count in its slot."""
+
+    name = "grad_noise"
+    order = 50
+
+    def __init__(self, std):
+        self.std = std
+
+    def init(self, params, buffers):
+        return {"count": torch.zeros((), dtype=torch.int64)}
+
+    def transform(self, ctx):
+        ctx.grads = ft.tree.tree_map(lambda g: g + self.std * torch.randn_like(g), ctx.grads)
+        ctx.set_slot(self, {"count": ctx.slot(self)["count"] + 1})
+
+
+def shifted(batch, i):
+    """The i-th of a sequence of distinct batches made from one."""
+    x, y = batch
+    return x + 0.1 * i, y - 0.05 * i
+
+
+def with_value(batch, value, row=0, col=0):
+    x, y = batch
+    x = x.clone()
+    x[row % x.shape[0], col % x.shape[1]] = value
+    return x, y
+
+
+def fixed_problem(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    params = {"w0": torch.randn(6, 8, generator=gen) / 6**0.5, "b0": torch.randn(8, generator=gen) * 0.1,
+              "w1": torch.randn(8, 3, generator=gen) / 8**0.5, "b1": torch.zeros(3)}
+    batches = [(torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)) for _ in range(10)]
+    return params, batches

@@ -162,3 +162,37 @@ def test_user_errors_surface_through_compile():
         ft.compile(step, backend="eager")(step.init({"w": torch.ones(3)}), torch.ones(3))
     with pytest.raises(TypeError, match="functrain Step"):
         ft.compile(lambda s, b: (s, {}))
+
+
+@pytest.fixture(scope="module")
+def aot_mlp():
+    """An aot_eager compiled MLP step that has compiled once (for the bad-batch tests)."""
+    step, state, batches = mlp_problem()
+    step = ft.accumulate(2)(step)
+    cstep = ft.compile(step, backend="aot_eager")
+    cstep(state, batches[0])
+    return step, cstep, state, batches
+
+
+def eager_error(step, state, batch):
+    with pytest.raises(Exception) as info:
+        step(state, batch)
+    return info.value
+
+
+@pytest.mark.parametrize("case", ["features", "structure", "indivisible"])
+def test_bad_batch_to_a_compiled_step_raises_the_users_error(aot_mlp, case):
+    """A batch the step cannot take raises what the eager step raises (same type, same message), not
+    Dynamo's fake-tensor report; the compiled step keeps working afterwards without recompiling."""
+    step, cstep, state, batches = aot_mlp
+    x, y = batches[0]
+    bad = {"features": (x[:, :7], y), "structure": (x, y, y), "indivisible": (x[:15], y[:15])}[case]
+    expected = eager_error(step, state, bad)
+    with pytest.raises(type(expected)) as info:
+        cstep(state, bad)
+    assert str(info.value) == str(expected)
+    assert not isinstance(info.value, torch._dynamo.exc.TorchDynamoException)
+    assert info.value.__cause__ is None and info.value.__suppress_context__  # no Dynamo chain
+    before = cstep.compiles
+    cstep(state, batches[1])
+    assert cstep.compiles == before == 1

@@ -154,8 +154,6 @@ def test_check_optimizer_accepts_functrain_optimizers():
         assert check_optimizer(opt) is opt
 
 
-@pytest.mark.xfail(strict=True, reason="needs functrain/step.py train_step to call ft.optim.check_optimizer "
-                                       "(owned by another helper; remove this marker when wired)")
 def test_train_step_explains_a_torch_optim_instance():
     model = torch.nn.Linear(2, 1)
     with pytest.raises(TypeError, match=r"stateful torch\.optim optimizer.*ft\.optim\.adamw\(lr=0\.001"):

@@ -73,6 +73,7 @@ from __future__ import annotations
 # The classes below declare ``functrain.checkpoint`` as their ``__module__`` (their public home in reprs).
 from . import folder, format, lock, manager, tensorfile
 from ..registry import register_checkpoint_type
+from .export import export_state_dict, export_weights  # final weights as plain state_dict files
 from .folder import check_structure, load, load_extra, save
 from .format import (EXTRA, FORMAT, MARKER, TENSORS, TREE, VERSION, CheckpointError, CheckpointSpaceError,
                      StructureMismatch)
@@ -92,4 +93,6 @@ __all__ = [
     "FolderLocked",
     "Restored",
     "register_checkpoint_type",
+    "export_state_dict",
+    "export_weights",
 ]

@@ -55,7 +55,7 @@ class DataParallel(Transform):
     every rank takes the same decision (a non-finite gradient on one rank skips
     the update on all). ``post_init`` broadcasts the initial state from rank 0;
     each rank draws its own random numbers (``seed + rank``, see
-    :func:`functrain.step.with_rng`) while the state stays replicated.
+    :func:`functrain.rng.with_rng`) while the state stays replicated.
     With a single process it does nothing.
     """
 
@@ -85,7 +85,7 @@ class DataParallel(Transform):
 
         return T.tree_map(broadcast, state)  # the RNG key too: ranks differ by with_rng's rank offset
 
-    def rng_rank(self) -> int:
+    def rng_offset(self) -> int:
         """This process's rank in the group: each step seeds its random draws with ``seed + rank``."""
         return dist.get_rank(self._group()) if _world(self.group) > 1 else 0
 

@@ -7,6 +7,7 @@ import optree
 import torch
 
 from .. import tree as T
+from .._validate import check_int, path_str
 from ..step import StepContext, Transform
 
 __all__ = ["accumulate"]
@@ -32,7 +33,7 @@ def split_batch(batch: Any, n: int) -> list:
             parts.append([leaf] * n)
             continue
         if leaf.shape[0] % n:
-            name = "/".join(map(str, path)) or "<root>"
+            name = path_str(path)
             raise ValueError(f"accumulate({n}): batch leaf {name!r} has leading dimension {leaf.shape[0]}, "
                              f"which is not divisible by {n}; give a batch of n * micro_batch rows")
         parts.append(list(leaf.chunk(n)))
@@ -53,9 +54,7 @@ class Accumulate(Transform):
     order = 0
 
     def __init__(self, n: int):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"accumulate: n must be an int >= 1; got {n!r}")
-        self.n = n
+        self.n = check_int("accumulate: n", n, minimum=1)
 
     def wrap_grad(self, grad_fn: Callable, ctx: StepContext) -> Callable:
         n = self.n
@@ -91,8 +90,7 @@ class StreamingAccumulate(Transform):
     order = 0
 
     def __init__(self, n: int):
-        Accumulate(n)  # same validation
-        self.n = n
+        self.n = Accumulate(n).n  # same validation
 
     def init(self, params, buffers) -> dict:
         device = T.tree_leaves(params)[0].device

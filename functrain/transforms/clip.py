@@ -4,14 +4,16 @@ from __future__ import annotations
 import torch
 
 from .. import tree as T
+from .._validate import BadValue, describe, is_real
 from ..step import StepContext, Transform
 
 __all__ = ["clip", "clip_value"]
 
 
 def _positive(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
-        raise ValueError(f"{name} must be a positive number; got {value!r}")
+    # > 0 and not NaN; inf is allowed (no clipping), so not check_real, which wants a finite number
+    if not (is_real(value) and value > 0):
+        raise BadValue(f"{name} must be a positive number; got {describe(value)}")
     return float(value)
 
 

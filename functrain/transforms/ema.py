@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import tree as T
+from .._validate import check_int, check_real
 from ..step import StepContext, Transform
 from ..registry import register_checkpoint_type
 
@@ -33,15 +34,12 @@ class EMA(Transform):
 
     name = "ema"
     order = 0
+    accessors = {"ema": lambda slot: slot.params}  # state.ema: the averaged params (None without ft.ema)
 
     def __init__(self, decay: float, every: int = 1, start_step: int = 0):
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
-            raise ValueError(f"ema: decay must be in (0, 1); got {decay!r}")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"ema: every must be an int >= 1; got {every!r}")
-        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
-            raise ValueError(f"ema: start_step must be an int >= 0; got {start_step!r}")
-        self.decay, self.every, self.start_step = float(decay), every, start_step
+        self.decay = check_real("ema: decay", decay, lo=0, hi=1, lo_open=True, hi_open=True)
+        self.every = check_int("ema: every", every, minimum=1)
+        self.start_step = check_int("ema: start_step", start_step, minimum=0)
 
     def init(self, params, buffers) -> EmaState:
         leaves = T.tree_leaves(params)

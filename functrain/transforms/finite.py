@@ -27,10 +27,7 @@ class SkipNonfinite(Transform):
         return {"skipped": torch.zeros((), dtype=torch.int64, device=device)}
 
     def check(self, ctx: StepContext) -> None:
-        finite = T.tree_all_finite(ctx.grads) & torch.isfinite(ctx.metrics["loss"])
-        ctx.finite = finite if ctx.finite is None else ctx.finite & finite
-        ctx.keep_if(finite)
-        ctx.metrics["skipped"] = ~ctx.finite
+        finite = ctx.skip_unless_finite()
         dropped = ~finite if ctx.boundary is None else ~finite & ctx.boundary  # count updates, not micro-batches
         ctx.set_slot(self, {"skipped": ctx.slot(self)["skipped"] + dropped.to(torch.int64)})
 

@@ -6,6 +6,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .. import tree as T
+from .._validate import check_int, check_real
 from ..step import StepContext, Transform
 from ..registry import register_checkpoint_type
 
@@ -59,22 +60,18 @@ class MixedPrecision(Transform):
 
     name = "mixed_precision"
     order = 0
+    accessors = {"loss_scale": lambda slot: slot}  # state.loss_scale: the LossScaleState (None unless fp16)
 
     def __init__(self, policy: Any = "bf16", init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, dynamic: bool | None = None):
         self.policy = _policy(policy)
         fp16 = self.policy.compute_dtype == torch.float16
         self.dynamic = fp16 if dynamic is None else bool(dynamic)
-        if not (isinstance(init_scale, (int, float)) and init_scale > 0):
-            raise ValueError(f"mixed_precision: init_scale must be > 0; got {init_scale!r}")
-        if not (isinstance(growth_factor, (int, float)) and growth_factor >= 1):
-            raise ValueError(f"mixed_precision: growth_factor must be >= 1; got {growth_factor!r}")
-        if not (isinstance(backoff_factor, (int, float)) and 0 < backoff_factor < 1):
-            raise ValueError(f"mixed_precision: backoff_factor must be in (0, 1); got {backoff_factor!r}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ValueError(f"mixed_precision: growth_interval must be an int >= 1; got {growth_interval!r}")
-        self.init_scale, self.growth_factor = float(init_scale), float(growth_factor)
-        self.backoff_factor, self.growth_interval = float(backoff_factor), growth_interval
+        self.init_scale = check_real("mixed_precision: init_scale", init_scale, lo=0, lo_open=True)
+        self.growth_factor = check_real("mixed_precision: growth_factor", growth_factor, lo=1)
+        self.backoff_factor = check_real("mixed_precision: backoff_factor", backoff_factor, lo=0, hi=1,
+                                         lo_open=True, hi_open=True)
+        self.growth_interval = check_int("mixed_precision: growth_interval", growth_interval, minimum=1)
 
     def init(self, params, buffers) -> LossScaleState | None:
         for leaf in T.tree_leaves(params):
@@ -122,10 +119,7 @@ class MixedPrecision(Transform):
             return
         s: LossScaleState = ctx.slot(self)
         ctx.grads = T.tree_scale(ctx.grads, 1.0 / s.scale)
-        finite = T.tree_all_finite(ctx.grads) & torch.isfinite(ctx.metrics["loss"])
-        ctx.finite = finite if ctx.finite is None else ctx.finite & finite
-        ctx.keep_if(finite)
-        ctx.metrics["skipped"] = ~ctx.finite
+        ctx.skip_unless_finite()
         ctx.metrics["loss_scale"] = s.scale
 
     def commit(self, ctx: StepContext) -> None:

@@ -257,9 +257,10 @@ def test_eval_loss_with_params_and_ema_each_sample_once(tmp_path):
     assert last["eval_loss"] == pytest.approx(_per_sample_mse(state.params, held_out), rel=1e-6)
     assert last["eval_loss_ema"] == pytest.approx(_per_sample_mse(state.ema, held_out), rel=1e-6)
     assert last["eval_loss"] != last["eval_loss_ema"]
-    # the history of evaluations is kept in the checkpoint
-    extra = ft.load_extra(ft.CheckpointManager(tmp_path / "checkpoints").path(12))
-    assert [s for s, _ in extra["evals"]] == [4, 8, 12]
+    # the history of evaluations is kept in the checkpoint (and plotted)
+    history = ft.load_extra(ft.CheckpointManager(tmp_path / "checkpoints").path(12))["history"]
+    assert [s for s, _ in history["eval_loss"]] == [4, 8, 12] == [s for s, _ in history["eval_loss_ema"]]
+    assert [v for _, v in history["eval_loss"]] == [r["eval_loss"] for r in evals]
 
 
 def test_eval_mistakes_are_errors_before_training(tmp_path):

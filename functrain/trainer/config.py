@@ -9,12 +9,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .._validate import BadValue, check_choice, check_int, check_real, describe, is_real
+from .trackers import TRACKERS, check_trackers
 
 __all__ = ["TrainConfig"]
 
 _PRECISIONS = ("no", "bf16", "fp16")
 _SCHEDULES = ("constant", "warmup_cosine", "warmup_linear")
-_TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 _SEED_MAX = 2**63 - 1  # the generator seeds of step.init and ft.shard
 
 
@@ -144,11 +144,16 @@ class TrainConfig:
                                                                   minimum=1, what="a positive int or None"))
         trackers = (self.trackers,) if isinstance(self.trackers, str) else self.trackers
         if not isinstance(trackers, (tuple, list)):
-            raise BadValue(f"TrainConfig.trackers must be a tracker name or a tuple of them from {_TRACKERS}; "
+            raise BadValue(f"TrainConfig.trackers must be a tracker name or a tuple of them from {TRACKERS}; "
                            f"got {describe(self.trackers)}")
-        unknown = [t for t in trackers if not (isinstance(t, str) and t in _TRACKERS)]
-        if unknown:
-            raise BadValue(f"TrainConfig.trackers: unknown {unknown}; choose from {_TRACKERS}")
+        objects = [t for t in trackers if not isinstance(t, str)]
+        if objects:
+            raise BadValue(f"TrainConfig.trackers holds tracker names only (the config is saved as JSON); pass "
+                           f"tracker objects as Trainer(trackers=[...]); got {describe(objects[0])[:120]}")
+        try:
+            check_trackers(trackers)
+        except ValueError as e:
+            raise BadValue(f"TrainConfig.trackers: {e}") from None
         if len(set(trackers)) != len(trackers):
             raise BadValue(f"TrainConfig.trackers: each tracker once; got {tuple(trackers)}")
         object.__setattr__(self, "trackers", tuple(trackers))

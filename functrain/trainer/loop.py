@@ -17,6 +17,7 @@ import torch
 
 from .. import distributed
 from .. import tree as T
+from ..checkpoint.export import export_weights
 from ..checkpoint import CheckpointError, CheckpointManager, FolderLock, FolderLocked, StructureMismatch, load_extra
 from ..compile import CompiledStep
 from ..compile import compile as compile_step
@@ -27,9 +28,11 @@ from ..state import TrainState
 from .config import TrainConfig
 from .evaluation import Evaluator
 from .hooks import Hooks
-from .images import image_grid, loss_curve, write_png
+from .images import write_sample_grid
+from .plots import MetricHistory, write_metrics_plot
+from .summary import run_summary
 from .steps import build_step, checked_loss, model_loss
-from .trackers import make_trackers
+from .trackers import check_trackers, make_trackers
 
 __all__ = ["Trainer"]
 
@@ -100,17 +103,22 @@ class Trainer:
     """
 
     AGREE_SECONDS = 5.0  # the ranks agree on stopping at least this often (in measured step time)
+    PLOT_SECONDS = 10.0  # the metrics plot is redrawn at a save if the last one is older than this
 
     def __init__(self, model_or_loss: Any, dataset: Any, config: TrainConfig,
                  sample_fn: Callable[[Any, int], torch.Tensor] | None = None, *, params: Any = None,
                  buffers: Any = None, optimizer: Any = None, transforms: Any = (), step: Any = None,
                  eval_dataset: Any = None, callbacks: list | tuple = (), on_log: Callable | None = None,
                  on_save: Callable | None = None, on_eval: Callable | None = None,
-                 should_stop: Callable | None = None):
+                 should_stop: Callable | None = None, trackers: list | tuple = ()):
         if not isinstance(config, TrainConfig):
             raise TypeError(f"Trainer needs a functrain.TrainConfig; got {type(config).__name__}")
         self.config = config
         self.hooks = Hooks(callbacks, on_log=on_log, on_save=on_save, on_eval=on_eval, should_stop=should_stop)
+        if isinstance(trackers, str) or not isinstance(trackers, (list, tuple)):
+            raise TypeError(f"Trainer(trackers=...) takes a list of tracker objects (log(step, metrics)) or names; "
+                            f"got {type(trackers).__name__} (names can also go in TrainConfig.trackers)")
+        self.tracker_items = check_trackers((*config.trackers, *trackers))
         if eval_dataset is None and config.eval_every:
             raise ValueError(f"TrainConfig.eval_every={config.eval_every} but the Trainer has no eval_dataset=")
         self.info = distributed.init()
@@ -146,10 +154,13 @@ class Trainer:
                                        device=self.device, module=self.module, seed=config.seed)
         self.folder = config.results_folder
         self.checkpoints = CheckpointManager(os.path.join(self.folder, "checkpoints"), keep=config.keep_checkpoints)
-        self.losses: list[tuple[int, float]] = []
-        self.evals: list[tuple[int, dict]] = []  # (step, eval metrics), kept in checkpoints
+        self.history = MetricHistory()  # every logged metric (and evaluation), kept in checkpoints
+        self.plot_path: str | None = None
+        self._plotted_at: float | None = None
+        self.weights: dict = {}
         self.skipped_updates = 0  # non-finite updates skipped by this process's train() calls (read at log steps)
         self._stop = False  # set by SIGTERM or should_stop; acted on once every rank agrees
+        self._signalled = False  # SIGTERM (not should_stop): the grace period is short, so no weights export
         self._save_group: Any = None
         self._run: _RunState | None = None
 
@@ -185,7 +196,10 @@ class Trainer:
                                   f"ft.Trainer")
         state = restored.state
         self.loader.load_state_dict(extra["data"])
-        self.losses = [tuple(x) for x in extra.get("losses", [])]
+        if "history" in extra:
+            self.history = MetricHistory.from_json(extra["history"]).truncate(restored.step)
+        else:  # a checkpoint written before the history: its loss curve
+            self.history = MetricHistory({"loss": extra.get("losses", [])}).truncate(restored.step)
         if self.rank == 0:
             print(f"resumed from {restored.path} at step {restored.step}", flush=True)
         return state
@@ -217,9 +231,8 @@ class Trainer:
         """
         step = int(state.step) if step is None else step  # a sync, but only when saving
         if self.rank == 0:
-            extra = {"data": self.loader.state_dict(), "losses": self.losses, "config": self.config.to_dict()}
-            if self.evals:
-                extra["evals"] = self.evals
+            extra = {"data": self.loader.state_dict(), "history": self.history.to_json(),
+                     "config": self.config.to_dict()}
             finite = self._finite(state)
             path = self.checkpoints.save(step, state, extra=extra, finite=finite)
             if not finite:
@@ -230,8 +243,9 @@ class Trainer:
                               RuntimeWarning, stacklevel=2)
             if self.sample_fn is not None:
                 images = self.sample_fn(state.ema, self.config.num_samples)
-                grid = image_grid(images.detach().float().cpu().numpy(), scale=4)
-                write_png(os.path.join(self.folder, f"sample-{step}.png"), grid)
+                write_sample_grid(os.path.join(self.folder, f"sample-{step}.png"),
+                                  images.detach().float().cpu().numpy(), step=step, scale=4)
+            self._plot(force=step >= self.config.train_num_steps or self._stop or self._run is None)
             self.hooks.call("on_save", step, path)
         if self.world > 1:
             group = self._save_group
@@ -248,7 +262,9 @@ class Trainer:
             raise ValueError("Trainer.evaluate needs Trainer(eval_dataset=...)")
         step = int(state.step) if step is None else step
         metrics = self.evaluator(state)
-        self.evals.append((step, metrics))
+        self.history.add(step, metrics)
+        if self._run is not None:
+            self._run.last.update(metrics)
         if self._run is not None:
             for t in self._run.trackers:
                 t.log(step, metrics)
@@ -265,6 +281,7 @@ class Trainer:
         lock = self._lock_folder()
         previous = None
         run_state = None
+        done = False
         try:
             if self.world > 1 and self._save_group is None:  # every rank creates it, in the same order
                 self._save_group = torch.distributed.new_group(
@@ -273,7 +290,7 @@ class Trainer:
             if self.rank == 0:
                 c.save(os.path.join(self.folder, "config.json"))
             start = int(state.step)  # the only read of the device counter: the loop's index mirrors it on the host
-            trackers = make_trackers(c.trackers, self.folder, c.to_dict(), start) if self.rank == 0 else []
+            trackers = make_trackers(self.tracker_items, self.folder, c.to_dict(), start) if self.rank == 0 else []
             self._run = run_state = _RunState(start, trackers, compiled=isinstance(self.run_step, CompiledStep))
             previous = signal.signal(signal.SIGTERM, self._on_sigterm)
             state = run(self.run_step, state, self.loader, num_steps=max(c.train_num_steps - start, 0),
@@ -283,8 +300,9 @@ class Trainer:
                 self.save(state, run_state.n)
             if run_state.in_a_row >= c.max_consecutive_nonfinite:  # counted by the stop step's log
                 self._nonfinite_stop(run_state.n, None)
-            if self.rank == 0:
-                write_png(os.path.join(self.folder, "loss.png"), loss_curve([v for _, v in self.losses]))
+            if self.rank == 0 and not self._signalled:  # (after SIGTERM the grace period is for the checkpoint)
+                self.weights = export_weights(self.folder, state, module=self.module)
+            done = True
         finally:
             self._run = None
             if previous is not None:
@@ -293,7 +311,40 @@ class Trainer:
                 t.close()
             if lock is not None:
                 lock.release()
+        if done and self.rank == 0 and run_state.n > run_state.start:
+            print(self.summary(run_state), flush=True)
         return state
+
+    def summary(self, r: "_RunState") -> str:
+        """The end-of-run text: final metrics, time (compile apart), where the results are."""
+        outputs = {"weights": self.weights.get("model"), "EMA weights": self.weights.get("ema"),
+                   "metrics plot": self.plot_path, "metrics": os.path.join(self.folder, "metrics.jsonl"),
+                   "checkpoint": self.checkpoints.path(r.saved_at)}
+        head = "" if not self._signalled else f"stopped by SIGTERM at step {r.n}; resume by running again\n"
+        return head + run_summary(results_folder=self.folder, step=r.n, total_steps=self.config.train_num_steps,
+                                  final_metrics={k: v for k, v in r.last.items() if k in _SUMMARY},
+                                  wall_time_s=time.perf_counter() - r.t0,
+                                  compile_time_s=r.compile_s if r.compiled else None, steps_run=r.n - r.start,
+                                  outputs=outputs, trackers=r.trackers)
+
+    def _plot(self, force: bool = False) -> None:
+        """Rewrite the metrics plot (rank 0, at every save): one panel per metric, the step on x.
+
+        Drawing takes about a second, so saves closer than ``PLOT_SECONDS`` apart share one plot;
+        the last save (the end, a stop) always draws.
+        """
+        now = time.monotonic()
+        if not force and self._plotted_at is not None and now - self._plotted_at < self.PLOT_SECONDS:
+            return
+        present = self.history.as_dict()
+        first = [m for m in ("loss", "eval_loss", "eval_loss_ema", "grad_norm", "lr") if m in present]
+        rest = [m for m in present if m not in first and m not in _NOT_PLOTTED]
+        if not first + rest:  # saved before the first log step: nothing to draw yet
+            return
+        self.plot_path = write_metrics_plot(os.path.join(self.folder, "metrics.png"), self.history,
+                                            title=os.path.basename(os.path.abspath(self.folder)),
+                                            metrics=first + rest)
+        self._plotted_at = time.monotonic()
 
     # -- the hooks of ft.run (no host sync but at log, agreement, eval and save steps) ----------
     def _on_log(self, n: int, host: dict) -> None:
@@ -314,7 +365,8 @@ class Trainer:
         else:
             host["steps_per_s"] = (n - r.start) / max(now - r.t0, 1e-9)
         host["skipped_updates"] = self.skipped_updates
-        self.losses.append((n, host["loss"]))
+        self.history.add(n, host)
+        r.last.update(host)
         for t in r.trackers:
             t.log(n, host)
         if "skipped" not in host and not math.isfinite(host["loss"]) and self.rank == 0:
@@ -403,7 +455,7 @@ class Trainer:
         return lock
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self._stop = True  # finish the current step, save, return
+        self._stop = self._signalled = True  # finish the current step, save, return
 
     def _agree(self, flag: bool, seconds_per_step: float) -> tuple[bool, float]:
         """Whether any rank wants to stop, and the slowest rank's seconds per step (one all-reduce)."""
@@ -411,6 +463,11 @@ class Trainer:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         stop, per_step = t.tolist()
         return stop > 0, per_step
+
+
+# bookkeeping, not curves: kept in metrics.jsonl and the history, left out of the plot and the summary line
+_NOT_PLOTTED = ("steps_per_s", "compile_s", "skipped", "skipped_updates", "eval_samples")
+_SUMMARY = ("loss", "eval_loss", "eval_loss_ema", "grad_norm", "lr", "skipped_updates")
 
 
 class _RunState:
@@ -424,6 +481,7 @@ class _RunState:
         self.first_at: float | None = None  # when the first step returned (after compiling)
         self.compile_s = 0.0
         self.reported: set = set()
+        self.last: dict = {}  # the last logged metrics (and evaluation), for the summary
         self.logged_at = start
         self.pending: list = []  # `skipped` flags (device tensors) not read yet
         self.pending_until = start  # the step of the newest pending flag

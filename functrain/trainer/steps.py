@@ -141,8 +141,12 @@ def _warn_unused(config: TrainConfig, names: Iterable[str], why: str) -> None:
         warnings.warn(f"TrainConfig fields {changed} are not used: {why}", UserWarning, stacklevel=4)
 
 
+def _named(step: Step, name: str) -> Transform | None:
+    return next((t for t in step.transforms if t.name == name), None)
+
+
 def _accumulation(step: Step) -> int:
-    t = step.transform_named("accumulate")
+    t = _named(step, "accumulate")
     return 1 if t is None else int(getattr(t, "n", 1))
 
 
@@ -171,7 +175,7 @@ def build_step(loss: Callable, config: TrainConfig, world: int, *, optimizer: An
             raise ValueError(f"the given step accumulates {n} micro-batches but TrainConfig.gradient_accumulate_every"
                              f"={c.gradient_accumulate_every}: the trainer loads batches of train_batch_size * "
                              f"gradient_accumulate_every rows; make them agree")
-        if world > 1 and base.transform_named("data_parallel") is None:
+        if world > 1 and _named(base, "data_parallel") is None:
             if compiled is not None:
                 raise ValueError(f"Trainer(step=ft.compile(step)) on {world} processes: the step has no "
                                  f"data_parallel(), which cannot be added to a compiled step; pass the step "
@@ -199,7 +203,7 @@ def build_step(loss: Callable, config: TrainConfig, world: int, *, optimizer: An
         if not isinstance(t, Transform):
             raise TypeError(f"Trainer(transforms=...)[{i}] must be a functrain Transform (e.g. ft.clip_value(1.0), "
                             f"or your own ft.Transform subclass); got {describe(t)[:200]}")
-        if s.transform_named(t.name) is not None:
+        if _named(s, t.name) is not None:
             raise ValueError(f"Trainer(transforms=...)[{i}] is {t!r}, but the trainer's step already has "
                              f"{t.name!r} from the config ({[x.name for x in s.transforms]}); set it in the "
                              f"TrainConfig, or pass a ready step=")

@@ -370,3 +370,99 @@ def test_throughput_excludes_the_compile(tmp_path):
     rates = [r["steps_per_s"] for r in log[1:]]
     # the compile takes seconds; the steps after it take milliseconds: a rate that included it would be < 1/s
     assert log[0]["compile_s"] > 0.5 and min(rates) > 5 * (1 / log[0]["compile_s"]), (log[0], rates)
+
+
+# ------------------------------------------------------------------------------------------ outputs
+class Normed(torch.nn.Module):
+    """Params, a persistent buffer set (BatchNorm: running stats and an int counter) and a tied weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.BatchNorm1d(4)
+        self.head = torch.nn.Linear(4, 4, bias=False)
+        self.head.weight = self.fc.weight  # tied
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.head(self.norm(self.fc(x)))[:, :1], y)
+
+
+def test_final_weights_load_strictly_and_equal_params_and_ema(tmp_path, capsys):
+    safetensors = pytest.importorskip("safetensors.torch")
+    state = _train(Normed, _data(), _config(tmp_path))
+    for name, tree in (("model", state.params), ("ema", state.ema)):
+        fresh = Normed()
+        fresh.load_state_dict(safetensors.load_file(str(tmp_path / f"{name}.safetensors")), strict=True)
+        for key, value in tree.items():
+            assert torch.equal(dict(fresh.named_parameters())[key], value), (name, key)
+        for key, value in state.buffers.items():
+            assert torch.equal(dict(fresh.named_buffers())[key], value), (name, key)
+    assert int(state.buffers["norm.num_batches_tracked"]) == 12  # the buffers trained too
+    assert not T.tree_equal(state.params, state.ema)
+    out = capsys.readouterr().out
+    assert "finished step 12/12: loss" in out and str(tmp_path / "model.safetensors") in out, out[-2000:]
+    assert str(tmp_path / "metrics.png") in out
+
+
+def test_metrics_plot_is_written_at_every_save_with_labelled_step_axes(tmp_path):
+    pytest.importorskip("matplotlib")
+    from functrain.trainer.plots import MetricHistory, metrics_figure
+
+    seen = {}
+
+    def on_save(step, path):
+        plot = tmp_path / "metrics.png"
+        seen[step] = plot.read_bytes() if plot.exists() else None
+
+    _train(Linear, _data(), _config(tmp_path, eval_every=6), eval_dataset=_data(16, seed=1), on_save=on_save)
+    assert seen[6] is not None and seen[6][:8] == b"\x89PNG\r\n\x1a\n"  # written at the first save already
+    assert seen[12] is not None and seen[12] != seen[6]  # and redrawn at the last
+    history = ft.load_extra(ft.CheckpointManager(tmp_path / "checkpoints").path(12))["history"]
+    assert [s for s, _ in history["loss"]] == list(range(1, 13))
+    fig = metrics_figure(MetricHistory.from_json(history),
+                         metrics=["loss", "eval_loss", "eval_loss_ema", "grad_norm", "lr"])
+    for ax, name in zip(fig.axes, ["loss", "eval_loss", "eval_loss_ema", "grad_norm", "lr"]):
+        assert ax.get_xlabel() == "step" and ax.get_ylabel().startswith(name)
+        assert ax.get_xlim()[1] >= 12 - 1e-9  # the x axis is the step, not the index of the log
+
+
+def test_trackers_user_object_and_mlflow_resume_continue_one_run(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
+        monkeypatch.delenv(var, raising=False)
+
+    class Mine:
+        def __init__(self):
+            self.steps = []
+
+        def log(self, step, metrics):
+            self.steps.append((step, "eval_loss" in metrics))
+
+    mine = Mine()
+    config = _config(tmp_path, train_num_steps=6, trackers=("jsonl", "mlflow"), save_and_sample_every=3)
+    _train(Linear, _data(), config, trackers=[mine], eval_dataset=_data(16, seed=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the config change (train_num_steps) is reported; not the point here
+        _train(Linear, _data(), config.replace(train_num_steps=12), trackers=[mine], eval_dataset=_data(16, seed=1))
+    assert [s for s, _ in mine.steps] == list(range(1, 13))  # one record per step: the evaluation in its step's
+    assert [s for s, e in mine.steps if e] == [3, 6, 9, 12]
+    client = MlflowClient("sqlite:///" + str(tmp_path / "mlflow.db"))
+    runs = client.search_runs([client.get_experiment_by_name("functrain").experiment_id])
+    assert len(runs) == 1  # the resumed session continued the same MLflow run
+    losses = sorted(client.get_metric_history(runs[0].info.run_id, "loss"), key=lambda m: m.step)
+    assert [m.step for m in losses] == list(range(1, 13))
+    jsonl = [r["loss"] for r in _log(tmp_path) if "loss" in r]
+    assert [m.value for m in losses] == pytest.approx(jsonl, rel=1e-6)
+    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "eval_loss")] == [3, 6, 9, 12]
+    assert mlflow.get_tracking_uri() != "sqlite:///" + str(tmp_path / "mlflow.db")  # global state untouched
+
+
+def test_bad_trackers_are_refused_before_training(tmp_path):
+    with pytest.raises(ValueError, match=r"TrainConfig.trackers: unknown tracker 'comet'; the known trackers"):
+        _config(tmp_path, trackers=("jsonl", "comet"))
+    with pytest.raises(TypeError, match=r"holds tracker names only.*Trainer\(trackers=\[...\]\)"):
+        _config(tmp_path, trackers=(object(),))
+    with pytest.raises(TypeError, match=r"a tracker must be one of .* or an object with log"):
+        ft.Trainer(Linear(), _data(), _config(tmp_path), trackers=[object()])

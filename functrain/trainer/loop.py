@@ -263,11 +263,13 @@ class Trainer:
         step = int(state.step) if step is None else step
         metrics = self.evaluator(state)
         self.history.add(step, metrics)
-        if self._run is not None:
-            self._run.last.update(metrics)
-        if self._run is not None:
-            for t in self._run.trackers:
-                t.log(step, metrics)
+        r = self._run
+        if r is not None:
+            r.last.update(metrics)
+            if r.unsent is not None and r.unsent[0] == step:  # one record per step: with the step's log
+                r.unsent[1].update(metrics)
+            else:
+                r.emit(step, metrics)
         self.hooks.call("on_eval", step, metrics)
         if self.hooks.stop(step, metrics):
             self._stop = True
@@ -367,8 +369,10 @@ class Trainer:
         host["skipped_updates"] = self.skipped_updates
         self.history.add(n, host)
         r.last.update(host)
-        for t in r.trackers:
-            t.log(n, host)
+        if r.n == n:  # the log of a stop step comes after its _on_step: send it now
+            r.emit(n, host)
+        else:  # sent at the end of _on_step, with the step's evaluation if it has one
+            r.unsent = (n, dict(host))
         if "skipped" not in host and not math.isfinite(host["loss"]) and self.rank == 0:
             warnings.warn(f"step {n}: the loss is {host['loss']} and skip_nonfinite is off: the "
                           f"parameters may now be non-finite", RuntimeWarning, stacklevel=2)
@@ -377,6 +381,15 @@ class Trainer:
             self._stop = True
 
     def _on_step(self, n: int, state: TrainState, metrics: dict) -> bool:
+        try:
+            return self._step_done(n, state, metrics)
+        finally:
+            r = self._run
+            if r.unsent is not None:
+                r.emit(*r.unsent)
+                r.unsent = None
+
+    def _step_done(self, n: int, state: TrainState, metrics: dict) -> bool:
         c, r = self.config, self._run
         r.n = n
         r.first_done(time.perf_counter())
@@ -482,11 +495,17 @@ class _RunState:
         self.compile_s = 0.0
         self.reported: set = set()
         self.last: dict = {}  # the last logged metrics (and evaluation), for the summary
+        self.unsent: tuple[int, dict] | None = None  # a log step's record, sent to the trackers after its step
         self.logged_at = start
         self.pending: list = []  # `skipped` flags (device tensors) not read yet
         self.pending_until = start  # the step of the newest pending flag
         self.in_a_row = 0  # skipped updates in a row, as of the last read
         self.agree_at, self.agree_n, self.agree_t = start + 1, start, time.monotonic()
+
+    def emit(self, step: int, metrics: dict) -> None:
+        """Send one record to every tracker."""
+        for t in self.trackers:
+            t.log(step, metrics)
 
     def first_done(self, now: float) -> None:
         """Note when the first step (which compiles) returned; later calls change nothing."""

@@ -279,6 +279,7 @@ class Trainer:
     def train(self) -> TrainState:
         """Run (or resume) to ``train_num_steps`` updates and return the final state."""
         c = self.config
+        self._stop = self._signalled = False  # (a stopped trainer may be run again: it resumes)
         os.makedirs(self.folder, exist_ok=True)
         lock = self._lock_folder()
         previous = None

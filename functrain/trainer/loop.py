@@ -407,7 +407,10 @@ class Trainer:
         elif n >= r.agree_at:  # the same steps on every rank: derived from all-reduced numbers only
             now = time.monotonic()
             stop, per_step = self._agree(self._stop, (now - r.agree_t) / max(n - r.agree_n, 1))
-            r.agree_at = n + max(1, min(int(self.AGREE_SECONDS / max(per_step, 1e-6)), 1 << 20))
+            # at most twice the interval just measured: a few fast steps between saves must not predict an
+            # interval of hundreds of steps that the saves then stretch beyond the launcher's grace period
+            every = max(1, min(int(self.AGREE_SECONDS / max(per_step, 1e-6)), 2 * (n - r.agree_n), 1 << 20))
+            r.agree_at = n + every
             r.agree_n, r.agree_t = n, now
         else:
             stop = False

@@ -1,4 +1,4 @@
-"""The Trainer's user hooks: ``on_log``, ``on_save``, ``on_eval`` and ``should_stop``, as arguments or callback objects."""
+"""The Trainer's user hooks: ``on_log``, ``on_save``, ``on_eval``, ``should_stop``: arguments or callback objects."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable

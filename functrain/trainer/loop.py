@@ -68,6 +68,15 @@ class Trainer:
     every ``eval_every`` updates (0: at each save) and at the end. Running it
     again resumes from the newest checkpoint, bit-exactly.
 
+    Outputs in ``results_folder``: ``metrics.jsonl`` (and the trackers of
+    ``config.trackers`` plus your ``trackers=`` objects; one record per log step,
+    with ``steps_per_s`` measured after the compile and ``compile_s`` once),
+    ``metrics.png`` (one panel per metric against the step, redrawn at saves at
+    most every ``PLOT_SECONDS`` and at the last), ``sample-{step}.png`` grids
+    captioned with the step, and at the end ``model.safetensors`` /
+    ``ema.safetensors`` (``module.load_state_dict(..., strict=True)`` accepts
+    them) and a summary printed by rank 0.
+
     Hooks for you (``on_log=``, ``on_eval=``, ``on_save=``, ``should_stop=``, or
     objects in ``callbacks=``; see :class:`~functrain.trainer.hooks.Callback`).
     The loop adds no host sync per step: metrics are read at log steps only.

@@ -330,7 +330,7 @@ class Trainer:
     def summary(self, r: "_RunState") -> str:
         """The end-of-run text: final metrics, time (compile apart), where the results are."""
         outputs = {"weights": self.weights.get("model"), "EMA weights": self.weights.get("ema"),
-                   "metrics plot": self.plot_path, "metrics": os.path.join(self.folder, "metrics.jsonl"),
+                   "metrics plot": self.plot_path,  # (metrics.jsonl: the jsonl tracker's own line)
                    "checkpoint": self.checkpoints.path(r.saved_at)}
         head = "" if not self._signalled else f"stopped by SIGTERM at step {r.n}; resume by running again\n"
         return head + run_summary(results_folder=self.folder, step=r.n, total_steps=self.config.train_num_steps,

@@ -1,8 +1,11 @@
 """A tiny denoising diffusion model (DDPM) on scikit-learn's 8x8 digits, trained with ``ft.Trainer``.
 
-The main job of the README: on 2 processes for a short schedule it writes
-checkpoints, EMA sample grids and a loss curve under ``results/``, and running
-it again resumes from the newest checkpoint.
+The main job of the README: on 2 processes for a short warmup + cosine
+schedule it writes, under ``results/diffusion/``, checkpoints, EMA sample grids
+captioned with their step, ``metrics.jsonl`` and ``metrics.png`` (loss, eval
+losses of the params and of the EMA on a held-out split, grad norm, lr), and at
+the end ``model.safetensors`` / ``ema.safetensors`` and a summary; running it
+again resumes from the newest checkpoint.
 
     python -m functrain.launch --nproc 2 examples/diffusion.py --steps 400
     python examples/diffusion.py --steps 400            # one process
@@ -76,11 +79,14 @@ class Diffusion(torch.nn.Module):
         return ((x + 1) / 2).clamp(0, 1)
 
 
-def digits_dataset() -> torch.utils.data.TensorDataset:
+def digits_dataset(held_out: int = 197) -> tuple[torch.utils.data.TensorDataset, torch.utils.data.TensorDataset]:
+    """The 1797 digits as (train, held-out) splits, the held-out ones fixed by a seeded permutation."""
     from sklearn.datasets import load_digits  # ships with scikit-learn: no download
 
     images = torch.tensor(load_digits().images, dtype=torch.float32).unsqueeze(1) / 16.0
-    return torch.utils.data.TensorDataset(images)
+    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))
+    train, test = order[held_out:], order[:held_out]
+    return torch.utils.data.TensorDataset(images[train]), torch.utils.data.TensorDataset(images[test])
 
 
 def main() -> None:
@@ -97,14 +103,17 @@ def main() -> None:
         train_batch_size=args.batch_size, gradient_accumulate_every=1, train_lr=1e-3,
         train_num_steps=args.steps, adam_betas=(0.9, 0.99), max_grad_norm=1.0, ema_update_every=1,
         ema_decay=0.99, save_and_sample_every=args.save_every, num_samples=25, mixed_precision=args.precision,
-        results_folder=args.results, seed=0, log_every=20, compile=not args.no_compile)
+        results_folder=args.results, seed=0, log_every=20, compile=not args.no_compile,
+        lr_schedule="warmup_cosine", warmup_steps=min(50, args.steps // 10), min_lr=1e-4,
+        eval_every=0, eval_batch_size=32)  # evaluate at every save, on the held-out split
     model = Diffusion()
 
     def sample_fn(ema_params: dict, n: int) -> torch.Tensor:
         ft.to_module(model, ema_params)  # the module is only a skeleton here: training state lives in the trainer
         return model.sample(n, generator=torch.Generator(device=model.bar.device).manual_seed(0))
 
-    trainer = ft.Trainer(model, digits_dataset(), config, sample_fn=sample_fn)
+    train, held_out = digits_dataset()
+    trainer = ft.Trainer(model, train, config, sample_fn=sample_fn, eval_dataset=held_out)
     trainer.train()
 
 

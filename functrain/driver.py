@@ -39,7 +39,8 @@ def _to_host(metrics: dict) -> dict:
 def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: TrainState, data: Iterable,
         num_steps: int | None = None, *, log_every: int = 50, device: torch.device | str | None = None,
         progress: bool = True, on_log: Callable[[int, dict], None] | None = None,
-        donate: bool = True) -> TrainState:
+        donate: bool = True, on_step: Callable[[int, TrainState, dict], bool | None] | None = None,
+        start: int = 0) -> TrainState:
     """Run ``step`` over ``data`` and return the final state.
 
     Batches are moved to ``device`` (default: where the state lives). Metrics
@@ -57,14 +58,36 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
     is copied once first and is never written; the returned state is yours.
     ``donate=False`` calls the step as given. Eager steps are always called as given.
 
+    Hooks (what :class:`functrain.Trainer` is built on):
+
+    * ``start``: the index of the step before the first one run here (a
+      resumed run passes its step count): steps are numbered ``start + 1``,
+      ``start + 2``, ...; log steps are those indices divisible by ``log_every``
+      (and the last); the progress bar counts from ``start`` to
+      ``start + num_steps``.
+    * ``on_step(index, state, metrics) -> stop``: called after every step (after
+      ``on_log`` on a log step) with the new state and the step's metrics *on the
+      device*; it must not read them to the host if the loop is to stay
+      sync-free (append them to a list, compare host counters). A true return
+      value ends the loop after this step (a step that was not a log step is then
+      logged). The state is only valid during the call when steps donate their
+      input (keep no reference to it).
+
     Example::
 
         state = ft.run(ft.compile(step), state, loader, num_steps=1000, log_every=100)
+        stop = lambda i, state, metrics: time.monotonic() > deadline
+        state = ft.run(step, state, loader, num_steps=1000, on_step=stop)
     """
     if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0):
         raise ValueError(f"run: num_steps must be an int >= 0 or None; got {num_steps!r}")
     if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
         raise ValueError(f"run: log_every must be an int >= 1; got {log_every!r}")
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"run: start must be an int >= 0 (the steps already taken); got {start!r}")
+    for name, hook in (("on_log", on_log), ("on_step", on_step)):
+        if hook is not None and not callable(hook):
+            raise TypeError(f"run: {name} must be callable or None; got {type(hook).__name__}")
     if not isinstance(state, TrainState):
         raise TypeError(f"run: state must be a functrain TrainState (from step.init); got {type(state).__name__}")
     if not isinstance(donate, bool):
@@ -76,18 +99,23 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
         state = optree.tree_map(lambda x: x.clone() if torch.is_tensor(x) else x, state)
         step = donating()
     batches = _batches(data, num_steps)
-    total = num_steps if num_steps is not None else _len(data)
-    bar = _progress(total) if progress else None
+    count = num_steps if num_steps is not None else _len(data)
+    total = None if count is None else start + count
+    bar = _progress(total, start) if progress else None
     metrics: dict | None = None
-    i = 0
+    i = logged = start
     try:
-        for i, batch in enumerate(batches, start=1):
+        for i, batch in enumerate(batches, start=start + 1):
             state, metrics = step(state, to_device(batch, device))
             if i % log_every == 0 or i == total:
                 _log(i, metrics, bar, on_log)
+                logged = i
+            stop = on_step is not None and on_step(i, state, metrics)
             if bar is not None:
                 bar.update(1)
-        if metrics is not None and i % log_every and i != total:
+            if stop:
+                break
+        if metrics is not None and logged != i:
             _log(i, metrics, bar, on_log)
     finally:
         if bar is not None:
@@ -133,9 +161,9 @@ def _len(data: Any) -> int | None:
         return None
 
 
-def _progress(total: int | None) -> Any:
+def _progress(total: int | None, initial: int = 0) -> Any:
     try:
         from tqdm.auto import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, dynamic_ncols=True, leave=False)
+    return tqdm(total=total, initial=initial, dynamic_ncols=True, leave=False)

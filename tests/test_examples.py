@@ -1,9 +1,12 @@
 """The examples run end to end on a short schedule (subprocesses with timeouts)."""
+import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,10 +32,19 @@ def test_diffusion_trainer_on_two_processes_resumes(tmp_path):
     results = tmp_path / "diffusion"
     args = ["-m", "functrain.launch", "--nproc", "2", "examples/diffusion.py", "--results", str(results),
             "--save-every", "20", "--batch-size", "32"]
-    _run(args + ["--steps", "40"])
-    for name in ("sample-20.png", "sample-40.png", "loss.png", "metrics.jsonl", "config.json"):
+    out = _run(args + ["--steps", "40"])
+    plot = "metrics.png" if importlib.util.find_spec("matplotlib") else "metrics.svg"
+    for name in ("sample-20.png", "sample-40.png", plot, "metrics.jsonl", "config.json", "model.safetensors",
+                 "ema.safetensors"):
         assert (results / name).exists(), name
     assert sorted(os.listdir(results / "checkpoints")) == ["step_00000020", "step_00000040"]
+    assert "finished step 40/40" in out and str(results / "ema.safetensors") in out  # the end-of-run summary
+    log = [json.loads(line) for line in open(results / "metrics.jsonl")]
+    evals = [r for r in log if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [20, 40] and all(r["eval_samples"] == 197 for r in evals)
+    assert all(np.isfinite(r["eval_loss"]) and np.isfinite(r["eval_loss_ema"]) for r in evals)
+    lr = {r["step"]: r["lr"] for r in log}
+    assert lr[20] > lr[40] > 0  # warmup (4 updates) then a cosine decay to min_lr
     out = _run(args + ["--steps", "60"])  # run again, longer: it resumes
     assert "resumed from" in out and "at step 40" in out
     assert (results / "sample-60.png").exists()

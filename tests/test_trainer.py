@@ -140,12 +140,29 @@ def test_outputs_jsonl_samples_curve_tensorboard(tmp_path):
     assert [r["step"] for r in log] == [1, 2, 3, 4]
     assert {"loss", "grad_norm", "lr", "steps_per_s"} <= set(log[0])
     assert all(np.isfinite(r["loss"]) for r in log)
-    # num_samples=4 -> a 2 x 2 grid of 4x6 images enlarged 4x, 1 px of padding
+    # num_samples=4 -> a 2 x 2 grid of 4x6 images enlarged 4x, 1 px of padding, under a "step 2" caption
     from test_config import _read_png
+    from functrain.trainer.images import text_bitmap
 
-    grid = _read_png(tmp_path / "sample-2.png")
-    assert grid.shape == (2 * (4 * 4 + 1) + 1, 2 * (6 * 4 + 1) + 1)
-    assert _read_png(tmp_path / "loss.png").shape[2] == 3
+    image = _read_png(tmp_path / "sample-2.png")
+    h, w = 2 * (4 * 4 + 1) + 1, 2 * (6 * 4 + 1) + 1
+    glyphs = text_bitmap("step 2", scale=3)
+    strip, width = glyphs.shape[0] + 6, max(w, glyphs.shape[1] + 6)
+    assert image.shape == (strip + h, width)
+    x = (width - w) // 2
+    grid = image[strip:, x:x + w]
+    assert grid.shape == (h, w) and (grid[0] == 0).all()  # the grid (black padding rows) below the caption
+    gx = (width - glyphs.shape[1]) // 2
+    assert ((image[3:3 + glyphs.shape[0], gx:gx + glyphs.shape[1]] == 0) == glyphs).all()  # the caption reads
+    # the metrics plot (loss.png's successor): a PNG with matplotlib, else a labelled SVG
+    try:
+        import matplotlib  # noqa: F401
+        from PIL import Image
+    except ImportError:
+        assert ">step<" in (tmp_path / "metrics.svg").read_text()
+    else:
+        plot = np.asarray(Image.open(tmp_path / "metrics.png").convert("RGB"))
+        assert plot.shape[0] >= 300 and (plot < 80).any() and (plot > 250).mean() > 0.5
     saved = ft.TrainConfig.load(tmp_path / "config.json")
     assert saved.train_num_steps == 4 and saved.mixed_precision == "no"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

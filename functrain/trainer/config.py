@@ -9,11 +9,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .._validate import BadValue, check_choice, check_int, check_real, describe, is_real
+from .trackers import TRACKERS, check_trackers
 
 __all__ = ["TrainConfig"]
 
 _PRECISIONS = ("no", "bf16", "fp16")
-_TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+_SCHEDULES = ("constant", "warmup_cosine", "warmup_linear")
 _SEED_MAX = 2**63 - 1  # the generator seeds of step.init and ft.shard
 
 
@@ -34,6 +35,18 @@ class TrainConfig:
     trainer warns with the count; ``max_consecutive_nonfinite`` such updates in
     a row stop the run with an error. ``save_timeout`` is how many seconds the
     other processes wait for rank 0 to write a checkpoint and its samples.
+
+    Learning rate: ``lr_schedule`` is ``"constant"`` (``train_lr``, after a linear
+    warmup over ``warmup_steps`` updates if > 0), ``"warmup_cosine"`` or
+    ``"warmup_linear"`` (linear warmup from 0 to ``train_lr`` over
+    ``warmup_steps``, then a cosine or linear decay to ``min_lr`` at
+    ``train_num_steps``). The lr of each update is logged as ``lr``.
+
+    Evaluation (with ``Trainer(eval_dataset=...)``): every ``eval_every`` updates
+    (0: at every save) and at the end, the mean loss over the whole eval set
+    (each sample once, across processes) with the params (``eval_loss``) and the
+    EMA params (``eval_loss_ema``), in batches of ``eval_batch_size`` per
+    process (``None``: ``train_batch_size``).
 
     Example::
 
@@ -68,6 +81,11 @@ class TrainConfig:
     skip_nonfinite: bool = True
     max_consecutive_nonfinite: int = 100
     save_timeout: float = 1800.0
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    eval_every: int = 0
+    eval_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         def name(n: str) -> str:
@@ -103,13 +121,39 @@ class TrainConfig:
         object.__setattr__(self, "results_folder", os.fspath(folder))
         for n in ("compile", "skip_nonfinite"):
             check_choice(name(n), getattr(self, n), (True, False))
+        check_choice(name("lr_schedule"), self.lr_schedule, _SCHEDULES)
+        object.__setattr__(self, "warmup_steps", check_int(name("warmup_steps"), self.warmup_steps, minimum=0,
+                                                           what="an int >= 0 (updates)"))
+        object.__setattr__(self, "min_lr", check_real(name("min_lr"), self.min_lr, lo=0.0, hi=self.train_lr,
+                                                      what=f"a number in [0, train_lr={self.train_lr:g}]"))
+        if self.lr_schedule == "constant":
+            if self.min_lr:
+                raise BadValue(f"TrainConfig.min_lr is the final lr of a decaying lr_schedule ('warmup_cosine' or "
+                               f"'warmup_linear'); with lr_schedule='constant' it would be unused; got {self.min_lr}")
+            if self.warmup_steps > self.train_num_steps:
+                raise BadValue(f"TrainConfig.warmup_steps must be <= train_num_steps={self.train_num_steps}; got "
+                               f"{self.warmup_steps}")
+        elif self.warmup_steps >= self.train_num_steps:
+            raise BadValue(f"TrainConfig.warmup_steps must be < train_num_steps={self.train_num_steps} with "
+                           f"lr_schedule={self.lr_schedule!r} (the decay needs at least one update); got "
+                           f"{self.warmup_steps}")
+        object.__setattr__(self, "eval_every", check_int(name("eval_every"), self.eval_every, minimum=0,
+                                                         what="an int >= 0 (updates; 0: at every save)"))
+        if self.eval_batch_size is not None:
+            object.__setattr__(self, "eval_batch_size", check_int(name("eval_batch_size"), self.eval_batch_size,
+                                                                  minimum=1, what="a positive int or None"))
         trackers = (self.trackers,) if isinstance(self.trackers, str) else self.trackers
         if not isinstance(trackers, (tuple, list)):
-            raise BadValue(f"TrainConfig.trackers must be a tracker name or a tuple of them from {_TRACKERS}; "
+            raise BadValue(f"TrainConfig.trackers must be a tracker name or a tuple of them from {TRACKERS}; "
                            f"got {describe(self.trackers)}")
-        unknown = [t for t in trackers if not (isinstance(t, str) and t in _TRACKERS)]
-        if unknown:
-            raise BadValue(f"TrainConfig.trackers: unknown {unknown}; choose from {_TRACKERS}")
+        objects = [t for t in trackers if not isinstance(t, str)]
+        if objects:
+            raise BadValue(f"TrainConfig.trackers holds tracker names only (the config is saved as JSON); pass "
+                           f"tracker objects as Trainer(trackers=[...]); got {describe(objects[0])[:120]}")
+        try:
+            check_trackers(trackers)
+        except ValueError as e:
+            raise BadValue(f"TrainConfig.trackers: {e}") from None
         if len(set(trackers)) != len(trackers):
             raise BadValue(f"TrainConfig.trackers: each tracker once; got {tuple(trackers)}")
         object.__setattr__(self, "trackers", tuple(trackers))

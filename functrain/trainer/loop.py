@@ -17,47 +17,69 @@ import torch
 
 from .. import distributed
 from .. import tree as T
+from ..checkpoint.export import export_weights
 from ..checkpoint import CheckpointError, CheckpointManager, FolderLock, FolderLocked, StructureMismatch, load_extra
+from ..compile import CompiledStep
 from ..compile import compile as compile_step
-from ..distributed import data_parallel, shard
-from ..driver import _to_host, to_device
+from ..distributed import shard
+from ..driver import run
 from ..module import functionalize
-from ..optim import adamw
 from ..state import TrainState
-from ..step import Step, train_step
-from ..transforms import accumulate, clip, ema, mixed_precision, skip_nonfinite
 from .config import TrainConfig
-from .images import image_grid, loss_curve, write_png
-from .trackers import make_trackers
+from .evaluation import Evaluator
+from .hooks import Hooks
+from .images import write_sample_grid
+from .plots import MetricHistory, write_metrics_plot
+from .summary import run_summary
+from .steps import build_step, checked_loss, model_loss
+from .trackers import check_trackers, make_trackers
 
 __all__ = ["Trainer"]
-
-
-def _module_loss(apply_fn: Callable) -> Callable:
-    def loss_fn(params, buffers, batch):
-        if isinstance(batch, dict):
-            return apply_fn(params, buffers, **batch)
-        if isinstance(batch, (tuple, list)):
-            return apply_fn(params, buffers, *batch)
-        return apply_fn(params, buffers, batch)
-
-    return loss_fn
 
 
 class Trainer:
     """Train ``model`` (a module whose ``forward(*batch)`` returns the loss) or ``loss_fn`` on ``dataset``.
 
-    The step is ``train_step(loss, adamw(train_lr, adam_betas))`` with
-    ``clip(max_grad_norm)``, ``ema(ema_decay, every=ema_update_every)``,
+    The step is ``train_step(loss, adamw(lr, adam_betas, weight_decay))`` (the lr
+    from ``train_lr`` and ``lr_schedule``) with ``clip(max_grad_norm)``,
+    ``ema(ema_decay, every=ema_update_every)``,
     ``accumulate(gradient_accumulate_every)``, ``mixed_precision(...)``,
     ``skip_nonfinite()`` (unless fp16, whose loss scale skips, or
-    ``skip_nonfinite=False``) and, when launched on several processes,
-    ``data_parallel()``; compiled unless ``config.compile`` is false. ``train()``
-    runs to ``train_num_steps`` optimizer updates; every ``save_and_sample_every``
-    updates it writes a checkpoint (state + data position + config) under
-    ``results_folder/checkpoints`` and, with ``sample_fn(ema_params, num_samples)
-    -> images in [0, 1]``, a ``sample-{step}.png`` grid. Running it again resumes
-    from the newest checkpoint, bit-exactly.
+    ``skip_nonfinite=False``), then your ``transforms=`` and, when launched on
+    several processes, ``data_parallel()``; compiled unless ``config.compile`` is
+    false. ``optimizer=`` replaces AdamW (any functrain optimizer; a
+    ``torch.optim`` one is refused with how to port it); ``step=`` brings a ready
+    step, used as is (plus ``data_parallel()`` on several processes). Every
+    schedule must cover ``train_num_steps`` (``ft.optim.schedules.check_covers``).
+
+    The model's ``forward`` (or ``loss_fn``) may return a scalar loss, ``(loss,
+    aux)``, a dict with ``"loss"`` or an object with ``.loss`` (a Hugging Face
+    ``ModelOutput``); other scalar entries become metrics. A batch that is a dict
+    is passed as keyword arguments, a tuple as positional ones.
+
+    ``train()`` runs :func:`functrain.run` to ``train_num_steps`` optimizer
+    updates (one loop, one progress bar) and acts through its hooks: every
+    ``log_every`` updates metrics go to the trackers; every
+    ``save_and_sample_every`` updates (and at the end) it writes a checkpoint
+    (state + data position + config + metric history) under
+    ``results_folder/checkpoints`` and, with ``sample_fn(ema_params,
+    num_samples) -> images in [0, 1]``, a ``sample-{step}.png`` grid; with
+    ``eval_dataset`` it evaluates (see :class:`~functrain.trainer.evaluation.Evaluator`)
+    every ``eval_every`` updates (0: at each save) and at the end. Running it
+    again resumes from the newest checkpoint, bit-exactly.
+
+    Outputs in ``results_folder``: ``metrics.jsonl`` (and the trackers of
+    ``config.trackers`` plus your ``trackers=`` objects; one record per log step,
+    with ``steps_per_s`` measured after the compile and ``compile_s`` once),
+    ``metrics.png`` (one panel per metric against the step, redrawn at saves at
+    most every ``PLOT_SECONDS`` and at the last), ``sample-{step}.png`` grids
+    captioned with the step, and at the end ``model.safetensors`` /
+    ``ema.safetensors`` (``module.load_state_dict(..., strict=True)`` accepts
+    them) and a summary printed by rank 0.
+
+    Hooks for you (``on_log=``, ``on_eval=``, ``on_save=``, ``should_stop=``, or
+    objects in ``callbacks=``; see :class:`~functrain.trainer.hooks.Callback`).
+    The loop adds no host sync per step: metrics are read at log steps only.
 
     Under faults:
 
@@ -66,11 +88,12 @@ class Trainer:
       ``max_consecutive_nonfinite`` skipped updates in a row save and stop with
       ``FloatingPointError``. A checkpoint whose params or EMA are not finite is
       marked so, and rotation never removes the newest finite one.
-    * **SIGTERM** finishes the current step, saves and returns. On several
-      processes the ranks agree on stopping every ``AGREE_SECONDS`` (5 s) of
-      measured step time (one 2-number all-reduce), so they stop within about
-      5 s plus one step of the signal, then rank 0 saves: this must fit in the
-      launcher's grace period before SIGKILL (torchrun: 30 s).
+    * **SIGTERM** (or a ``should_stop`` hook) finishes the current step, saves
+      and returns. On several processes the ranks agree on stopping every
+      ``AGREE_SECONDS`` (5 s) of measured step time (one 2-number all-reduce),
+      so they stop within about 5 s plus one step of the signal, then rank 0
+      saves: this must fit in the launcher's grace period before SIGKILL
+      (torchrun: 30 s).
     * **One run per results folder**: rank 0 holds :class:`~functrain.checkpoint.FolderLock`
       on it for the whole of ``train()``; a second run fails at once naming the
       folder and the holder's pid and host. A killed holder's lock is released by
@@ -83,62 +106,72 @@ class Trainer:
 
     Example::
 
-        trainer = ft.Trainer(model, dataset, ft.TrainConfig(train_num_steps=1000), sample_fn=sample)
+        config = ft.TrainConfig(train_num_steps=1000, lr_schedule="warmup_cosine", warmup_steps=50)
+        trainer = ft.Trainer(model, dataset, config, sample_fn=sample, eval_dataset=held_out)
         state = trainer.train()
     """
 
     AGREE_SECONDS = 5.0  # the ranks agree on stopping at least this often (in measured step time)
+    PLOT_SECONDS = 10.0  # the metrics plot is redrawn at a save if the last one is older than this
 
     def __init__(self, model_or_loss: Any, dataset: Any, config: TrainConfig,
                  sample_fn: Callable[[Any, int], torch.Tensor] | None = None, *, params: Any = None,
-                 buffers: Any = None):
+                 buffers: Any = None, optimizer: Any = None, transforms: Any = (), step: Any = None,
+                 eval_dataset: Any = None, callbacks: list | tuple = (), on_log: Callable | None = None,
+                 on_save: Callable | None = None, on_eval: Callable | None = None,
+                 should_stop: Callable | None = None, trackers: list | tuple = ()):
         if not isinstance(config, TrainConfig):
             raise TypeError(f"Trainer needs a functrain.TrainConfig; got {type(config).__name__}")
         self.config = config
+        self.hooks = Hooks(callbacks, on_log=on_log, on_save=on_save, on_eval=on_eval, should_stop=should_stop)
+        if isinstance(trackers, str) or not isinstance(trackers, (list, tuple)):
+            raise TypeError(f"Trainer(trackers=...) takes a list of tracker objects (log(step, metrics)) or names; "
+                            f"got {type(trackers).__name__} (names can also go in TrainConfig.trackers)")
+        self.tracker_items = check_trackers((*config.trackers, *trackers))
+        if eval_dataset is None and config.eval_every:
+            raise ValueError(f"TrainConfig.eval_every={config.eval_every} but the Trainer has no eval_dataset=")
         self.info = distributed.init()
         self.world = distributed.world_size()
         self.rank = distributed.rank()
         self.device = distributed.device()
+        self.module: torch.nn.Module | None = None
         if isinstance(model_or_loss, torch.nn.Module):
-            model = model_or_loss.to(self.device)
+            self.module = model = model_or_loss.to(self.device)
             apply_fn, params, buffers = functionalize(model)
-            loss = _module_loss(apply_fn)
+            loss = model_loss(apply_fn)
         elif callable(model_or_loss):
             if params is None:
                 raise TypeError("Trainer(loss_fn, ...) needs params= (and buffers=): with a module they come from it")
-            loss = model_or_loss
+            loss = checked_loss(model_or_loss)
         else:
             raise TypeError(f"Trainer trains an nn.Module or a loss_fn(params, buffers, batch); "
                             f"got {type(model_or_loss).__name__}")
         self.params, self.buffers = params, buffers
         self.sample_fn = sample_fn
-        self.step = self._build_step(loss)
-        self.run_step = compile_step(self.step) if config.compile else self.step
+        self.step, compiled = build_step(loss, config, self.world, optimizer=optimizer, transforms=transforms,
+                                         step=step)
+        if compiled is not None:
+            self.run_step = compiled
+        else:
+            self.run_step = compile_step(self.step) if config.compile else self.step
         self.loader = shard(dataset, batch_size=config.train_batch_size * config.gradient_accumulate_every,
                             shuffle=True, seed=config.seed, drop_last=True, device=self.device)
-        if len(self.loader) == 0:
-            raise ValueError(f"the dataset has too few samples for one batch of "
-                             f"{config.train_batch_size * config.gradient_accumulate_every} per process")
+        self.loader.check_nonempty("train dataset")
+        self.evaluator: Evaluator | None = None
+        if eval_dataset is not None:
+            self.evaluator = Evaluator(loss, eval_dataset, config.eval_batch_size or config.train_batch_size,
+                                       device=self.device, module=self.module, seed=config.seed)
         self.folder = config.results_folder
         self.checkpoints = CheckpointManager(os.path.join(self.folder, "checkpoints"), keep=config.keep_checkpoints)
-        self.losses: list[tuple[int, float]] = []
+        self.history = MetricHistory()  # every logged metric (and evaluation), kept in checkpoints
+        self.plot_path: str | None = None
+        self._plotted_at: float | None = None
+        self.weights: dict = {}
         self.skipped_updates = 0  # non-finite updates skipped by this process's train() calls (read at log steps)
-        self._stop = False  # set by SIGTERM; acted on once every rank agrees
+        self._stop = False  # set by SIGTERM or should_stop; acted on once every rank agrees
+        self._signalled = False  # SIGTERM (not should_stop): the grace period is short, so no weights export
         self._save_group: Any = None
-
-    def _build_step(self, loss: Callable) -> Step:
-        c = self.config
-        step = train_step(loss, adamw(c.train_lr, betas=c.adam_betas, weight_decay=c.weight_decay))
-        step = ema(c.ema_decay, every=c.ema_update_every)(clip(c.max_grad_norm)(step))
-        if c.gradient_accumulate_every > 1:
-            step = accumulate(c.gradient_accumulate_every)(step)
-        if c.mixed_precision != "no":
-            step = mixed_precision(c.mixed_precision)(step)
-        if c.skip_nonfinite and c.mixed_precision != "fp16":  # fp16's loss scaling skips non-finite steps itself
-            step = skip_nonfinite()(step)
-        if self.world > 1:
-            step = data_parallel()(step)
-        return step
+        self._run: _RunState | None = None
 
     # -- state ---------------------------------------------------------------------------------
     def initial_state(self) -> TrainState:
@@ -172,7 +205,10 @@ class Trainer:
                                   f"ft.Trainer")
         state = restored.state
         self.loader.load_state_dict(extra["data"])
-        self.losses = [tuple(x) for x in extra.get("losses", [])]
+        if "history" in extra:
+            self.history = MetricHistory.from_json(extra["history"]).truncate(restored.step)
+        else:  # a checkpoint written before the history: its loss curve
+            self.history = MetricHistory({"loss": extra.get("losses", [])}).truncate(restored.step)
         if self.rank == 0:
             print(f"resumed from {restored.path} at step {restored.step}", flush=True)
         return state
@@ -195,15 +231,17 @@ class Trainer:
             return True
         return bool(torch.stack([torch.isfinite(t).all() for t in leaves]).all())
 
-    def save(self, state: TrainState) -> None:
+    def save(self, state: TrainState, step: int | None = None) -> None:
         """Write a checkpoint (rank 0; the state is the same on every rank) and the sample grid.
 
-        The other ranks wait for it on a gloo group bounded by ``config.save_timeout``, so a slow save or
-        ``sample_fn`` never trips the collective timeout.
+        ``step`` is the host mirror of ``state.step`` (read from the state if not given). The other ranks
+        wait for it on a gloo group bounded by ``config.save_timeout``, so a slow save or ``sample_fn``
+        never trips the collective timeout.
         """
-        step = int(state.step)  # a sync, but only when saving
+        step = int(state.step) if step is None else step  # a sync, but only when saving
         if self.rank == 0:
-            extra = {"data": self.loader.state_dict(), "losses": self.losses, "config": self.config.to_dict()}
+            extra = {"data": self.loader.state_dict(), "history": self.history.to_json(),
+                     "config": self.config.to_dict()}
             finite = self._finite(state)
             path = self.checkpoints.save(step, state, extra=extra, finite=finite)
             if not finite:
@@ -214,24 +252,48 @@ class Trainer:
                               RuntimeWarning, stacklevel=2)
             if self.sample_fn is not None:
                 images = self.sample_fn(state.ema, self.config.num_samples)
-                grid = image_grid(images.detach().float().cpu().numpy(), scale=4)
-                write_png(os.path.join(self.folder, f"sample-{step}.png"), grid)
+                write_sample_grid(os.path.join(self.folder, f"sample-{step}.png"),
+                                  images.detach().float().cpu().numpy(), step=step, scale=4)
+            self._plot(force=step >= self.config.train_num_steps or self._stop or self._run is None)
+            self.hooks.call("on_save", step, path)
         if self.world > 1:
             group = self._save_group
             if group is None:
                 group = self._save_group = torch.distributed.new_group(
                     backend="gloo", timeout=datetime.timedelta(seconds=self.config.save_timeout))
             torch.distributed.barrier(group=group)
+        if self._run is not None:
+            self._run.saved_at = step
+
+    def evaluate(self, state: TrainState, step: int | None = None) -> dict:
+        """Evaluate ``state`` on the eval set (every process takes part), log it and call ``on_eval``."""
+        if self.evaluator is None:
+            raise ValueError("Trainer.evaluate needs Trainer(eval_dataset=...)")
+        step = int(state.step) if step is None else step
+        metrics = self.evaluator(state)
+        self.history.add(step, metrics)
+        r = self._run
+        if r is not None:
+            r.last.update(metrics)
+            if r.unsent is not None and r.unsent[0] == step:  # one record per step: with the step's log
+                r.unsent[1].update(metrics)
+            else:
+                r.emit(step, metrics)
+        self.hooks.call("on_eval", step, metrics)
+        if self.hooks.stop(step, metrics):
+            self._stop = True
+        return metrics
 
     # -- the loop ------------------------------------------------------------------------------
     def train(self) -> TrainState:
         """Run (or resume) to ``train_num_steps`` updates and return the final state."""
         c = self.config
+        self._stop = self._signalled = False  # (a stopped trainer may be run again: it resumes)
         os.makedirs(self.folder, exist_ok=True)
         lock = self._lock_folder()
-        trackers: list = []
         previous = None
-        bar = None
+        run_state = None
+        done = False
         try:
             if self.world > 1 and self._save_group is None:  # every rank creates it, in the same order
                 self._save_group = torch.distributed.new_group(
@@ -239,69 +301,142 @@ class Trainer:
             state = self.restore()
             if self.rank == 0:
                 c.save(os.path.join(self.folder, "config.json"))
-            trackers = make_trackers(c.trackers, self.folder, c.to_dict(), int(state.step)) if self.rank == 0 else []
+            start = int(state.step)  # the only read of the device counter: the loop's index mirrors it on the host
+            trackers = make_trackers(self.tracker_items, self.folder, c.to_dict(), start) if self.rank == 0 else []
+            self._run = run_state = _RunState(start, trackers, compiled=isinstance(self.run_step, CompiledStep))
             previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-            n = start = int(state.step)  # the only read of the device counter: n mirrors it on the host
-            bar = self._progress(n)
-            t0 = time.perf_counter()
-            stop = False
-            agree_at, agree_n, agree_t = n + 1, n, time.monotonic()
-            skipped: list[torch.Tensor] = []  # each update's `skipped` flag (device tensors), read at log steps
-            run_nonfinite = 0  # skipped updates in a row, as of the last read
-            tracked: bool | None = None
-            while n < c.train_num_steps and not stop:
-                for batch in self.loader:
-                    state, metrics = self.run_step(state, to_device(batch, self.device))
-                    n += 1
-                    if bar is not None:
-                        bar.update(1)
-                    if tracked is None:
-                        tracked = "skipped" in metrics
-                    if tracked:
-                        skipped.append(metrics["skipped"])
-                    log = n % c.log_every == 0 or n == c.train_num_steps
-                    if tracked and (log or len(skipped) >= c.max_consecutive_nonfinite):
-                        run_nonfinite = self._count_skipped(n, skipped, run_nonfinite, state)
-                    if log:
-                        host = _to_host(metrics)
-                        host["steps_per_s"] = (n - start) / max(time.perf_counter() - t0, 1e-9)
-                        host["skipped_updates"] = self.skipped_updates
-                        self.losses.append((n, host["loss"]))
-                        for t in trackers:
-                            t.log(n, host)
-                        if bar is not None:
-                            bar.set_postfix(loss=f"{host['loss']:.4f}", steps_per_s=f"{host['steps_per_s']:.1f}")
-                        if not tracked and not math.isfinite(host["loss"]) and self.rank == 0:
-                            warnings.warn(f"step {n}: the loss is {host['loss']} and skip_nonfinite is off: the "
-                                          f"parameters may now be non-finite", RuntimeWarning, stacklevel=2)
-                    if self.world == 1:
-                        stop = self._stop
-                    elif n >= agree_at:  # the same steps on every rank: derived from all-reduced numbers only
-                        now = time.monotonic()
-                        stop, per_step = self._agree(self._stop, (now - agree_t) / max(n - agree_n, 1))
-                        agree_at = n + max(1, min(int(self.AGREE_SECONDS / max(per_step, 1e-6)), 1 << 20))
-                        agree_n, agree_t = n, now
-                    if n % c.save_and_sample_every == 0 or n == c.train_num_steps or stop:
-                        self.save(state)
-                    if n >= c.train_num_steps or stop:
-                        break  # (at the end of a pass the loader moves to the next epoch by itself)
-            if self.rank == 0:
-                write_png(os.path.join(self.folder, "loss.png"), loss_curve([v for _, v in self.losses]))
+            state = run(self.run_step, state, self.loader, num_steps=max(c.train_num_steps - start, 0),
+                        log_every=c.log_every, device=self.device, progress=self.rank == 0, on_log=self._on_log,
+                        on_step=self._on_step, start=start)
+            if run_state.n != run_state.saved_at:  # stopped between saves (SIGTERM, should_stop)
+                self.save(state, run_state.n)
+            if run_state.in_a_row >= c.max_consecutive_nonfinite:  # counted by the stop step's log
+                self._nonfinite_stop(run_state.n, None)
+            if self.rank == 0 and not self._signalled:  # (after SIGTERM the grace period is for the checkpoint)
+                self.weights = export_weights(self.folder, state, module=self.module)
+            done = True
         finally:
+            self._run = None
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
-            if bar is not None:
-                bar.close()
-            for t in trackers:
+            for t in run_state.trackers if run_state is not None else ():
                 t.close()
             if lock is not None:
                 lock.release()
+        if done and self.rank == 0 and run_state.n > run_state.start:
+            print(self.summary(run_state), flush=True)
         return state
 
-    def _count_skipped(self, n: int, flags: list[torch.Tensor], run: int, state: TrainState) -> int:
-        """Read the pending `skipped` flags (one host sync), warn, and stop after too many in a row."""
-        values = torch.stack(flags).tolist()
-        flags.clear()
+    def summary(self, r: "_RunState") -> str:
+        """The end-of-run text: final metrics, time (compile apart), where the results are."""
+        outputs = {"weights": self.weights.get("model"), "EMA weights": self.weights.get("ema"),
+                   "metrics plot": self.plot_path,  # (metrics.jsonl: the jsonl tracker's own line)
+                   "checkpoint": self.checkpoints.path(r.saved_at)}
+        head = "" if not self._signalled else f"stopped by SIGTERM at step {r.n}; resume by running again\n"
+        return head + run_summary(results_folder=self.folder, step=r.n, total_steps=self.config.train_num_steps,
+                                  final_metrics={k: v for k, v in r.last.items() if k in _SUMMARY},
+                                  wall_time_s=time.perf_counter() - r.t0,
+                                  compile_time_s=r.compile_s if r.compiled else None, steps_run=r.n - r.start,
+                                  outputs=outputs, trackers=r.trackers)
+
+    def _plot(self, force: bool = False) -> None:
+        """Rewrite the metrics plot (rank 0, at every save): one panel per metric, the step on x.
+
+        Drawing takes about a second, so saves closer than ``PLOT_SECONDS`` apart share one plot;
+        the last save (the end, a stop) always draws.
+        """
+        now = time.monotonic()
+        if not force and self._plotted_at is not None and now - self._plotted_at < self.PLOT_SECONDS:
+            return
+        present = self.history.as_dict()
+        first = [m for m in ("loss", "eval_loss", "eval_loss_ema", "grad_norm", "lr") if m in present]
+        rest = [m for m in present if m not in first and m not in _NOT_PLOTTED]
+        if not first + rest:  # saved before the first log step: nothing to draw yet
+            return
+        self.plot_path = write_metrics_plot(os.path.join(self.folder, "metrics.png"), self.history,
+                                            title=os.path.basename(os.path.abspath(self.folder)),
+                                            metrics=first + rest)
+        self._plotted_at = time.monotonic()
+
+    # -- the hooks of ft.run (no host sync but at log, agreement, eval and save steps) ----------
+    def _on_log(self, n: int, host: dict) -> None:
+        r = self._run
+        r.logged_at = n
+        if "skipped" in host:  # the flags of the steps since the last read, and this one's
+            flags = r.pending if r.pending_until == n else r.pending + [torch.tensor(host["skipped"])]
+            r.pending, r.pending_until = [], n
+            r.in_a_row = self._count_skipped(n, flags, r.in_a_row)  # (a stop it calls for is made in _on_step)
+        now = time.perf_counter()
+        r.first_done(now)
+        if r.compiled and r.first_at is not None and "compile_s" not in r.reported:
+            host["compile_s"] = r.compile_s
+            r.reported.add("compile_s")
+        if r.compiled:  # the throughput from the first step after compilation
+            if r.first_at is not None and n > r.start + 1:
+                host["steps_per_s"] = (n - r.start - 1) / max(now - r.first_at, 1e-9)
+        else:
+            host["steps_per_s"] = (n - r.start) / max(now - r.t0, 1e-9)
+        host["skipped_updates"] = self.skipped_updates
+        self.history.add(n, host)
+        r.last.update(host)
+        if r.n == n:  # the log of a stop step comes after its _on_step: send it now
+            r.emit(n, host)
+        else:  # sent at the end of _on_step, with the step's evaluation if it has one
+            r.unsent = (n, dict(host))
+        if "skipped" not in host and not math.isfinite(host["loss"]) and self.rank == 0:
+            warnings.warn(f"step {n}: the loss is {host['loss']} and skip_nonfinite is off: the "
+                          f"parameters may now be non-finite", RuntimeWarning, stacklevel=2)
+        self.hooks.call("on_log", n, host)
+        if self.hooks.stop(n, host):
+            self._stop = True
+
+    def _on_step(self, n: int, state: TrainState, metrics: dict) -> bool:
+        try:
+            return self._step_done(n, state, metrics)
+        finally:
+            r = self._run
+            if r.unsent is not None:
+                r.emit(*r.unsent)
+                r.unsent = None
+
+    def _step_done(self, n: int, state: TrainState, metrics: dict) -> bool:
+        c, r = self.config, self._run
+        r.n = n
+        r.first_done(time.perf_counter())
+        if "skipped" in metrics and r.logged_at != n:
+            r.pending.append(metrics["skipped"])
+            r.pending_until = n
+            if len(r.pending) >= c.max_consecutive_nonfinite:
+                r.in_a_row = self._count_skipped(n, r.pending, r.in_a_row)
+                r.pending = []
+        if r.in_a_row >= c.max_consecutive_nonfinite:
+            self._nonfinite_stop(n, state)
+        if self.world == 1:
+            stop = self._stop
+        elif n >= r.agree_at:  # the same steps on every rank: derived from all-reduced numbers only
+            now = time.monotonic()
+            stop, per_step = self._agree(self._stop, (now - r.agree_t) / max(n - r.agree_n, 1))
+            # at most twice the interval just measured: a few fast steps between saves must not predict an
+            # interval of hundreds of steps that the saves then stretch beyond the launcher's grace period
+            every = max(1, min(int(self.AGREE_SECONDS / max(per_step, 1e-6)), 2 * (n - r.agree_n), 1 << 20))
+            r.agree_at = n + every
+            r.agree_n, r.agree_t = n, now
+        else:
+            stop = False
+        if stop and self.rank == 0:
+            print(f"stopping at step {n} (SIGTERM or should_stop): saving", flush=True)
+        last = n >= c.train_num_steps
+        if self.evaluator is not None and not stop and (last or n % (c.eval_every or c.save_and_sample_every) == 0):
+            self.evaluate(state, n)
+        if n % c.save_and_sample_every == 0 or last:
+            self.save(state, n)
+        return stop
+
+    def _count_skipped(self, n: int, flags: list[torch.Tensor], run: int) -> int:
+        """Read the pending `skipped` flags (one host sync), warn; the updates skipped in a row now."""
+        if not flags:
+            return run
+        values = torch.stack([f.reshape(()) for f in flags]).tolist()
         k = int(sum(values))
         if k == 0:
             return 0
@@ -314,14 +449,18 @@ class Trainer:
             warnings.warn(f"step {n}: {k} of the last {len(values)} updates skipped ({why}non-finite loss or "
                           f"gradient), {self.skipped_updates} in this run; {run} in a row now (the run stops at "
                           f"{limit})", RuntimeWarning, stacklevel=3)
-        if run >= limit:
-            self.save(state)  # the state is the last finite one: keep the progress made since the last save
-            raise FloatingPointError(
-                f"{run} updates in a row up to step {n} had a non-finite loss or gradient and were skipped "
-                f"(TrainConfig.max_consecutive_nonfinite={limit}): the data or the hyper-parameters produce "
-                f"inf/NaN. The state (params and EMA unchanged since the last finite update) is saved in "
-                f"{self.checkpoints.path(n)}")
         return run
+
+    def _nonfinite_stop(self, n: int, state: TrainState | None) -> None:
+        """Too many skipped updates in a row: save (the state is the last finite one) and raise."""
+        limit = self.config.max_consecutive_nonfinite
+        if state is not None:
+            self.save(state, n)  # keep the progress made since the last save
+        raise FloatingPointError(
+            f"{self._run.in_a_row} updates in a row up to step {n} had a non-finite loss or gradient and were "
+            f"skipped (TrainConfig.max_consecutive_nonfinite={limit}): the data or the hyper-parameters produce "
+            f"inf/NaN. The state (params and EMA unchanged since the last finite update) is saved in "
+            f"{self.checkpoints.path(n)}")
 
     def _lock_folder(self) -> FolderLock | None:
         """Rank 0 locks the results folder for the run; every rank fails together if another run holds it."""
@@ -342,7 +481,7 @@ class Trainer:
         return lock
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self._stop = True  # finish the current step, save, return
+        self._stop = self._signalled = True  # finish the current step, save, return
 
     def _agree(self, flag: bool, seconds_per_step: float) -> tuple[bool, float]:
         """Whether any rank wants to stop, and the slowest rank's seconds per step (one all-reduce)."""
@@ -351,11 +490,37 @@ class Trainer:
         stop, per_step = t.tolist()
         return stop > 0, per_step
 
-    def _progress(self, initial: int) -> Any:
-        if self.rank != 0:
-            return None
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
-            return None
-        return tqdm(total=self.config.train_num_steps, initial=initial, dynamic_ncols=True)
+
+# bookkeeping, not curves: kept in metrics.jsonl and the history, left out of the plot and the summary line
+_NOT_PLOTTED = ("steps_per_s", "compile_s", "skipped", "skipped_updates", "eval_samples")
+_SUMMARY = ("loss", "eval_loss", "eval_loss_ema", "grad_norm", "lr", "skipped_updates")
+
+
+class _RunState:
+    """What one ``train()`` call tracks between the hooks of ``ft.run`` (host values only)."""
+
+    def __init__(self, start: int, trackers: list, compiled: bool):
+        self.start = self.n = self.saved_at = start
+        self.trackers = trackers
+        self.compiled = compiled
+        self.t0 = time.perf_counter()
+        self.first_at: float | None = None  # when the first step returned (after compiling)
+        self.compile_s = 0.0
+        self.reported: set = set()
+        self.last: dict = {}  # the last logged metrics (and evaluation), for the summary
+        self.unsent: tuple[int, dict] | None = None  # a log step's record, sent to the trackers after its step
+        self.logged_at = start
+        self.pending: list = []  # `skipped` flags (device tensors) not read yet
+        self.pending_until = start  # the step of the newest pending flag
+        self.in_a_row = 0  # skipped updates in a row, as of the last read
+        self.agree_at, self.agree_n, self.agree_t = start + 1, start, time.monotonic()
+
+    def emit(self, step: int, metrics: dict) -> None:
+        """Send one record to every tracker."""
+        for t in self.trackers:
+            t.log(step, metrics)
+
+    def first_done(self, now: float) -> None:
+        """Note when the first step (which compiles) returned; later calls change nothing."""
+        if self.first_at is None:
+            self.first_at, self.compile_s = now, now - self.t0

@@ -456,12 +456,20 @@ class Step:
 
     def _refuse_foreign_shards(self, state: Any) -> None:
         # a state sharded over ranks (functrain.layout's ShardState slot) runs only in a sharded
-        # data_parallel step: say so before the generic slot mismatch would
+        # data_parallel step, and a sharded step takes only such a state: say so before the generic
+        # slot mismatch would
         slots = getattr(state, "slots", None)
-        if not self._shards_state and isinstance(slots, dict) and isinstance(slots.get(SLOT), ShardState):
+        if not isinstance(slots, dict):
+            return  # check_state names that
+        sharded = isinstance(slots.get(SLOT), ShardState)
+        if sharded and not self._shards_state:
             raise ValueError(f"this state is sharded over ranks (it has a {SLOT!r} ShardState slot) but this step "
                              f"{self!r} is not a sharded data_parallel step: use the step that made it, gather it "
                              f"(ft.gather_state) or load its checkpoint into this step's state (ft.load)")
+        if self._shards_state and not sharded:
+            raise ValueError(f"this step {self!r} takes a sharded state (from its init, or ft.load(path, "
+                             f"step.init(params, buffers))); this state is not sharded (it has no {SLOT!r} "
+                             f"slot): it was made by an unsharded step")
 
     # -- running ----------------------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:

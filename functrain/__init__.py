@@ -22,8 +22,8 @@ Example::
     state, metrics = cstep(state, (torch.randn(32, 8), torch.randn(32, 1)))
 """
 from . import checkpoint, distributed, optim, tree
-from .checkpoint import (CheckpointError, CheckpointManager, Restored, load, load_extra, register_checkpoint_type,
-                         save)
+from .checkpoint import (CheckpointError, CheckpointManager, Restored, export_state_dict, export_weights, load,
+                         load_extra, register_checkpoint_type, save)
 from .compile import CompiledStep, GraphBreakError, compile
 from .distributed import ShardedLoader, data_parallel, gather_for_eval, gather_state, launch, shard
 from .distributed import data  # noqa: F401 - ``ft.data`` (the sharded loader's module) stays a public name
@@ -31,7 +31,7 @@ from .driver import run, to_device
 from .module import functionalize, to_module
 from .state import TrainState
 from .step import STAGES, Step, StepContext, Transform, train_step
-from .trainer import TrainConfig, Trainer
+from .trainer import Callback, TrainConfig, Trainer
 from .transforms import (EmaState, LossScaleState, Policy, accumulate, clip, clip_value, ema, mixed_precision,
                          skip_nonfinite)
 
@@ -42,5 +42,5 @@ __all__ = [
     "functionalize", "to_module", "compile", "CompiledStep", "GraphBreakError", "run", "to_device",
     "accumulate", "clip", "clip_value", "ema", "EmaState", "skip_nonfinite", "mixed_precision", "Policy",
     "LossScaleState", "optim", "tree", "data_parallel", "gather_state", "launch", "distributed", "TrainConfig", "shard", "ShardedLoader", "gather_for_eval", "data", "save", "load", "load_extra", "CheckpointManager",
-    "CheckpointError", "Trainer", "Restored", "register_checkpoint_type", "checkpoint",
+    "CheckpointError", "Trainer", "Callback", "export_state_dict", "export_weights", "Restored", "register_checkpoint_type", "checkpoint",
 ]

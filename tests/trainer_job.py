@@ -1,7 +1,7 @@
 """A small ft.Trainer job for the trainer tests: dropout, shuffling, accumulation, fp16, EMA.
 
     python tests/trainer_job.py RESULTS [--steps N] [--save-every K] [--precision fp16] [--no-compile]
-                                        [--log-every L] [--step-sleep S] [--slow S]
+                                        [--log-every L] [--step-sleep S] [--slow S] [--shard MODE]
 """
 import argparse
 import sys
@@ -37,6 +37,7 @@ def main():
     p.add_argument("--trackers", default="jsonl")
     p.add_argument("--slow", type=float, default=0.0, help="seconds to sleep per sample fn (to be killed)")
     p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--shard", default="none", help="TrainConfig.shard: none, optimizer or params")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (needs --no-compile)")
     a = p.parse_args()
     g = torch.Generator().manual_seed(0)
@@ -46,7 +47,8 @@ def main():
     config = ft.TrainConfig(train_batch_size=4, gradient_accumulate_every=2, train_lr=3e-3, train_num_steps=a.steps,
                             ema_update_every=2, ema_decay=0.9, save_and_sample_every=a.save_every, num_samples=4,
                             mixed_precision=a.precision, results_folder=a.results, seed=3, log_every=a.log_every,
-                            keep_checkpoints=100, compile=not a.no_compile, trackers=tuple(a.trackers.split(",")))
+                            keep_checkpoints=100, compile=not a.no_compile, trackers=tuple(a.trackers.split(",")),
+                            shard=a.shard)
 
     def sample_fn(ema_params, n):
         if a.slow:

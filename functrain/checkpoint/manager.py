@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import sharded
 from .folder import check_complete, check_structure, load, load_extra, read_marks, tidy, write_checkpoint
 from .format import CheckpointError, StructureMismatch
 from .lock import hold_dir
@@ -41,13 +42,19 @@ class CheckpointManager:
     folder under a checkpoint name. Only folders with a valid completion mark
     whose files have the sizes it lists count as checkpoints.
 
-    One process should save into a folder at a time (rank 0 under data parallelism).
+    One process should save into a folder at a time (rank 0 under replicated
+    data parallelism). A sharded state (``ft.data_parallel(shard=...)``) is
+    saved by every rank of its group calling ``save`` together: each writes its
+    shard into the step's folder (:mod:`functrain.checkpoint.sharded`), the
+    folder appears complete with its ``SHARDED.json`` last, and then rank 0
+    alone prunes. ``load_latest`` (on every rank, with each rank's template)
+    reads such checkpoints too, into a template of any world size.
     """
 
     __module__ = "functrain.checkpoint"  # its public home, in reprs and tracebacks
 
     _NAME = re.compile(r"step_(\d+)$")
-    _ASIDE = re.compile(r"\.step_(\d+)\.old-[0-9a-f]{12}$")
+    _ASIDE = re.compile(r"\.step_(\d+)\.s?old-[0-9a-f]{12}$")  # (sold: a sharded save's)
 
     def __init__(self, folder: str | os.PathLike, keep: int | None = 3, *, checksum: str = "crc32",
                  fsync: bool = True):
@@ -84,7 +91,10 @@ class CheckpointManager:
             p = os.path.join(self.folder, entry)
             step = int((m or a).group(1))
             try:
-                check_complete(p)
+                if sharded.is_sharded_checkpoint(p):
+                    sharded.check_complete(p)
+                else:
+                    check_complete(p)
             except CheckpointError as e:
                 if m:
                     damaged[step] = (p, str(e))
@@ -120,10 +130,43 @@ class CheckpointManager:
             raise ValueError(f"step must be an int >= 0; got {step!r}")
         if finite is not None and not isinstance(finite, bool):
             raise TypeError(f"finite must be a bool or None; got {finite!r}")
+        if sharded.is_sharded(state):
+            return self._save_sharded(step, state, extra, finite)
         os.makedirs(self.folder, exist_ok=True)
-        tidy(self.folder, lambda n: self._NAME.match(n) is not None)  # leftovers of killed saves and removals
+        self._tidy()
         path = write_checkpoint(self.path(step), state, extra, checksum=self.checksum, fsync=self.fsync,
                                 marks=None if finite is None else {"finite": finite})
+        self._prune(step, finite)
+        return path
+
+    def _tidy(self) -> None:
+        """Remove what killed saves and removals left (plain and sharded ones)."""
+        keep = lambda n: self._NAME.match(n) is not None  # noqa: E731
+        tidy(self.folder, keep)
+        sharded.tidy(self.folder, keep)
+
+    def _save_sharded(self, step: int, state: Any, extra: Any, finite: bool | None) -> str:
+        """Every rank: its shard into ``step_*``; rank 0 prunes once the checkpoint is complete."""
+        slot = state.slots[sharded.SLOT]
+        world, rank = int(slot.world), int(slot.rank)
+        if finite is not None:  # the same mark in every rank's folder: finite only if every shard is
+            finite = sharded._all_ok(finite, world)
+        if rank == 0:
+            try:
+                os.makedirs(self.folder, exist_ok=True)
+                self._tidy()
+            except OSError as e:  # sharded.save reports a folder it cannot use to every rank
+                warnings.warn(f"{self.folder}: could not tidy leftovers of killed saves ({e})", RuntimeWarning,
+                              stacklevel=3)
+        # collective: returns on every rank only after rank 0 has renamed the complete folder into place
+        path = sharded.save(self.path(step), state, extra, checksum=self.checksum, fsync=self.fsync,
+                            marks=None if finite is None else {"finite": finite})
+        if rank == 0:
+            self._prune(step, finite)
+        return path
+
+    def _prune(self, step: int, finite: bool | None) -> None:
+        """Remove the oldest complete checkpoints beyond ``keep`` (never ``step``, nor the newest finite one)."""
         if self.keep is not None:
             found = self._complete()
             others = sorted(s for s in found if s != step)  # the one just saved always stays
@@ -134,13 +177,12 @@ class CheckpointManager:
                     doomed.remove(good)
             for old in doomed:
                 self._remove(found[old])
-        return path
 
     def newest_finite(self, found: dict[int, str] | None = None) -> int | None:
         """The step of the newest complete checkpoint not marked ``finite=False`` (``None`` if there is none)."""
         found = self._complete() if found is None else found
         for step in sorted(found, reverse=True):
-            if read_marks(found[step]).get("finite") is not False:
+            if sharded.read_marks(found[step]).get("finite") is not False:
                 return step
         return None
 
@@ -181,9 +223,13 @@ class CheckpointManager:
         for step in sorted(found, reverse=True):
             p = found[step]
             try:
-                if template is not None:
-                    check_structure(p, template)
-                restored = Restored(load(p, template, device=device, mmap=mmap), load_extra(p), step, p)
+                if sharded.is_sharded_checkpoint(p) or sharded.is_sharded(template):
+                    state = self._load_sharded(p, template, device, mmap)
+                else:
+                    if template is not None:
+                        check_structure(p, template)
+                    state = load(p, template, device=device, mmap=mmap)
+                restored = Restored(state, sharded.load_extra(p), step, p)
                 break
             except StructureMismatch:
                 raise
@@ -204,3 +250,32 @@ class CheckpointManager:
             raise CheckpointError(f"no checkpoint in {self.folder} loads: {', '.join(p for _, p, _ in newer)} "
                                   f"are damaged (see the warnings); move them away to start afresh")
         return restored
+
+    @staticmethod
+    def _load_sharded(path: str, template: Any, device: Any, mmap: bool) -> Any:
+        """A sharded checkpoint, or one into a sharded template (:func:`sharded.load`: reshards to any world).
+
+        The same world: the structure is checked against this rank's shard before any tensor is read.
+        Otherwise the shards are read, and a checkpoint whose files are sound but that does not fit the
+        template is a :class:`StructureMismatch` (another run), not damage.
+        """
+        early: StructureMismatch | None = None
+        if template is not None and sharded.is_sharded_checkpoint(path) and sharded.is_sharded(template):
+            slot = template.slots[sharded.SLOT]
+            if sharded.check_complete(path) == int(slot.world):
+                try:
+                    check_structure(os.path.join(path, sharded._rank_dir(int(slot.rank))), template)
+                except StructureMismatch as e:
+                    early = e  # perhaps only another cut (shard="optimizer" <-> "params"): load decides
+        try:
+            return sharded.load(path, template, device=device, mmap=mmap)
+        except StructureMismatch:
+            raise
+        except CheckpointError as e:
+            if template is None:
+                raise
+            try:
+                sharded.load(path, mmap=mmap)  # damage (fall back) or another structure (refuse)?
+            except CheckpointError:
+                raise e from None
+            raise (early or StructureMismatch(path, [("<state>", str(e))])) from None

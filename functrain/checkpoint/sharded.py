@@ -167,9 +167,9 @@ def _tidy(parent: str, name: str) -> None:
 
 
 def save(path: str | os.PathLike, state: Any, extra: Any = None, *, checksum: str = "crc32",
-         fsync: bool = True) -> str:
+         fsync: bool = True, marks: dict | None = None) -> str:
     if not is_sharded(state):
-        return folder.save(path, state, extra, checksum=checksum, fsync=fsync)
+        return folder.write_checkpoint(path, state, extra, checksum=checksum, fsync=fsync, marks=marks)
     slot: ShardState = state.slots[SLOT]
     world, rank = int(slot.world), int(slot.rank)
     dist = _dist()
@@ -199,7 +199,8 @@ def save(path: str | os.PathLike, state: Any, extra: Any = None, *, checksum: st
         raise RuntimeError(f"save {path}: rank 0 could not prepare the checkpoint folder (see its error)")
     tmp = os.path.join(parent, f".{name}.stmp-{token:012x}")
     try:  # each rank its own shard, in parallel
-        folder.save(os.path.join(tmp, _rank_dir(rank)), state, extra, checksum=checksum, fsync=fsync)
+        folder.write_checkpoint(os.path.join(tmp, _rank_dir(rank)), state, extra, checksum=checksum, fsync=fsync,
+                                marks=marks)
     except BaseException as e:  # noqa: BLE001
         error = e
     if not _all_ok(error is None, world):
@@ -237,11 +238,45 @@ def save(path: str | os.PathLike, state: Any, extra: Any = None, *, checksum: st
     return path
 
 
+def check_complete(path: str | os.PathLike) -> int:
+    """The world size of the sharded checkpoint at ``path``, after checking that it is complete: its
+    ``SHARDED.json`` names every rank's completion mark, and every rank's files have the sizes listed
+    (contents are checked when loaded). A :class:`CheckpointError` says what is wrong."""
+    path = os.path.abspath(os.fspath(path))
+    world = _read_mark(path)
+    for r in range(world):
+        folder.check_complete(os.path.join(path, _rank_dir(r)))
+    return world
+
+
+def read_marks(path: str | os.PathLike) -> dict:
+    """The marks given to ``save(..., marks=)`` (rank 0's for a sharded checkpoint; ``{}`` if none)."""
+    path = os.fspath(path)
+    if is_sharded_checkpoint(path):
+        return folder.read_marks(os.path.join(path, _rank_dir(0)))
+    return folder.read_marks(path)
+
+
+def tidy(parent: str, keep_name: Any) -> None:
+    """:func:`_tidy` for every checkpoint name in ``parent`` that ``keep_name(name)`` accepts."""
+    try:
+        entries = os.listdir(parent)
+    except FileNotFoundError:
+        return
+    names = {m.group(1) for m in map(_LEFTOVER.match, entries) if m}
+    for name in sorted(n for n in names if keep_name(n)):
+        _tidy(parent, name)
+
+
+_LEFTOVER = re.compile(r"\.(.+)\.(?:stmp|sold)-[0-9a-f]{12}$")
+
+
 save.__doc__ = (folder.save.__doc__ or "") + """
     A sharded state (from ``ft.data_parallel(shard=...)``) is saved by every rank
     of its group calling ``save`` with the same ``path`` together: each writes its
     own shard (no gather), rank 0 completes the folder; see
-    :mod:`functrain.checkpoint.sharded`.
+    :mod:`functrain.checkpoint.sharded`. ``marks`` (a small JSON dict) go into
+    each rank's completion mark (:func:`read_marks`).
     """
 
 

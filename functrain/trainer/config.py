@@ -15,6 +15,7 @@ __all__ = ["TrainConfig"]
 
 _PRECISIONS = ("no", "bf16", "fp16")
 _SCHEDULES = ("constant", "warmup_cosine", "warmup_linear")
+_SHARDS = ("none", "optimizer", "params")
 _SEED_MAX = 2**63 - 1  # the generator seeds of step.init and ft.shard
 
 
@@ -86,6 +87,7 @@ class TrainConfig:
     min_lr: float = 0.0
     eval_every: int = 0
     eval_batch_size: int | None = None
+    shard: str = "none"
 
     def __post_init__(self) -> None:
         def name(n: str) -> str:
@@ -122,6 +124,7 @@ class TrainConfig:
         for n in ("compile", "skip_nonfinite"):
             check_choice(name(n), getattr(self, n), (True, False))
         check_choice(name("lr_schedule"), self.lr_schedule, _SCHEDULES)
+        check_choice(name("shard"), self.shard, _SHARDS)
         object.__setattr__(self, "warmup_steps", check_int(name("warmup_steps"), self.warmup_steps, minimum=0,
                                                            what="an int >= 0 (updates)"))
         object.__setattr__(self, "min_lr", check_real(name("min_lr"), self.min_lr, lo=0.0, hi=self.train_lr,

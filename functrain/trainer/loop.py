@@ -19,9 +19,10 @@ from .. import distributed
 from .. import tree as T
 from ..checkpoint.export import export_weights
 from ..checkpoint import CheckpointError, CheckpointManager, FolderLock, FolderLocked, StructureMismatch, load_extra
+from ..checkpoint.sharded import is_sharded
 from ..compile import CompiledStep
 from ..compile import compile as compile_step
-from ..distributed import shard
+from ..distributed import gather_state, shard
 from ..driver import run
 from ..module import functionalize
 from ..state import TrainState
@@ -46,8 +47,9 @@ class Trainer:
     ``accumulate(gradient_accumulate_every)``, ``mixed_precision(...)``,
     ``skip_nonfinite()`` (unless fp16, whose loss scale skips, or
     ``skip_nonfinite=False``), then your ``transforms=`` and, when launched on
-    several processes, ``data_parallel()``; compiled unless ``config.compile`` is
-    false. ``optimizer=`` replaces AdamW (any functrain optimizer; a
+    several processes, ``data_parallel(shard=config.shard)`` (a sharded one on one
+    process too, so that the checkpoints' layout does not depend on the world
+    size); compiled unless ``config.compile`` is false. ``optimizer=`` replaces AdamW (any functrain optimizer; a
     ``torch.optim`` one is refused with how to port it); ``step=`` brings a ready
     step, used as is (plus ``data_parallel()`` on several processes). Every
     schedule must cover ``train_num_steps`` (``ft.optim.schedules.check_covers``).
@@ -67,6 +69,12 @@ class Trainer:
     ``eval_dataset`` it evaluates (see :class:`~functrain.trainer.evaluation.Evaluator`)
     every ``eval_every`` updates (0: at each save) and at the end. Running it
     again resumes from the newest checkpoint, bit-exactly.
+
+    With a sharded state (``config.shard`` ``"optimizer"`` or ``"params"``) every
+    rank writes its shard of each checkpoint (no gather), and the whole params
+    and EMA are gathered (``ft.gather_state``, every rank) only where whole
+    tensors are needed: sample grids, evaluation and the exported weights, which
+    rank 0 alone writes. ``train()`` returns the sharded state then.
 
     Outputs in ``results_folder``: ``metrics.jsonl`` (and the trackers of
     ``config.trackers`` plus your ``trackers=`` objects; one record per log step,
@@ -232,18 +240,25 @@ class Trainer:
         return bool(torch.stack([torch.isfinite(t).all() for t in leaves]).all())
 
     def save(self, state: TrainState, step: int | None = None) -> None:
-        """Write a checkpoint (rank 0; the state is the same on every rank) and the sample grid.
+        """Write a checkpoint and the sample grid (rank 0; every rank writes its shard of a sharded state).
 
         ``step`` is the host mirror of ``state.step`` (read from the state if not given). The other ranks
         wait for it on a gloo group bounded by ``config.save_timeout``, so a slow save or ``sample_fn``
         never trips the collective timeout.
         """
         step = int(state.step) if step is None else step  # a sync, but only when saving
-        if self.rank == 0:
+        split = is_sharded(state)
+        if self.rank == 0 or split:  # a sharded state: every rank writes its shard (a collective save)
             extra = {"data": self.loader.state_dict(), "history": self.history.to_json(),
                      "config": self.config.to_dict()}
             finite = self._finite(state)
+            if split and self.world > 1:  # every shard finite: one flag for the whole state
+                t = torch.tensor([1.0 if finite else 0.0], device=self.device)
+                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+                finite = bool(t.item())
             path = self.checkpoints.save(step, state, extra=extra, finite=finite)
+            whole = gather_state(state) if split and self.sample_fn is not None else state  # (every rank)
+        if self.rank == 0:
             if not finite:
                 good = self.checkpoints.newest_finite()
                 kept = f"rotation keeps {self.checkpoints.path(good)}, the newest finite one" if good is not None \
@@ -251,7 +266,7 @@ class Trainer:
                 warnings.warn(f"checkpoint {path} (step {step}) holds non-finite parameters or EMA; {kept}",
                               RuntimeWarning, stacklevel=2)
             if self.sample_fn is not None:
-                images = self.sample_fn(state.ema, self.config.num_samples)
+                images = self.sample_fn(whole.ema, self.config.num_samples)
                 write_sample_grid(os.path.join(self.folder, f"sample-{step}.png"),
                                   images.detach().float().cpu().numpy(), step=step, scale=4)
             self._plot(force=step >= self.config.train_num_steps or self._stop or self._run is None)
@@ -270,7 +285,7 @@ class Trainer:
         if self.evaluator is None:
             raise ValueError("Trainer.evaluate needs Trainer(eval_dataset=...)")
         step = int(state.step) if step is None else step
-        metrics = self.evaluator(state)
+        metrics = self.evaluator(gather_state(state) if is_sharded(state) else state)  # whole params and EMA
         self.history.add(step, metrics)
         r = self._run
         if r is not None:
@@ -312,8 +327,7 @@ class Trainer:
                 self.save(state, run_state.n)
             if run_state.in_a_row >= c.max_consecutive_nonfinite:  # counted by the stop step's log
                 self._nonfinite_stop(run_state.n, None)
-            if self.rank == 0 and not self._signalled:  # (after SIGTERM the grace period is for the checkpoint)
-                self.weights = export_weights(self.folder, state, module=self.module)
+            self._export(state)
             done = True
         finally:
             self._run = None
@@ -326,6 +340,21 @@ class Trainer:
         if done and self.rank == 0 and run_state.n > run_state.start:
             print(self.summary(run_state), flush=True)
         return state
+
+    def _export(self, state: TrainState) -> None:
+        """``model.safetensors`` / ``ema.safetensors`` by rank 0 (a sharded state is gathered on every rank
+        first), unless stopped by SIGTERM: its grace period is for the checkpoint."""
+        signalled = self._signalled
+        split = is_sharded(state)
+        if split and self.world > 1:  # the gather is collective: every rank must agree on whether to export
+            t = torch.tensor([1.0 if signalled else 0.0], device=self.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            signalled = bool(t.item())
+        if signalled:
+            return
+        whole = gather_state(state) if split else state
+        if self.rank == 0:
+            self.weights = export_weights(self.folder, whole, module=self.module)
 
     def summary(self, r: "_RunState") -> str:
         """The end-of-run text: final metrics, time (compile apart), where the results are."""

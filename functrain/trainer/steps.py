@@ -156,8 +156,10 @@ def build_step(loss: Callable, config: TrainConfig, world: int, *, optimizer: An
 
     Without ``step``: ``train_step(loss, optimizer or adamw(config lr))`` with clip, EMA, accumulation,
     mixed precision and non-finite skipping from the config, then ``transforms`` (each applied once, at
-    its own stage), then ``data_parallel()`` on several processes. With ``step`` (a ``Step`` or an
-    ``ft.compile``-d one): used as is, plus ``data_parallel()`` on several processes when it lacks it.
+    its own stage), then ``data_parallel(shard=config.shard)`` on several processes (and on one when
+    ``config.shard`` is not ``"none"``). With ``step`` (a ``Step`` or an ``ft.compile``-d one): used as is,
+    plus that ``data_parallel`` when it lacks it (one it has must agree with a ``config.shard`` other
+    than ``"none"``).
     """
     c = config
     if step is not None:
@@ -175,12 +177,19 @@ def build_step(loss: Callable, config: TrainConfig, world: int, *, optimizer: An
             raise ValueError(f"the given step accumulates {n} micro-batches but TrainConfig.gradient_accumulate_every"
                              f"={c.gradient_accumulate_every}: the trainer loads batches of train_batch_size * "
                              f"gradient_accumulate_every rows; make them agree")
-        if world > 1 and _named(base, "data_parallel") is None:
+        present = _named(base, "data_parallel")
+        if present is not None:
+            mode = getattr(present, "shard", "none")
+            if c.shard != "none" and mode != c.shard:  # (the default config leaves it to the step)
+                raise ValueError(f"the given step has data_parallel(shard={mode!r}) but TrainConfig.shard="
+                                 f"{c.shard!r}: make them agree, or leave TrainConfig.shard at 'none'")
+        elif _wants_data_parallel(c, world):
             if compiled is not None:
-                raise ValueError(f"Trainer(step=ft.compile(step)) on {world} processes: the step has no "
-                                 f"data_parallel(), which cannot be added to a compiled step; pass the step "
-                                 f"uncompiled, or ft.compile(ft.data_parallel()(step))")
-            base = data_parallel()(base)
+                raise ValueError(f"Trainer(step=ft.compile(step)) on {world} processes (TrainConfig.shard="
+                                 f"{c.shard!r}): the step has no data_parallel(), which cannot be added to a "
+                                 f"compiled step; pass the step uncompiled, or "
+                                 f"ft.compile(ft.data_parallel(shard={c.shard!r})(step))")
+            base = data_parallel(shard=c.shard)(base)
         schedules.check_covers(base.optimizer, c.train_num_steps)
         return base, compiled
     if optimizer is None:
@@ -208,6 +217,12 @@ def build_step(loss: Callable, config: TrainConfig, world: int, *, optimizer: An
                              f"{t.name!r} from the config ({[x.name for x in s.transforms]}); set it in the "
                              f"TrainConfig, or pass a ready step=")
         s = t(s)
-    if world > 1:
-        s = data_parallel()(s)
+    if _wants_data_parallel(c, world):
+        s = data_parallel(shard=c.shard)(s)
     return s, None
+
+
+def _wants_data_parallel(config: TrainConfig, world: int) -> bool:
+    """Several processes, or a sharded state on one: a sharded run's state is sharded (over 1 rank) on one
+    process too, so its checkpoints have the same layout at every world size (and reshard when it changes)."""
+    return world > 1 or config.shard != "none"

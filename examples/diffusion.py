@@ -9,6 +9,7 @@ again resumes from the newest checkpoint.
 
     python -m functrain.launch --nproc 2 examples/diffusion.py --steps 400
     python examples/diffusion.py --steps 400            # one process
+    python -m functrain.launch --nproc 2 examples/diffusion.py --shard optimizer   # sharded state (ZeRO-2)
 """
 from __future__ import annotations
 
@@ -97,6 +98,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--precision", default="no", choices=["no", "bf16", "fp16"])
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--shard", default="none", choices=["none", "optimizer", "params"],
+                        help="TrainConfig.shard: split the optimizer state and EMA (optimizer), and the params "
+                             "too (params), over the processes")
     args = parser.parse_args()
 
     config = ft.TrainConfig(
@@ -105,7 +109,8 @@ def main() -> None:
         ema_decay=0.99, save_and_sample_every=args.save_every, num_samples=25, mixed_precision=args.precision,
         results_folder=args.results, seed=0, log_every=20, compile=not args.no_compile,
         lr_schedule="warmup_cosine", warmup_steps=min(50, args.steps // 10), min_lr=1e-4,
-        eval_every=0, eval_batch_size=32)  # evaluate at every save, on the held-out split
+        eval_every=0, eval_batch_size=32,  # evaluate at every save, on the held-out split
+        shard=args.shard)
     model = Diffusion()
 
     def sample_fn(ema_params: dict, n: int) -> torch.Tensor:

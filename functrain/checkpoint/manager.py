@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import sharded
-from .folder import check_complete, check_structure, load, load_extra, read_marks, tidy, write_checkpoint
+from .folder import check_complete, check_structure, load, tidy, write_checkpoint
 from .format import CheckpointError, StructureMismatch
 from .lock import hold_dir
 from .tensorfile import check_checksum

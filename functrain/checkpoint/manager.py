@@ -150,7 +150,7 @@ class CheckpointManager:
         slot = state.slots[sharded.SLOT]
         world, rank = int(slot.world), int(slot.rank)
         if finite is not None:  # the same mark in every rank's folder: finite only if every shard is
-            finite = sharded._all_ok(finite, world)
+            finite = sharded.all_ranks_agree(finite, world)
         if rank == 0:
             try:
                 os.makedirs(self.folder, exist_ok=True)
@@ -264,7 +264,7 @@ class CheckpointManager:
             slot = template.slots[sharded.SLOT]
             if sharded.check_complete(path) == int(slot.world):
                 try:
-                    check_structure(os.path.join(path, sharded._rank_dir(int(slot.rank))), template)
+                    check_structure(os.path.join(path, sharded.rank_dir(int(slot.rank))), template)
                 except StructureMismatch as e:
                     early = e  # perhaps only another cut (shard="optimizer" <-> "params"): load decides
         try:

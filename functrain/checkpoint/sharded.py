@@ -55,7 +55,8 @@ KIND = "sharded"
 _RANK = re.compile(r"rank_\d{5}$")
 
 
-def _rank_dir(rank: int) -> str:
+def rank_dir(rank: int) -> str:
+    """The name of rank ``rank``'s folder inside a sharded checkpoint (``rank_00000``, ...)."""
     return f"rank_{rank:05d}"
 
 
@@ -90,7 +91,8 @@ def _broadcast_int(value: int, world: int) -> int:
     return int(t.item())
 
 
-def _all_ok(ok: bool, world: int) -> bool:
+def all_ranks_agree(ok: bool, world: int) -> bool:
+    """Whether ``ok`` holds on every rank (one all-reduce; ``ok`` itself on one process)."""
     if world == 1:
         return ok
     dist = _dist()
@@ -103,8 +105,8 @@ def _all_ok(ok: bool, world: int) -> bool:
 def _mark_bytes(tmp: str, world: int) -> bytes:
     ranks = {}
     for r in range(world):
-        with open(os.path.join(tmp, _rank_dir(r), MARKER), "rb") as f:
-            ranks[_rank_dir(r)] = folder.sha256(f.read())
+        with open(os.path.join(tmp, rank_dir(r), MARKER), "rb") as f:
+            ranks[rank_dir(r)] = folder.sha256(f.read())
     return json_bytes({"format": FORMAT, "version": VERSION, "kind": KIND, "world": world, "ranks": ranks})
 
 
@@ -119,7 +121,7 @@ def _read_mark(path: str) -> int:
     if mark.get("version") != VERSION:
         raise CheckpointError(f"{mpath}: format version {mark.get('version')!r}; this functrain reads {VERSION}")
     ranks = mark.get("ranks")
-    expect = {_rank_dir(r) for r in range(world)}
+    expect = {rank_dir(r) for r in range(world)}
     if not isinstance(ranks, dict) or set(ranks) != expect:
         raise CheckpointError(f"{mpath}: must name the folders of ranks 0..{world - 1}; names "
                               f"{sorted(ranks) if isinstance(ranks, dict) else ranks!r}")
@@ -199,11 +201,11 @@ def save(path: str | os.PathLike, state: Any, extra: Any = None, *, checksum: st
         raise RuntimeError(f"save {path}: rank 0 could not prepare the checkpoint folder (see its error)")
     tmp = os.path.join(parent, f".{name}.stmp-{token:012x}")
     try:  # each rank its own shard, in parallel
-        folder.write_checkpoint(os.path.join(tmp, _rank_dir(rank)), state, extra, checksum=checksum, fsync=fsync,
+        folder.write_checkpoint(os.path.join(tmp, rank_dir(rank)), state, extra, checksum=checksum, fsync=fsync,
                                 marks=marks)
     except BaseException as e:  # noqa: BLE001
         error = e
-    if not _all_ok(error is None, world):
+    if not all_ranks_agree(error is None, world):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         if error is not None:
@@ -231,7 +233,7 @@ def save(path: str | os.PathLike, state: Any, extra: Any = None, *, checksum: st
         else:
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
-    if not _all_ok(error is None, world):
+    if not all_ranks_agree(error is None, world):
         if error is not None:
             raise error
         raise RuntimeError(f"save {path}: rank 0 failed to complete the checkpoint (see its error)")
@@ -245,7 +247,7 @@ def check_complete(path: str | os.PathLike) -> int:
     path = os.path.abspath(os.fspath(path))
     world = _read_mark(path)
     for r in range(world):
-        folder.check_complete(os.path.join(path, _rank_dir(r)))
+        folder.check_complete(os.path.join(path, rank_dir(r)))
     return world
 
 
@@ -253,7 +255,7 @@ def read_marks(path: str | os.PathLike) -> dict:
     """The marks given to ``save(..., marks=)`` (rank 0's for a sharded checkpoint; ``{}`` if none)."""
     path = os.fspath(path)
     if is_sharded_checkpoint(path):
-        return folder.read_marks(os.path.join(path, _rank_dir(0)))
+        return folder.read_marks(os.path.join(path, rank_dir(0)))
     return folder.read_marks(path)
 
 
@@ -290,9 +292,9 @@ def _whole(states: list, path: str) -> Any:
     world = len(states)
     for r, s in enumerate(states):
         if not is_sharded(s):
-            raise CheckpointError(f"{os.path.join(path, _rank_dir(r))}: not a sharded state")
+            raise CheckpointError(f"{os.path.join(path, rank_dir(r))}: not a sharded state")
         if int(s.slots[SLOT].rank) != r or int(s.slots[SLOT].world) != world:
-            raise CheckpointError(f"{os.path.join(path, _rank_dir(r))}: holds rank {int(s.slots[SLOT].rank)}'s "
+            raise CheckpointError(f"{os.path.join(path, rank_dir(r))}: holds rank {int(s.slots[SLOT].rank)}'s "
                                   f"shard of a {int(s.slots[SLOT].world)}-rank state, expected rank {r} of {world}")
     layout = FlatLayout.from_slot(states[0].slots[SLOT])
 
@@ -370,10 +372,10 @@ def load(path: str | os.PathLike, template: Any = None, *, device: Any = None, m
         if sharded_template:
             tslot: ShardState = template.slots[SLOT]
             if int(tslot.world) == world:  # same cut: this rank reads its own shard only
-                mine = folder.load(os.path.join(path, _rank_dir(int(tslot.rank))), mmap=mmap)
+                mine = folder.load(os.path.join(path, rank_dir(int(tslot.rank))), mmap=mmap)
                 if is_sharded(mine) and _same_slot(mine.slots[SLOT], tslot):
                     return _like(mine, template, path, device)
-        logical = _whole([folder.load(os.path.join(path, _rank_dir(r)), mmap=mmap) for r in range(world)], path)
+        logical = _whole([folder.load(os.path.join(path, rank_dir(r)), mmap=mmap) for r in range(world)], path)
     else:
         logical = folder.load(path, mmap=mmap)
     out = _cut(logical, template, path) if sharded_template else logical
@@ -397,5 +399,5 @@ def load_extra(path: str | os.PathLike) -> Any:
     path = os.fspath(path)
     if is_sharded_checkpoint(path):
         _read_mark(os.path.abspath(path))
-        return folder.load_extra(os.path.join(path, _rank_dir(0)))
+        return folder.load_extra(os.path.join(path, rank_dir(0)))
     return folder.load_extra(path)

@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true",
                    help="the transformer depth sweep: workloads T2,T4,T8 with torch_eager, torch_eager_foreach, "
                         "torch_eager_fused, torch_compiled, functrain_compiled, ft_compiled_owned "
-                        "(default 6 rounds x 2 updates; --workloads/--variants narrow it)")
+                        "(default 10 rounds x 2 updates; --workloads/--variants narrow it)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per workload (default 40)")
     p.add_argument("--steps", type=int, default=None,
                    help="optimizer updates per variant per round (default per workload: W1 100, W2 5, W3 40, W4 40)")
@@ -125,7 +125,7 @@ def run_workload(key: str, names: list[str], args: argparse.Namespace, device) -
     torch._dynamo.reset()
     wl = workloads.build(workloads.WORKLOADS[key], device)
     k = args.steps or wl.steps_per_round
-    rounds = args.rounds or (6 if wl.kind == "lm" else 40)
+    rounds = args.rounds or (10 if wl.kind == "lm" else 40)
     if args.quick:
         k, rounds = args.steps or max(2, k // 10), args.rounds or 3
     warmup = args.warmup if args.warmup is not None else max(3, k // 2)
@@ -152,7 +152,7 @@ def run_workload(key: str, names: list[str], args: argparse.Namespace, device) -
         counter = None
         if v.name == "torch_compiled":  # a dispatch mode around Dynamo code would change what it runs
             v.step((warmup - 1) % n)
-            sync_desc = "not counted (fullgraph=False)" + (" ; 1 host read of the grad norm" if wl.fp16 else "")
+            sync_desc = "not counted (fullgraph=False)" + (" + 1 sync: bool(isfinite(grad norm))" if wl.fp16 else "")
         elif v.compiled:  # fullgraph=True: the graph holds no host sync; run the last warm-up step plainly
             v.step((warmup - 1) % n)
             sync_desc = "0 (fullgraph graph)"

@@ -118,7 +118,9 @@ def sweep_table(results: dict[str, Any]) -> list[str]:
 def markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
     out = [f"Run {meta['date']}: {meta['machine']}; Python {meta['python']}, torch {meta['torch']}, "
            f"functrain {meta['functrain']}; threads={meta['threads']}, device={meta['device']}; "
-           f"inductor cache: {meta['inductor_cache']}; {meta['wall_min']:.1f} min in all.", ""]
+           f"inductor cache: {meta['inductor_cache']}; {meta['wall_min']:.1f} min in all"
+           + (f"; prewarm (inductor start-up, not in any first call) {meta['prewarm_s']:.1f} s"
+              if meta.get("prewarm_s") is not None else "") + ".", ""]
     out.append("| workload | variant | time/update, median [min–max] | ratio to torch_eager [95% CI] "
                "| speed-up | CPU-time ratio [95% CI] | CPU/wall · other load | first call (compile) · warm-up excess | graphs "
                "| recompiles in rounds | syncs/update | max \\|Δw\\| vs torch_eager: after warm-up · at end "

@@ -39,6 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the transformer depth sweep: workloads T2,T4,T8 with torch_eager, torch_eager_foreach, "
                         "torch_eager_fused, torch_compiled, functrain_compiled, ft_compiled_owned "
                         "(default 10 rounds x 2 updates; --workloads/--variants narrow it)")
+    p.add_argument("--prewarm", action=argparse.BooleanOptionalAction, default=None,
+                   help="before the first workload, compile a tiny unrelated function with inductor so that "
+                        "inductor's one-time start-up (imports, compile workers, C++ headers) is not charged to "
+                        "the first workload's compile (default: on with --sweep, off otherwise)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per workload (default 40)")
     p.add_argument("--steps", type=int, default=None,
                    help="optimizer updates per variant per round (default per workload: W1 100, W2 5, W3 40, W4 40)")
@@ -113,6 +117,18 @@ def wait_quiet(cores: float | None, max_s: float) -> None:
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def prewarm() -> float:
+    """Compile (forward + backward) a tiny function unrelated to any workload; return its wall time."""
+    import torch
+
+    t = time.perf_counter()
+    f = torch.compile(lambda x, w: torch.nn.functional.gelu(x @ w).sum())
+    w = torch.randn(3, 5, requires_grad=True)
+    f(torch.randn(2, 3), w).backward()
+    torch._dynamo.reset()
+    return time.perf_counter() - t
 
 
 def run_workload(key: str, names: list[str], args: argparse.Namespace, device) -> dict[str, Any]:
@@ -282,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep and chosen is None:
         chosen = list(variants.SWEEP_VARIANTS)
 
+    prewarm_s = None
+    if (args.sweep if args.prewarm is None else args.prewarm) and not args.no_compile:
+        prewarm_s = prewarm()
+        log(f"prewarm: inductor's one-time start-up took {prewarm_s:.1f} s (not charged to any workload)")
+
     results: dict[str, Any] = {}
     for key in keys:
         names = (list(variants.MAIN) + (list(variants.STRONG) if key in strong else [])
@@ -297,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": machine(),
             "python": platform.python_version(), "torch": torch.__version__, "functrain": ft.__version__,
             "threads": torch.get_num_threads(), "device": str(device), "inductor_cache": cache,
-            "argv": sys.argv[1:] if argv is None else argv, "wall_min": (time.perf_counter() - t_all) / 60}
+            "argv": sys.argv[1:] if argv is None else argv, "prewarm_s": prewarm_s, "wall_min": (time.perf_counter() - t_all) / 60}
     if "W4" in results and device.type == "cpu":
         results["W4"]["notes"].append("W4: fp16 on CPU has no fast kernels (it is emulated, several times slower "
                                       "than fp32); these numbers show overhead and syncs, not fp16 speed. "

@@ -119,7 +119,7 @@ def markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
     out = [f"Run {meta['date']}: {meta['machine']}; Python {meta['python']}, torch {meta['torch']}, "
            f"functrain {meta['functrain']}; threads={meta['threads']}, device={meta['device']}; "
            f"inductor cache: {meta['inductor_cache']}; {meta['wall_min']:.1f} min in all"
-           + (f"; prewarm (inductor start-up, not in any first call) {meta['prewarm_s']:.1f} s"
+           + (f"; prewarm (each compiled variant once on a tiny 1-layer LM, not in any first call) {meta['prewarm_s']:.1f} s"
               if meta.get("prewarm_s") is not None else "") + ".", ""]
     out.append("| workload | variant | time/update, median [min–max] | ratio to torch_eager [95% CI] "
                "| speed-up | CPU-time ratio [95% CI] | CPU/wall · other load | first call (compile) · warm-up excess | graphs "

@@ -40,9 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "torch_eager_fused, torch_compiled, functrain_compiled, ft_compiled_owned "
                         "(default 10 rounds x 2 updates; --workloads/--variants narrow it)")
     p.add_argument("--prewarm", action=argparse.BooleanOptionalAction, default=None,
-                   help="before the first workload, compile a tiny unrelated function with inductor so that "
-                        "inductor's one-time start-up (imports, compile workers, C++ headers) is not charged to "
-                        "the first workload's compile (default: on with --sweep, off otherwise)")
+                   help="before the first workload, compile each compiled variant once on a tiny 1-layer LM so "
+                        "that one-time costs (inductor's start-up, each path's first lowering of the ops) are not "
+                        "charged to the first workload's compile (default: on with --sweep, off otherwise)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per workload (default 40)")
     p.add_argument("--steps", type=int, default=None,
                    help="optimizer updates per variant per round (default per workload: W1 100, W2 5, W3 40, W4 40)")
@@ -119,14 +119,26 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def prewarm() -> float:
-    """Compile (forward + backward) a tiny function unrelated to any workload; return its wall time."""
+def prewarm(names: list[str], device) -> float:
+    """Compile the compiled variants in ``names`` once on a tiny 1-layer LM (d 32, seq 8); return the wall time.
+
+    What it pays, once per process, is not charged to the first workload's first call: inductor's
+    start-up (imports, compile workers, C++ headers) and each compile path's first lowering of the
+    LM's ops (attention, layer norm, embedding), so that compile times compare across depths.
+    """
     import torch
 
+    from bench import variants, workloads
+
     t = time.perf_counter()
-    f = torch.compile(lambda x, w: torch.nn.functional.gelu(x @ w).sum())
-    w = torch.randn(3, 5, requires_grad=True)
-    f(torch.randn(2, 3), w).backward()
+    tiny = workloads.Workload("T1-tiny", "prewarm", (), 2, "lm", kind="lm", layers=1, d_model=32, heads=2, seq=8,
+                              vocab=16, n_batches=2)
+    workloads.build(tiny, device)
+    for name in names:
+        if name in variants.COMPILED:
+            v = variants.make_variant(name, tiny)
+            v.first_step(0)
+            v.step(1)
     torch._dynamo.reset()
     return time.perf_counter() - t
 
@@ -300,8 +312,8 @@ def main(argv: list[str] | None = None) -> int:
 
     prewarm_s = None
     if (args.sweep if args.prewarm is None else args.prewarm) and not args.no_compile:
-        prewarm_s = prewarm()
-        log(f"prewarm: inductor's one-time start-up took {prewarm_s:.1f} s (not charged to any workload)")
+        prewarm_s = prewarm(chosen if chosen is not None else list(variants.MAIN + variants.STRONG), device)
+        log(f"prewarm: one-time compile start-up took {prewarm_s:.1f} s (not charged to any workload)")
 
     results: dict[str, Any] = {}
     for key in keys:

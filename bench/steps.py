@@ -3,6 +3,7 @@
     python bench/steps.py                       # W1-W4, all variants, defaults (~6 min on 2 cores)
     python bench/steps.py --quick --no-compile  # smoke test, seconds
     python bench/steps.py --workloads W1 --rounds 30 --out-json /tmp/w1.json
+    python bench/steps.py --sweep               # transformer LM at depth 2, 4, 8 (~8 min on 2 cores)
 
 See bench/README.md for the workloads, variants and methodology.
 """
@@ -24,13 +25,24 @@ DEFAULT_WORKLOADS = "W1,W2,W3,W4"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="comma-separated subset of W1,W2,W3,W4")
+    p.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="comma-separated subset of W1,W2,W3,W4,T2,T4,T8 (default W1-W4)")
     p.add_argument("--variants", default=None,
                    help="comma-separated variants to run, diagnostic ones included (default: torch_eager, "
                         "functrain_eager, functrain_compiled, plus the --diag ones); torch_eager is always kept")
     p.add_argument("--diag", default="W1,W2",
-                   help="workloads that also get the diagnostic variants (torch_eager_foreach, "
-                        "ft_compiled_noseed, bare_compile, ft_compiled_donate); 'none' for none")
+                   help="workloads that also get the diagnostic variants (ft_compiled_noseed, bare_compile, "
+                        "ft_compiled_donate, ...); 'none' for none, 'all'")
+    p.add_argument("--strong", default="all",
+                   help="workloads that also get the strongest hand-written PyTorch (torch_eager_foreach, "
+                        "torch_eager_fused, torch_compiled); default 'all', 'none' for none")
+    p.add_argument("--sweep", action="store_true",
+                   help="the transformer depth sweep: workloads T2,T4,T8 with torch_eager, torch_eager_foreach, "
+                        "torch_eager_fused, torch_compiled, functrain_compiled, ft_compiled_owned "
+                        "(default 10 rounds x 2 updates; --workloads/--variants narrow it)")
+    p.add_argument("--prewarm", action=argparse.BooleanOptionalAction, default=None,
+                   help="before the first workload, compile each compiled variant once on a tiny 1-layer LM so "
+                        "that one-time costs (inductor's start-up, each path's first lowering of the ops) are not "
+                        "charged to the first workload's compile (default: on with --sweep, off otherwise)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per workload (default 40)")
     p.add_argument("--steps", type=int, default=None,
                    help="optimizer updates per variant per round (default per workload: W1 100, W2 5, W3 40, W4 40)")
@@ -107,6 +119,30 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def prewarm(names: list[str], device) -> float:
+    """Compile the compiled variants in ``names`` once on a tiny 1-layer LM (d 32, seq 8); return the wall time.
+
+    What it pays, once per process, is not charged to the first workload's first call: inductor's
+    start-up (imports, compile workers, C++ headers) and each compile path's first lowering of the
+    LM's ops (attention, layer norm, embedding), so that compile times compare across depths.
+    """
+    import torch
+
+    from bench import variants, workloads
+
+    t = time.perf_counter()
+    tiny = workloads.Workload("T1-tiny", "prewarm", (), 2, "lm", kind="lm", layers=1, d_model=32, heads=2, seq=8,
+                              vocab=16, n_batches=2)
+    workloads.build(tiny, device)
+    for name in names:
+        if name in variants.COMPILED:
+            v = variants.make_variant(name, tiny)
+            v.first_step(0)
+            v.step(1)
+    torch._dynamo.reset()
+    return time.perf_counter() - t
+
+
 def run_workload(key: str, names: list[str], args: argparse.Namespace, device) -> dict[str, Any]:
     import torch
 
@@ -117,7 +153,7 @@ def run_workload(key: str, names: list[str], args: argparse.Namespace, device) -
     torch._dynamo.reset()
     wl = workloads.build(workloads.WORKLOADS[key], device)
     k = args.steps or wl.steps_per_round
-    rounds = args.rounds or 40
+    rounds = args.rounds or (10 if wl.kind == "lm" else 40)
     if args.quick:
         k, rounds = args.steps or max(2, k // 10), args.rounds or 3
     warmup = args.warmup if args.warmup is not None else max(3, k // 2)
@@ -131,6 +167,7 @@ def run_workload(key: str, names: list[str], args: argparse.Namespace, device) -
     for name in names:  # warm-up, one variant at a time; the first call compiles
         try:
             v = variants.make_variant(name, wl)
+            dyn_w0, t_w0 = variants.dynamo_counts()[1], time.perf_counter()
             v.first_step(0)
         except Exception as e:  # noqa: BLE001 - report the variant as failed and time the others
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -141,7 +178,10 @@ def run_workload(key: str, names: list[str], args: argparse.Namespace, device) -
         for i in range(1, warmup - 1):
             v.step(i % n)
         counter = None
-        if v.compiled:  # fullgraph=True: the graph holds no host sync; run the last warm-up step plainly
+        if v.name == "torch_compiled":  # a dispatch mode around Dynamo code would change what it runs
+            v.step((warmup - 1) % n)
+            sync_desc = "not counted (fullgraph=False)" + (" + 1 sync: bool(isfinite(grad norm))" if wl.fp16 else "")
+        elif v.compiled:  # fullgraph=True: the graph holds no host sync; run the last warm-up step plainly
             v.step((warmup - 1) % n)
             sync_desc = "0 (fullgraph graph)"
         else:
@@ -149,13 +189,17 @@ def run_workload(key: str, names: list[str], args: argparse.Namespace, device) -
                 v.step((warmup - 1) % n)
             sync_desc = counter.describe()
         sync()
-        info[v.name] = {"first_call_s": v.first_call_s, "graphs": v.graphs_warmup, "syncs": sync_desc,
+        warmup_s = time.perf_counter() - t_w0
+        graphs = v.graphs_warmup
+        if v.compiled and v.graphs is None:  # Dynamo-compiled: count every graph of the warm-up
+            graphs = variants.dynamo_counts()[1] - dyn_w0
+        info[v.name] = {"first_call_s": v.first_call_s, "warmup_s": warmup_s, "graphs": graphs, "syncs": sync_desc,
                         "syncs_total": None if counter is None else counter.total,
                         "host_reads": None if counter is None else counter.host_reads,
                         "aten_ops_per_update": None if counter is None else counter.ops,
                         "compiled": v.compiled}
-        log(f"  warm-up {v.name}: first call {v.first_call_s:.3f} s"
-            + (f", {v.graphs_warmup} graph(s)" if v.compiled else f", syncs/update {sync_desc}"))
+        log(f"  warm-up {v.name}: first call {v.first_call_s:.3f} s, warm-up {warmup_s:.1f} s"
+            + (f", {graphs} graph(s)" if v.compiled else f", syncs/update {sync_desc}"))
 
     base = next(v for v in vs if v.name == "torch_eager")
     for v in vs:  # every variant has now made `warmup` updates on the same batches
@@ -190,7 +234,7 @@ def run_workload(key: str, names: list[str], args: argparse.Namespace, device) -
     gc.unfreeze()
     dyn1 = variants.dynamo_counts()
 
-    res: dict[str, Any] = {"title": wl.title, "describe": wl.describe, "rounds": rounds, "k": k,
+    res: dict[str, Any] = {"key": key, "kind": wl.kind, "layers": wl.layers, "title": wl.title, "describe": wl.describe, "rounds": rounds, "k": k,
                            "warmup": warmup, "variants": {}, "notes": [],
                            "dynamo_frames_in_rounds": dyn1[0] - dyn0[0],
                            "dynamo_graphs_in_rounds": dyn1[1] - dyn0[1]}
@@ -243,28 +287,42 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.sweep and args.workloads == DEFAULT_WORKLOADS:
+        args.workloads = ",".join(workloads.SWEEP)
     keys = [k.strip().upper() for k in args.workloads.split(",") if k.strip()]
     bad = [k for k in keys if k not in workloads.WORKLOADS]
     if bad:
         print(f"unknown workload(s) {bad}; known: {list(workloads.WORKLOADS)}", file=sys.stderr)
         return 2
-    diag = set() if args.diag.lower() == "none" else {k.strip().upper() for k in args.diag.split(",")}
-    if args.diag.lower() == "all":
-        diag = set(keys)
+
+    def which(flag: str) -> set[str]:
+        if flag.lower() == "none":
+            return set()
+        return set(keys) if flag.lower() == "all" else {k.strip().upper() for k in flag.split(",")}
+
+    diag, strong = which(args.diag), which(args.strong)
+    known = variants.MAIN + variants.STRONG + variants.DIAG
     chosen = None if args.variants is None else [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in chosen or [] if v not in variants.MAIN + variants.DIAG]
+    unknown = [v for v in chosen or [] if v not in known]
     if unknown:
-        print(f"unknown variant(s) {unknown}; known: {list(variants.MAIN + variants.DIAG)}", file=sys.stderr)
+        print(f"unknown variant(s) {unknown}; known: {list(known)}", file=sys.stderr)
         return 2
+    if args.sweep and chosen is None:
+        chosen = list(variants.SWEEP_VARIANTS)
+
+    prewarm_s = None
+    if (args.sweep if args.prewarm is None else args.prewarm) and not args.no_compile:
+        prewarm_s = prewarm(chosen if chosen is not None else list(variants.MAIN + variants.STRONG), device)
+        log(f"prewarm: one-time compile start-up took {prewarm_s:.1f} s (not charged to any workload)")
 
     results: dict[str, Any] = {}
     for key in keys:
-        names = list(variants.MAIN) + (list(variants.DIAG) if key in diag else [])
+        names = (list(variants.MAIN) + (list(variants.STRONG) if key in strong else [])
+                 + (list(variants.DIAG) if key in diag else []))
         if chosen is not None:  # an explicit list: any variant, diagnostic or not
-            names = [n for n in variants.MAIN + variants.DIAG if n in chosen or n == "torch_eager"]
+            names = [n for n in known if n in chosen or n == "torch_eager"]
         if args.no_compile:
-            names = [n for n in names if n not in ("functrain_compiled", "ft_compiled_noseed", "bare_compile",
-                                                   "ft_compiled_donate")]
+            names = [n for n in names if n not in variants.COMPILED]
         res = run_workload(key, names, args, device)
         report.summarise(res)
         results[key] = res
@@ -272,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": machine(),
             "python": platform.python_version(), "torch": torch.__version__, "functrain": ft.__version__,
             "threads": torch.get_num_threads(), "device": str(device), "inductor_cache": cache,
-            "argv": sys.argv[1:] if argv is None else argv, "wall_min": (time.perf_counter() - t_all) / 60}
+            "argv": sys.argv[1:] if argv is None else argv, "prewarm_s": prewarm_s, "wall_min": (time.perf_counter() - t_all) / 60}
     if "W4" in results and device.type == "cpu":
         results["W4"]["notes"].append("W4: fp16 on CPU has no fast kernels (it is emulated, several times slower "
                                       "than fp32); these numbers show overhead and syncs, not fp16 speed. "

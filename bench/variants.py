@@ -20,7 +20,20 @@ Diagnostic variants (``--diag``), to see where functrain's time goes:
                           (state with ``seed=None``): no ``check_inputs``, no ``with_rng``,
                           no ``CompiledStep.__call__``.
 * ``ft_compiled_donate``  ``ft.compile(step, donate=True)``.
+
+The strongest PyTorch a user would write instead (``STRONG``, run on every workload by default):
+
 * ``torch_eager_foreach`` ``torch_eager`` with ``AdamW(foreach=True)``.
+* ``torch_eager_fused``   ``torch_eager`` with ``AdamW(fused=True)`` (the fused CPU kernel).
+* ``torch_compiled``      ``torch.compile(model)`` (inductor, default mode) for forward + backward and
+                          the documented compiled optimizer step,
+                          ``@torch.compile(fullgraph=False) def opt_step(): opt.step()``, default
+                          AdamW; loss, clip, EMA and ``zero_grad`` stay eager. With ``GradScaler`` (W4)
+                          the step is skipped when the clipped gradient norm is not finite (the same
+                          test ``scaler.step`` makes, one host read) and ``scaler.update()`` follows.
+
+Diagnostic variants, continued:
+
 * ``ft_compiled_owned``   ``ft.compile(step).donating()``: ``ft.run``'s owned donation.
 * ``ft_compiled_dynamo``  ``ft.compile(step, capture="dynamo")``: the Dynamo frame on every
                           call (the call path before the flat capture).
@@ -37,11 +50,17 @@ import functrain as ft
 
 from .workloads import Workload, functrain_step, loss_of, make_model
 
-__all__ = ["MAIN", "DIAG", "make_variant", "dynamo_counts"]
+__all__ = ["MAIN", "STRONG", "DIAG", "SWEEP_VARIANTS", "COMPILED", "make_variant", "dynamo_counts"]
 
 MAIN = ("torch_eager", "functrain_eager", "functrain_compiled")
-DIAG = ("torch_eager_foreach", "ft_compiled_noseed", "bare_compile", "ft_compiled_donate", "ft_compiled_owned",
+STRONG = ("torch_eager_foreach", "torch_eager_fused", "torch_compiled")
+DIAG = ("ft_compiled_noseed", "bare_compile", "ft_compiled_donate", "ft_compiled_owned",
         "ft_compiled_dynamo", "ft_dynamo_donate")
+# the transformer depth sweep (bench/steps.py --sweep)
+SWEEP_VARIANTS = ("torch_eager", "torch_eager_foreach", "torch_eager_fused", "torch_compiled", "functrain_compiled",
+                  "ft_compiled_owned")
+COMPILED = frozenset({"functrain_compiled", "ft_compiled_noseed", "bare_compile", "ft_compiled_donate",
+                      "ft_compiled_owned", "ft_compiled_dynamo", "ft_dynamo_donate", "torch_compiled"})
 
 
 def dynamo_counts() -> tuple[int, int]:
@@ -94,23 +113,27 @@ class Variant:
 class TorchEager(Variant):
     name = "torch_eager"
 
-    def __init__(self, wl: Workload, foreach: bool | None = None):
+    def __init__(self, wl: Workload, foreach: bool | None = None, fused: bool | None = None):
         super().__init__(wl)
         if foreach:
             self.name = "torch_eager_foreach"
+        if fused:
+            self.name = "torch_eager_fused"
         device = next(iter(wl.init_state.values())).device
         self.dev = device.type
         self.model = make_model(wl).to(device)
         self.model.load_state_dict(wl.init_state)
         self.plist = list(self.model.parameters())
-        self.opt = torch.optim.AdamW(self.plist, lr=wl.lr, foreach=foreach)
+        self.opt = torch.optim.AdamW(self.plist, lr=wl.lr, foreach=foreach, fused=fused)
+        self.forward = self.model
+        self.opt_step = self.opt.step
         self.lossf = loss_of(wl)
         self.scaler = torch.amp.GradScaler(self.dev) if wl.fp16 else None
         self.ema_list = [p.detach().clone() for p in self.plist] if wl.ema is not None else None
         self.detached = [p.detach() for p in self.plist]
 
     def step(self, i: int) -> None:
-        wl, model, opt, lossf = self.wl, self.model, self.opt, self.lossf
+        wl, model, opt, lossf = self.wl, self.forward, self.opt, self.lossf
         if wl.accum > 1:
             for x, y in wl.micro[i]:
                 loss = lossf(model(x), y) / wl.accum
@@ -128,15 +151,18 @@ class TorchEager(Variant):
             self.scaler.unscale_(opt)
             if wl.clip is not None:
                 torch.nn.utils.clip_grad_norm_(self.plist, wl.clip)
-            self.scaler.step(opt)       # .item() on found_inf: one host sync
+            self.scale_step(opt)
             self.scaler.update()
         else:
             if wl.clip is not None:
                 torch.nn.utils.clip_grad_norm_(self.plist, wl.clip)
-            opt.step()
+            self.opt_step()
         if self.ema_list is not None:
             torch._foreach_lerp_(self.ema_list, self.detached, 1.0 - wl.ema)
         opt.zero_grad(set_to_none=True)
+
+    def scale_step(self, opt: torch.optim.Optimizer) -> None:
+        self.scaler.step(opt)           # .item() on found_inf: one host sync
 
     def params(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.named_parameters()}
@@ -156,6 +182,48 @@ class TorchEager(Variant):
         if self.ema_list is None:
             return None
         return dict(zip((k for k, _ in self.model.named_parameters()), self.ema_list))
+
+
+class TorchCompiled(TorchEager):
+    """``torch.compile(model)`` + the documented compiled ``optimizer.step()``."""
+    name = "torch_compiled"
+    compiled = True
+
+    def __init__(self, wl: Workload):
+        super().__init__(wl)
+        if wl.fp16 and wl.clip is None:
+            raise ValueError("torch_compiled with GradScaler needs clip: it skips the step on a non-finite grad norm")
+        self.forward = torch.compile(self.model)
+        opt = self.opt
+
+        @torch.compile(fullgraph=False)
+        def opt_step() -> None:
+            opt.step()
+
+        self.opt_step = opt_step
+        self._last_norm: torch.Tensor | None = None
+
+    def scale_step(self, opt: torch.optim.Optimizer) -> None:
+        # GradScaler.step would call the uncompiled opt.step(); make its test here (one host read) instead.
+        # unscale_ (called before clip) recorded found_inf for scaler.update().
+        norm = self._last_norm
+        if bool(torch.isfinite(norm)):
+            self.opt_step()
+
+    def step(self, i: int) -> None:
+        if self.scaler is None:
+            return super().step(i)
+        wl, opt = self.wl, self.opt
+        x, y = wl.batches[i]
+        with torch.autocast(self.dev, dtype=torch.float16):
+            loss = self.lossf(self.forward(x), y)
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(opt)
+        self._last_norm = torch.nn.utils.clip_grad_norm_(self.plist, wl.clip)
+        self.scale_step(opt)
+        self.scaler.update()
+        opt.zero_grad(set_to_none=True)
+
 
 
 # -- functrain ----------------------------------------------------------------------------------
@@ -238,6 +306,10 @@ def make_variant(name: str, wl: Workload) -> Variant:
         return TorchEager(wl)
     if name == "torch_eager_foreach":
         return TorchEager(wl, foreach=True)
+    if name == "torch_eager_fused":
+        return TorchEager(wl, fused=True)
+    if name == "torch_compiled":
+        return TorchCompiled(wl)
     if name == "functrain_eager":
         return FunctrainEager(wl)
     if name == "functrain_compiled":
@@ -254,7 +326,7 @@ def make_variant(name: str, wl: Workload) -> Variant:
         return FunctrainCompiled(wl, capture="dynamo", donate=True, name=name)
     if name == "bare_compile":
         return BareCompile(wl)
-    raise ValueError(f"unknown variant {name!r}; known: {', '.join(MAIN + DIAG)}")
+    raise ValueError(f"unknown variant {name!r}; known: {', '.join(MAIN + STRONG + DIAG)}")
 
 
 def max_abs_diff(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:

@@ -458,6 +458,11 @@ class Trainer:
         if self.evaluator is not None and not stop and (last or n % (c.eval_every or c.save_and_sample_every) == 0):
             self.evaluate(state, n)
         if n % c.save_and_sample_every == 0 or last:
+            if r.unsent is not None:
+                # this step's record (with its evaluation) goes out before its checkpoint: after a kill
+                # between the two, the resume starts after this step and would never log it again
+                r.emit(*r.unsent)
+                r.unsent = None
             self.save(state, n)
         return stop
 

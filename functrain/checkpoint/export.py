@@ -25,6 +25,8 @@ from typing import Any, Mapping
 
 import torch
 
+from .folder import fsync_dir
+
 __all__ = ["export_state_dict", "export_weights", "flat_state_dict"]
 
 
@@ -90,17 +92,6 @@ def flat_state_dict(*trees: Any, module: torch.nn.Module | None = None) -> dict[
     if unknown:
         raise ValueError(f"export_state_dict: {unknown} are not in the module's state_dict")
     return out
-
-
-def fsync_dir(folder: str) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # some platforms cannot open a folder
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def export_state_dict(path: str | os.PathLike, params: Any, buffers: Any = None, *,

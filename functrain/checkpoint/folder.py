@@ -28,6 +28,7 @@ _MAX_JSON = 256 << 20   # refuse absurdly large JSON files before reading them
 
 # -------------------------------------------------------------------------- small file helpers
 def fsync_dir(path: str) -> None:
+    """fsync a folder (so a rename or new file in it survives a crash); a no-op where that is impossible."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -41,6 +42,7 @@ def fsync_dir(path: str) -> None:
 
 
 def write_file(path: str, data: bytes, sync: bool) -> None:
+    """Write ``data`` to a new file (never an existing one), fsynced when ``sync``."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         pwrite_all(fd, memoryview(data), 0)
@@ -51,11 +53,13 @@ def write_file(path: str, data: bytes, sync: bool) -> None:
 
 
 def sha256(data: bytes) -> str:
+    """The hex sha256 of ``data``."""
     return hashlib.sha256(data).hexdigest()
 
 
 # -------------------------------------------------------------------------- the completion mark
 def read_json(path: str, expect: dict | None) -> Any:
+    """A JSON file of a checkpoint, checked against its completion-mark entry ``expect`` (size, checksum)."""
     try:
         size = os.stat(path).st_size
         if expect is not None:
@@ -76,6 +80,7 @@ def read_json(path: str, expect: dict | None) -> Any:
 
 
 def read_marker(path: str) -> dict:
+    """The completion mark (``COMPLETE.json``) of the checkpoint folder ``path``; CheckpointError if absent or bad."""
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint folder")
     mpath = os.path.join(path, MARKER)

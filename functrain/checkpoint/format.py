@@ -234,6 +234,7 @@ def decode(node: Any, file: str) -> Any:
 
 
 def tensor_refs(tree: Any) -> list[TensorRef]:
+    """The tensor references of a structure read from tree.json, in tree order."""
     out: list[TensorRef] = []
 
     def walk(x: Any) -> None:
@@ -251,6 +252,7 @@ def tensor_refs(tree: Any) -> list[TensorRef]:
 
 
 def fill(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The structure with each tensor reference replaced by its tensor from ``tensors``."""
     if isinstance(tree, TensorRef):
         return tensors[tree.key]
     cls = type(tree)

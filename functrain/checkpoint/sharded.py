@@ -139,13 +139,13 @@ def _read_mark(path: str) -> int:
 
 # -------------------------------------------------------------------------- save
 def check_replaceable(path: str) -> None:
+    """Refuse to replace anything at ``path`` but a checkpoint folder, sharded (rank folders and its mark) or not."""
     if not os.path.lexists(path):
         return
     if os.path.isdir(path) and not os.path.islink(path):
-        entries = set(os.listdir(path))
-        if SHARDS_MARK in entries or (entries and all(_RANK.match(e) for e in entries)):
-            if all(e == SHARDS_MARK or _RANK.match(e) for e in entries):
-                return
+        entries = os.listdir(path)
+        if entries and all(e == SHARDS_MARK or _RANK.match(e) for e in entries):
+            return
     folder.check_replaceable(path)  # an unsharded checkpoint folder may be replaced; anything else raises
 
 

@@ -80,6 +80,7 @@ def _hasher(algo: str) -> Any:
 
 
 def check_checksum(checksum: str) -> None:
+    """Refuse an unknown checksum algorithm name."""
     if checksum not in _CHECKSUMS:
         raise ValueError(f"checksum must be one of {_CHECKSUMS}; got {checksum!r}")
 
@@ -124,6 +125,7 @@ def _host_bytes(t: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
 
 
 def pwrite_all(fd: int, data: memoryview, at: int) -> None:
+    """Write all of ``data`` at offset ``at`` (``os.pwrite`` may write less than asked)."""
     while len(data):
         n = os.pwrite(fd, data, at)
         data, at = data[n:], at + n
@@ -209,6 +211,7 @@ def write_tensors(path: str, tensors: list[tuple[str, torch.Tensor]], algo: str,
 
 # -------------------------------------------------------------------------- read
 def load_tensors(file: str, meta: dict, refs: list[TensorRef], map_file: bool) -> dict[str, torch.Tensor]:
+    """Read the tensors ``refs`` from a checkpoint tensor file, verifying its block checksums."""
     try:
         from safetensors import SafetensorError, safe_open
     except ImportError as e:  # pragma: no cover - depends on the environment

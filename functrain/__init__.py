@@ -29,6 +29,7 @@ from .distributed import ShardedLoader, data_parallel, gather_for_eval, gather_s
 from .distributed import data  # noqa: F401 - ``ft.data`` (the sharded loader's module) stays a public name
 from .driver import run, to_device
 from .module import functionalize, to_module
+from .ravel import FlatParams, flat, unflat
 from .state import TrainState
 from .step import STAGES, Step, StepContext, Transform, train_step
 from .trainer import Callback, TrainConfig, Trainer
@@ -39,7 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "TrainState", "Step", "StepContext", "Transform", "STAGES", "train_step",
-    "functionalize", "to_module", "compile", "CompiledStep", "GraphBreakError", "run", "to_device",
+    "functionalize", "to_module", "flat", "unflat", "FlatParams", "compile", "CompiledStep", "GraphBreakError", "run", "to_device",
     "accumulate", "clip", "clip_value", "ema", "EmaState", "skip_nonfinite", "mixed_precision", "Policy",
     "LossScaleState", "optim", "tree", "data_parallel", "gather_state", "launch", "distributed", "TrainConfig", "shard", "ShardedLoader", "gather_for_eval", "data", "save", "load", "load_extra", "CheckpointManager",
     "CheckpointError", "Trainer", "Callback", "export_state_dict", "export_weights", "Restored", "register_checkpoint_type", "checkpoint",

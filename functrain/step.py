@@ -36,6 +36,7 @@ from . import tree as T
 from .checks import Layout, check_batch, check_inputs, check_loss, check_params
 from .checks import check_state as _check_state
 from .layout import SLOT, ShardState
+from .ravel import flat as to_flat, split_leaves
 from .rng import rng_init, with_rng
 from ._optimizer_check import check_optimizer
 from .state import TrainState, register_accessor
@@ -276,8 +277,11 @@ def _grad_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
 
     def base_grad(params, buffers, batch):
         if torch.compiler.is_compiling():  # traced: torch.func composes with Dynamo
-            grads, (_, out) = grad_and_value(_tensor_aux(loss_fn), has_aux=True)(params, buffers, batch)
-            return grads, {"denom": 1.0, "weight": 1.0, **out}
+            leaves, as_params, as_grads = split_leaves(params)
+            fn = _tensor_aux(loss_fn)
+            grads, (_, out) = grad_and_value(lambda ls, b, x: fn(as_params(ls), b, x), has_aux=True)(
+                leaves, buffers, batch)
+            return as_grads(grads), {"denom": 1.0, "weight": 1.0, **out}
         return _autograd_grad(loss_fn, params, buffers, batch)
 
     grad_fn: Callable = base_grad
@@ -397,14 +401,22 @@ class Step:
         return f"Step({getattr(self.loss_fn, '__name__', 'loss_fn')}, transforms=[{names}])"
 
     # -- state ------------------------------------------------------------------------------
-    def init(self, params: Any, buffers: Any = None, *, seed: int | None = 0) -> TrainState:
+    def init(self, params: Any, buffers: Any = None, *, seed: int | None = 0, flat: bool = False) -> TrainState:
         """The initial state for ``params`` (and ``buffers``).
 
         ``seed`` seeds the random-number generator state carried in the state
         (dropout draws from it, so a step re-run from the same state draws the
         same numbers); ``seed=None`` carries none and uses torch's global RNG.
+        ``flat=True`` holds the params, the optimizer state and the EMA as one
+        buffer per dtype (:func:`functrain.flat`; a copy of ``params``): same
+        results, fewer and larger kernels.
         """
         check_params(params)
+        if flat:
+            if self._shards_state:
+                raise ValueError("init(flat=True): this step is a sharded data_parallel step, which holds the "
+                                 "params, moments and EMA in its own flat shard layout already; drop flat=True")
+            params = to_flat(params)
         buffers = {} if buffers is None else buffers
         leaves = T.tree_leaves(params)
         device = leaves[0].device if leaves else torch.device("cpu")
@@ -551,14 +563,14 @@ def _tensor_aux(loss_fn: Callable) -> Callable:
 def _autograd_grad(loss_fn: Callable, params: Any, buffers: Any, batch: Any) -> tuple[Any, dict]:
     """The eager path of the grad stage: ``torch.autograd.grad``, the same math as
     ``torch.func.grad_and_value`` at a fraction of its per-call Python cost."""
-    leaves, spec = optree.tree_flatten(params)
+    leaves, as_params, as_grads = split_leaves(params)  # a flat state: the per-leaf views
     live = [p.detach().requires_grad_(True) for p in leaves]
     with torch.enable_grad():
-        objective, out = loss_fn(optree.tree_unflatten(spec, live), buffers, batch)
+        objective, out = loss_fn(as_params(live), buffers, batch)
         grads = torch.autograd.grad(objective, live, allow_unused=True)
     grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
     out = optree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, out)
-    return optree.tree_unflatten(spec, grads), out
+    return as_grads(grads), out
 
 
 def train_step(loss_fn: LossFn, optimizer: Any) -> Step:

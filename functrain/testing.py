@@ -69,6 +69,7 @@ except ImportError as e:  # pragma: no cover - hypothesis is the "test" extra
 
 from . import tree as T
 from ._validate import path_str
+from .ravel import unflat
 from .compile import CompiledStep
 from .compile import compile as ft_compile
 from .step import Step
@@ -304,9 +305,10 @@ def assert_same_state(actual: Any, expected: Any, rtol: float = 0.0, atol: float
     """Assert two pytrees (states, metrics, anything) match: the same structure and, leaf
     by leaf, bitwise-equal tensors when ``rtol == atol == 0`` (the default), else
     ``allclose(actual, expected, rtol, atol)`` with NaNs equal (integer and bool
-    leaves always exactly). ``expected`` is the reference."""
-    pa, la, sa = optree.tree_flatten_with_path(actual)
-    _, lb, sb = optree.tree_flatten_with_path(expected)
+    leaves always exactly). ``expected`` is the reference. Flat params (:func:`functrain.flat`) are
+    compared by name: a flat state matches the plain state it stands for."""
+    pa, la, sa = optree.tree_flatten_with_path(unflat(actual))
+    _, lb, sb = optree.tree_flatten_with_path(unflat(expected))
     if sa != sb:
         raise AssertionError(f"{what}: the pytree structures differ:\n  actual:    {sa}\n  reference: {sb}")
     problems = []

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..ravel import unflat
 from .folder import fsync_dir
 
 __all__ = ["export_state_dict", "export_weights", "flat_state_dict"]
@@ -66,7 +67,7 @@ def flat_state_dict(*trees: Any, module: torch.nn.Module | None = None) -> dict[
     """
     flat: dict[str, torch.Tensor] = {}
     for tree in trees:
-        _flatten(tree, "", flat)
+        _flatten(unflat(tree), "", flat)  # flat params (ft.flat) by name
     if module is None:
         return flat
     if not isinstance(module, torch.nn.Module):

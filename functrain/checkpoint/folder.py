@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..ravel import reflat, unflat
 from .format import (EXTRA, FORMAT, MARKER, TENSORS, TREE, VERSION, CheckpointError, CheckpointSpaceError, check_size,
                      decode, encode, fill, json_bytes, match, tensor_refs)
 from .lock import hold_dir, try_hold_dir
@@ -259,7 +260,7 @@ def write_checkpoint(path: str | os.PathLike, state: Any, extra: Any = None, *, 
     parent, name = os.path.split(path)
     if not name:
         raise ValueError(f"save needs a folder path with a name; got {path!r}")
-    node, tensors = encode(state)
+    node, tensors = encode(unflat(state))  # a flat state is saved by name, as the plain one
     tree_bytes = json_bytes({"format": FORMAT, "version": VERSION, "tree": node})
     try:
         extra_bytes = json_bytes(extra)
@@ -371,7 +372,7 @@ def check_structure(path: str | os.PathLike, template: Any) -> None:
     """
     path = os.path.abspath(os.fspath(path))
     tree, _ = _read_structure(path, read_marker(path))
-    match(tree, template, path)
+    match(tree, unflat(template), path)
 
 
 def load(path: str | os.PathLike, template: Any = None, *, device: Any = None, mmap: bool = True) -> Any:
@@ -399,14 +400,15 @@ def load(path: str | os.PathLike, template: Any = None, *, device: Any = None, m
     path = os.path.abspath(os.fspath(path))
     files = read_marker(path)
     tree, refs = _read_structure(path, files)
-    targets = match(tree, template, path) if template is not None else {}
+    targets = match(tree, unflat(template), path) if template is not None else {}
     tensors = load_tensors(os.path.join(path, TENSORS), files[TENSORS], refs, bool(mmap))
     dev = _device(device)
     for key, t in tensors.items():
         target = dev if dev is not None else (targets[key].device if key in targets else None)
         if target is not None and t.device != target:
             tensors[key] = t.to(target)
-    return fill(tree, tensors)
+    loaded = fill(tree, tensors)
+    return reflat(loaded, template) if template is not None else loaded  # flat where the template is
 
 
 def load_extra(path: str | os.PathLike) -> Any:

@@ -45,6 +45,7 @@ import torch
 
 from .._validate import path_str
 from ..layout import SLOT, FlatLayout, ShardState
+from ..ravel import reflat, unflat
 from . import folder
 from .format import FORMAT, MARKER, VERSION, CheckpointError, json_bytes
 
@@ -379,8 +380,8 @@ def load(path: str | os.PathLike, template: Any = None, *, device: Any = None, m
     else:
         logical = folder.load(path, mmap=mmap)
     out = _cut(logical, template, path) if sharded_template else logical
-    if template is not None:
-        return _like(out, template, path, device)
+    if template is not None:  # a flat template (ft.flat) takes the named tensors packed again
+        return reflat(_like(out, unflat(template), path, device), template)
     if device is not None:
         out = optree.tree_map(lambda x: x.to(device) if torch.is_tensor(x) else x, out)
     return out

@@ -25,6 +25,7 @@ import optree
 import torch
 
 from .._validate import BadValue, describe, is_real, path_str
+from ..ravel import FlatParams
 
 __all__ = ["Group", "check_group_args", "decay_mask", "lr_multipliers", "make_groups", "run_groups", "group_lr"]
 
@@ -60,6 +61,9 @@ def check_group_args(owner: str, weight_decay: float, weight_decay_mask: Any, lr
 
 def _per_leaf(arg: Any, params: Any, argname: str) -> tuple[list[str], list[Any], list[Any]]:
     """The names, leaves and per-leaf values of ``arg`` (a pytree or a function of ``(name, param)``)."""
+    if isinstance(params, FlatParams):
+        raise BadValue(f"{argname} is per parameter, but these params are flat (ft.flat / init(flat=True): one "
+                       f"buffer per dtype); per-parameter groups need the plain params tree: drop flat=True")
     paths, leaves, spec = optree.tree_flatten_with_path(params)
     names = [path_str(p) for p in paths]
     if callable(arg):

@@ -267,3 +267,73 @@ def test_export_names_the_flat_params(tmp_path):
     paths = ft.export_weights(tmp_path / "w", state, module=model)
     got = load_file(paths["model"] if isinstance(paths, dict) else os.fspath(paths))
     assert sorted(got) == ["bias", "weight"] and torch.equal(got["weight"], model.weight.detach())
+
+
+# -- recycled output buffers: the pure call path without fresh pages per step ------------------------
+def _big_step():
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(256, 160, generator=g), "b": torch.randn(160, generator=g)}  # w: 160 KiB
+
+    def loss(p, b, batch):
+        x, y = batch
+        return ((x @ p["w"] + p["b"] - y) ** 2).mean()
+
+    return ft.train_step(loss, ft.optim.adamw(1e-2)), params
+
+
+def _big_batch(i):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(4, 256, generator=g), torch.randn(4, 160, generator=g)
+
+
+@pytest.fixture(scope="module")
+def big():
+    step, params = _big_step()
+    return step, params, ft.compile(step, backend="aot_eager")
+
+
+def test_a_pure_loop_alternates_between_two_buffer_sets(big):
+    step, params, cstep = big
+    state = step.init(clone_tree(params))
+    ref = step.init(clone_tree(params))
+    ptrs = []
+    for i in range(6):
+        before = clone_tree(state)
+        new, _ = cstep(state, _big_batch(i))
+        assert_same_state(state, before)  # pure: the input state is not written
+        state = new
+        ref, _ = step(ref, _big_batch(i))
+        ptrs.append(state.params["w"].data_ptr())
+    assert_same_state(state, ref, rtol=1e-6, atol=1e-6)
+    cap = cstep._fast.last
+    assert cap.recycled  # the large leaves (w and its two moments) are written into recycled buffers
+    assert len(set(ptrs[2:])) == 2 and ptrs[2] == ptrs[4] and ptrs[3] == ptrs[5]
+
+
+def test_a_state_or_view_the_caller_keeps_is_never_overwritten(big):
+    step, params, cstep = big
+    state = step.init(clone_tree(params))
+    ref = step.init(clone_tree(params))
+    kept, refs, views = [], [], []
+    for i in range(5):
+        state, _ = cstep(state, _big_batch(i))
+        ref, _ = step(ref, _big_batch(i))
+        if i % 2 == 0:
+            kept.append(state)  # a whole state kept
+            refs.append(ref)
+        else:
+            views.append((state.opt_state.exp_avg["w"][3:7].clone(), state.opt_state.exp_avg["w"][3:7]))
+    for s, r in zip(kept, refs):
+        assert_same_state(s, r, rtol=1e-6, atol=1e-6)
+    for copy, view in views:  # only a view of a moment was kept: its storage is not reused
+        assert torch.equal(copy, view)
+
+
+def test_recycling_skips_small_leaves_and_donation(big):
+    step, params, _ = big
+    small = ft.compile(ft.train_step(_loss, ft.optim.sgd(0.1)), backend="aot_eager")
+    small(small.init(_plain_mlp()), _batch())
+    assert small._fast.last.recycle == ()
+    donating = ft.compile(step, donate=True, backend="aot_eager")
+    donating(step.init(clone_tree(params)), _big_batch(0))
+    assert donating._fast.last.recycle == ()

@@ -52,7 +52,7 @@ def _problem(config: str, rank: int, micro: int = 2):
     return step, params, buffers, batch
 
 
-def _dp_worker(configs, backend):
+def _dp_worker(configs, backend, flat=False):
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -62,7 +62,7 @@ def _dp_worker(configs, backend):
         ref_step, ref_params, ref_buffers, _ = _problem(config, 0, micro=2 * world)
         reference = ref_step.init(ref_params, ref_buffers)
         dp = ft.data_parallel()(step)
-        state = dp.init(params, buffers)
+        state = dp.init(params, buffers, flat=flat)
         run = ft.compile(dp, backend=backend) if backend else dp
         ref_run = ft.compile(ref_step, backend=backend) if backend else ref_step
         rows = batch[0].shape[0] // world
@@ -70,12 +70,15 @@ def _dp_worker(configs, backend):
         for _ in range(3):
             state, metrics = run(state, shard)
             reference, ref_metrics = ref_run(reference, batch)
-        err = max(float((a - b).abs().max()) for a, b in zip(T.tree_leaves(state), T.tree_leaves(reference))
+        if flat:
+            assert isinstance(state.params, ft.FlatParams) and isinstance(state.opt_state.exp_avg, ft.FlatParams)
+        named = ft.unflat(state)  # a flat state compares by name
+        err = max(float((a - b).abs().max()) for a, b in zip(T.tree_leaves(named), T.tree_leaves(reference))
                   if a.is_floating_point())
-        exact = T.tree_equal(state.params, reference.params)
-        flat = torch.cat([p.reshape(-1) for p in T.tree_leaves(state.params)])
-        gathered = [torch.empty_like(flat) for _ in range(world)]
-        dist.all_gather(gathered, flat)
+        exact = T.tree_equal(named.params, reference.params)
+        whole = torch.cat([p.reshape(-1) for p in T.tree_leaves(named.params)])
+        gathered = [torch.empty_like(whole) for _ in range(world)]
+        dist.all_gather(gathered, whole)
         report[config] = {
             "err": err, "exact": exact,
             "ranks_identical": all(torch.equal(gathered[0], g) for g in gathered),
@@ -118,6 +121,14 @@ def test_data_parallel_inductor_all_transforms():
     reports = ft.launch(_dp_worker, nprocs=2, args=(["all"], "inductor"), timeout=400)
     for report in reports:
         _check(report, compiled=True)
+
+
+def test_data_parallel_on_a_flat_state_equals_one_process():
+    # one all-reduce per dtype buffer instead of one per parameter; the same law
+    reports = ft.launch(_dp_worker, nprocs=2, args=(["plain", "clip", "fp16_overflow", "all"], None, True),
+                        timeout=240)
+    for report in reports:
+        _check(report, compiled=False)
 
 
 def _raise_on_rank_1():

@@ -17,6 +17,7 @@ from .base import (
     init_count,
     lr_value,
     make_learning_rate,
+    per_step,
 )
 from .groups import Group, check_group_args, group_lr, make_groups, run_groups
 
@@ -67,6 +68,7 @@ def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool, wei
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
         bias_correction2_sqrt = bias_correction2.sqrt()
+        bias_correction1, bias_correction2_sqrt = per_step(bias_correction1, bias_correction2_sqrt)
 
         def group_update(group: Group, p: list, g: list, m: list, v: list) -> tuple[list, list, list]:
             # One torch.optim param group: its own lr (base * multiplier) and weight decay.
@@ -81,7 +83,7 @@ def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool, wei
             v = torch._foreach_mul(v, beta2)
             torch._foreach_addcmul_(v, g, g, value=1 - beta2)
 
-            step_size = lr_t / bias_correction1
+            step_size, = per_step(lr_t / bias_correction1)
             # p + (-step_size) * m / (sqrt(v) / bias_correction2_sqrt + eps), in torch's order.
             denom = torch._foreach_sqrt(v)
             torch._foreach_div_(denom, bias_correction2_sqrt)

@@ -49,6 +49,24 @@ def _world_of(group: Any) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
+def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``x`` summed over the ranks (a functional all-reduce: in the graph when traced)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+
+
+def _reduce_scatter(flat: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's slice of ``flat`` summed over the ranks (``flat``'s length a multiple of the world size):
+    a functional reduce-scatter (gloo implements it too, so no backend needs a fallback)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    if flat.numel() == 0:  # only empty leaves of this dtype: nothing to send
+        return flat
+    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor  # (renamed in 2.1x)
+    return funcol.wait_tensor(scatter(flat, "sum", 0, group))
+
+
 def _all_gather(shard: torch.Tensor, group: Any, world: int) -> torch.Tensor:
     """The shards of every rank, concatenated in rank order (functional collectives: traceable)."""
     if world == 1:
@@ -192,13 +210,19 @@ class ShardedDataParallel(Transform):
         return gathered
 
     def reduce(self, ctx: StepContext) -> None:
-        self.replicated.reduce(ctx)  # the whole gradient, summed, identical on every rank
-
-    def transform(self, ctx: StepContext) -> None:
-        # last in the stage: clip and clip_value have seen the whole gradient; now keep this rank's part
-        ctx.grads = self.layout.shard_of(ctx.grads)
+        # last in the stage: one reduce-scatter per dtype of the padded flat gradient, so from here on
+        # ctx.grads (and ctx.params, cut alike) is this rank's shard, and transforms that read a global
+        # property of the gradient sum it over the shards through ctx.global_sum
+        layout, world = self.layout, self.layout.world
+        self.replicated.reduce_counts(ctx)  # loss, denominators, aux: all-reduced as without sharding
+        if world == 1:
+            ctx.grads = layout.flatten(ctx.grads)  # the one shard is the whole (unpadded) buffer
+        else:
+            group = self._group()
+            ctx.grads = {k: _reduce_scatter(flat, group) for k, flat in layout.flatten(ctx.grads).items()}
+            ctx.shard_sum = lambda x: _all_reduce(x, group)
         if self.shard == "optimizer":
-            ctx.params = self.layout.shard_of(ctx.params)
+            ctx.params = layout.shard_of(ctx.params)
 
     def after(self, ctx: StepContext) -> None:
         # after the EMA (order 0) has blended its shard from the new param shard

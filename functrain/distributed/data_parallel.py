@@ -153,8 +153,9 @@ def data_parallel(group: Any = None, shard: str = "none") -> DataParallel | Shar
     process without launcher variables it does nothing.
 
     ``shard`` (see :mod:`functrain.distributed.sharded`): ``"none"`` replicates
-    the whole state on every rank; ``"optimizer"`` (ZeRO-2) shards the optimizer
-    state and the EMA over the ranks; ``"params"`` (ZeRO-3 / FSDP) shards the
+    the whole state on every rank; ``"optimizer"`` (ZeRO-2) reduce-scatters the
+    gradient, so each rank updates its 1/N of the params, optimizer state and
+    EMA, and all-gathers the new params; ``"params"`` (ZeRO-3 / FSDP) shards the
     params at rest too and all-gathers them for the forward and backward.
     :func:`functrain.gather_state` gives the whole state back.
 

@@ -10,12 +10,17 @@ order 1000, so it acts last within each stage)::
 
     grad       shard="params": all-gather the param shards (functional all-gather), unflatten to the
                user's {name: tensor}, differentiate w.r.t. that transient copy
-    reduce     the gradients, loss and counts are all-reduced as by data_parallel(): ctx.grads is the
-               whole summed gradient on every rank
-    normalise, check, transform
-               unchanged, on that whole gradient: clip's global norm, fp16's finite check, skip_nonfinite,
-               accumulate and num_items see exactly what they see without sharding, identically on every rank
-    transform  (last) ctx.grads and (shard="optimizer") ctx.params are cut to this rank's shard
+    reduce     the loss, denominators and aux metrics are all-reduced (as by data_parallel()); the
+               gradient is laid into its padded flat buffers (FlatLayout.flatten) and each buffer is
+               reduce-scattered (one functional reduce-scatter per dtype, sum): from here on ctx.grads is
+               this rank's summed shard {dtype: 1-D tensor}, ctx.params is cut alike (shard="optimizer";
+               with "params" it already is one), and ctx.shard_sum is an all-reduce over the group
+    normalise  ÷ the global denominator, on the shard
+    check      fp16's unscale on the shard; the finite check (StepContext.skip_unless_finite, used by
+               fp16 loss scaling and skip_nonfinite) sums every rank's "my shard is not finite" flag
+               through ctx.global_sum, so an overflow in one rank's shard skips the update on every rank
+    transform  clip's global norm is sqrt(global_sum(|local shard|^2)) (the zero padding adds nothing),
+               the same on every rank; clip_value is elementwise
     update     the optimizer on the shard (an elementwise optimizer: sgd, adam, adamw)
     commit     the keep-or-drop select on the shard
     after      the EMA blends its shard; then (shard="optimizer") one all-gather rebuilds the whole params
@@ -23,8 +28,19 @@ order 1000, so it acts last within each stage)::
 So every transform keeps its law (the sharded step's state, gathered, equals the
 one-process step on the whole batch), and each element of the new params is
 computed by one rank and copied by the all-gather: the params are bitwise
-identical on every rank. All collectives are functional (in the compiled graph,
-no host sync).
+identical on every rank. A transform of one's own that reads a global property
+of the gradient (a norm, a count of non-finite values) sums its local value with
+``ctx.global_sum(x)`` (``x`` itself when the gradient is whole); one that reads
+``ctx.params`` next to ``ctx.grads`` gets matching shard trees. All collectives
+are functional (in the compiled graph, no host sync); gloo implements the
+reduce-scatter, so every backend runs the same collectives (except the
+all-gather, which gloo runs as a sum: see ``_all_gather``).
+
+Not done: ``step.init`` still builds the whole optimizer state and EMA before
+``post_init`` broadcasts and cuts them, so the init's peak holds the whole state
+(twice, during the broadcast). The optimizer protocol's ``init`` takes the params
+tree (it checks per-leaf masks against its names) and may make any values, so
+it cannot be run on a flat shard in general.
 """
 from __future__ import annotations
 
@@ -91,9 +107,12 @@ class ShardedDataParallel(Transform):
     Law: N ranks, each stepping on its 1/N of a batch, reach a state whose
     :func:`gather_state` equals the one-process step on the whole batch (and
     the params are bitwise identical on every rank), with every other transform
-    in the step keeping its own law. At rest rank r holds 1/N of the optimizer
-    moments and of the EMA (``"optimizer"``), and of the params too
-    (``"params"``); buffers, counters and the loss scale stay replicated.
+    in the step keeping its own law (clip's norm and the finite checks are
+    summed over the shards). The gradient is reduce-scattered, so from the
+    ``reduce`` stage on each rank holds, and updates, 1/N of it. At rest rank
+    r holds 1/N of the optimizer moments and of the EMA (``"optimizer"``), and
+    of the params too (``"params"``); buffers, counters and the loss scale stay
+    replicated.
 
     ``step.init(params, buffers)`` broadcasts rank 0's initial state (as
     ``data_parallel()``), computes the layout and cuts the state; the step needs
@@ -104,7 +123,7 @@ class ShardedDataParallel(Transform):
 
     name = SLOT
     shards_state = True  # Step.apply runs a sharded state only in a step with such a transform
-    order = 1000  # last in each stage: cut after every gradient transform, gather after the EMA
+    order = 1000  # last in each stage: reduce-scatter after any other reduction, gather after the EMA
 
     def __init__(self, replicated: Transform, shard: str):
         self.replicated = replicated  # data_parallel(): the reduction, the broadcast at init, the rank offset

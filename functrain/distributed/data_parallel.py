@@ -90,11 +90,19 @@ class DataParallel(Transform):
         return self.group if self.group is not None else dist.group.WORLD
 
     def post_init(self, state: TrainState) -> TrainState:
+        self.ensure_group()
+        return self.broadcast(state)  # the RNG key too: ranks differ by with_rng's rank offset
+
+    def ensure_group(self) -> None:
+        """Form the process group from a launcher's variables if the script did not (never train alone)."""
         if self.group is None:
             _ensure_group()
             self._env_checked = True
+
+    def broadcast(self, tree: Any) -> Any:
+        """Rank 0's ``tree`` on every rank of the group, in new tensors (the input is never written)."""
         if _world(self.group) == 1:
-            return state
+            return tree
         group = self._group()
         src = dist.get_global_rank(group, 0) if self.group is not None else 0
 
@@ -103,7 +111,7 @@ class DataParallel(Transform):
             dist.broadcast(t, src=src, group=group)
             return t
 
-        return T.tree_map(broadcast, state)  # the RNG key too: ranks differ by with_rng's rank offset
+        return T.tree_map(broadcast, tree)
 
     def rng_offset(self) -> int:
         """This process's rank in the group: each step seeds its random draws with ``seed + rank``."""

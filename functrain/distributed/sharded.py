@@ -151,23 +151,47 @@ class ShardedDataParallel(Transform):
 
     # -- init: broadcast, then cut -----------------------------------------------------------------
     def post_init(self, state: TrainState) -> TrainState:
-        state = self.replicated.post_init(state)
+        # Rank 0's initial state, cut. The params-like trees (the optimizer's moments, the EMA, and with
+        # shard="params" the params) travel as a scatter of rank 0's flat buffers: each rank receives only its
+        # shard, so no rank makes a second whole copy of them; every other leaf is broadcast as by
+        # data_parallel() (the params too, with shard="optimizer")
+        rep = self.replicated
+        rep.ensure_group()
         world = self._world()
         rank = dist.get_rank(self._group()) if world > 1 else 0
         layout = FlatLayout.from_params(state.params, world, rank)
+        big = layout.is_params_like
 
-        def cut(tree: Any) -> Any:
-            return layout.shard_of(tree, copy=True)
+        def cut(tree: Any) -> dict:
+            return self._scatter(layout, tree)
 
-        opt_state = optree.tree_map(lambda n: cut(n) if layout.is_params_like(n) else n, state.opt_state,
-                                    is_leaf=layout.is_params_like)
-        slots = dict(state.slots)
-        if isinstance(slots.get("ema"), EmaState):
-            slots["ema"] = slots["ema"]._replace(params=cut(slots["ema"].params))
+        nodes, spec = optree.tree_flatten(state.opt_state, is_leaf=big)
+        opt_state = optree.tree_unflatten(spec, [cut(n) if big(n) else rep.broadcast(n) for n in nodes])
+        slots = {name: EmaState(cut(slot.params), rep.broadcast(slot.count))
+                 if name == "ema" and isinstance(slot, EmaState) else rep.broadcast(slot)
+                 for name, slot in state.slots.items()}
         slots[SLOT] = layout.slot(self.shard == "params", state.step.device)
-        params = cut(state.params) if self.shard == "params" else state.params
+        params = cut(state.params) if self.shard == "params" else rep.broadcast(state.params)
         self.layout = layout
-        return state._replace(params=params, opt_state=opt_state, slots=slots)
+        return TrainState(params, rep.broadcast(state.buffers), opt_state, rep.broadcast(state.step),
+                          rep.broadcast(state.rng), slots)
+
+    def _scatter(self, layout: FlatLayout, tree: Any) -> dict[str, torch.Tensor]:
+        """This rank's shard tree of rank 0's params-like ``tree``: rank 0 flattens it and scatters the slices."""
+        if layout.world == 1:
+            return layout.shard_of(tree, copy=True)
+        group = self._group()
+        src = dist.get_global_rank(group, 0) if self.group is not None else 0
+        flats = layout.flatten(tree) if layout.rank == 0 else None  # only the sender builds the whole buffers
+        device = optree.tree_leaves(tree)[0].device
+        out = {}
+        for k in layout.keys:
+            shard = torch.empty(layout.size[k], dtype=layout.dtypes[k], device=device)
+            if shard.numel():
+                parts = list(flats[k].split(layout.size[k])) if flats is not None else None
+                dist.scatter(shard, parts, src=src, group=group)
+            out[k] = shard
+        return out
 
     # -- the step ----------------------------------------------------------------------------------
     def _check(self, ctx: StepContext) -> FlatLayout:

@@ -34,13 +34,19 @@ of the gradient (a norm, a count of non-finite values) sums its local value with
 ``ctx.params`` next to ``ctx.grads`` gets matching shard trees. All collectives
 are functional (in the compiled graph, no host sync); gloo implements the
 reduce-scatter, so every backend runs the same collectives (except the
-all-gather, which gloo runs as a sum: see ``_all_gather``).
+all-gather, which gloo runs as a sum: see ``_all_gather``; gloo's cost below).
 
+At init, ``post_init`` sends rank 0's moments and EMA as a scatter of their flat
+buffers (each rank receives only its shard; the rest of the state is broadcast).
 Not done: ``step.init`` still builds the whole optimizer state and EMA before
-``post_init`` broadcasts and cuts them, so the init's peak holds the whole state
-(twice, during the broadcast). The optimizer protocol's ``init`` takes the params
-tree (it checks per-leaf masks against its names) and may make any values, so
-it cannot be run on a flat shard in general.
+``post_init`` cuts them, so the init's peak holds the whole state once: the
+optimizer protocol's ``init`` takes the params tree (it checks per-leaf masks
+against its names) and may make any values, so it cannot run on a flat shard.
+
+On gloo the reduce-scatter is gloo's own, which allocates a whole-size buffer
+inside (measured: +358 MiB of peak for a 190 MiB input, vs +262 MiB for an
+all-reduce of it) and takes about 1.3x the all-reduce's time at 100 MB on 2
+ranks: on CPU it saves no transient memory; on NCCL it is the native collective.
 """
 from __future__ import annotations
 

@@ -163,6 +163,20 @@ class FlatLayout:
                 out[k] = torch.cat(pieces)
         return out
 
+    def flatten(self, tree: Any) -> dict[str, torch.Tensor]:
+        """The whole padded flat buffers of a tree shaped like the params: ``{dtype name: 1-D tensor of
+        world * size}``, the leaves end to end then zeros (what a reduce-scatter cuts into the shards)."""
+        leaves = self._leaves(tree)
+        out = {}
+        for k in self.keys:
+            pieces = [leaf.reshape(-1) for (key, _, _, _), leaf in zip(self.entries, leaves) if key == k]
+            like = next(leaf for (key, _, _, _), leaf in zip(self.entries, leaves) if key == k)
+            pad = self.world * self.size[k] - self.numel[k]
+            if pad:
+                pieces.append(torch.zeros(pad, dtype=like.dtype, device=like.device))
+            out[k] = torch.cat(pieces) if len(pieces) > 1 else pieces[0].reshape(-1)
+        return out
+
     def unflatten(self, flats: dict[str, torch.Tensor], like: Any = None) -> Any:
         """The params-shaped tree from whole (gathered) flat buffers of at least ``numel`` each (views).
 

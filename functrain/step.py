@@ -64,6 +64,7 @@ class StepContext:
         boundary: ``None`` or a bool scalar: does this call end an update window?
                   (streaming accumulation sets it; loss scaling only adapts there)
         metrics:  the dict returned to the caller.
+        shard_sum: ``None``, or (while ``grads`` is one rank's shard) sums a tensor over shards: :meth:`global_sum`
     """
 
     def __init__(self, state: TrainState, batch: Any):
@@ -82,6 +83,7 @@ class StepContext:
         self.apply: torch.Tensor | None = None
         self.boundary: torch.Tensor | None = None
         self.metrics: dict = {}
+        self.shard_sum: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by sharded data_parallel
         self._loss_fn: Callable | None = None   # the loss stage's result, differentiated by the grad stage
         self._counts_items = False              # the loss is a sum over aux["num_items"] items
         self._before_update: tuple = ()         # (params, opt_state) the commit stage falls back to
@@ -102,6 +104,11 @@ class StepContext:
         """
         self.apply = pred if self.apply is None else self.apply & pred
 
+    def global_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the gradient's shards (an in-graph all-reduce while ``grads`` is one rank's shard, else
+        ``x``): how a transform reads a global property of the gradient, e.g. ``ctx.global_sum(sq).sqrt()``."""
+        return x if self.shard_sum is None else self.shard_sum(x)
+
     def skip_unless_finite(self) -> torch.Tensor:
         """Drop this step's update unless the loss and the gradients, as they are now, are finite.
 
@@ -117,7 +124,8 @@ class StepContext:
                 finite = ctx.skip_unless_finite()
                 ctx.set_slot(self, {"bad": ctx.slot(self)["bad"] + (~finite).to(torch.int64)})
         """
-        finite = T.tree_all_finite(self.grads) & torch.isfinite(self.metrics["loss"])
+        bad = self.global_sum((~T.tree_all_finite(self.grads)).to(torch.float32))  # shards: any rank's counts
+        finite = (bad == 0) & torch.isfinite(self.metrics["loss"])
         self.finite = finite if self.finite is None else self.finite & finite
         self.keep_if(finite)
         self.metrics["skipped"] = ~self.finite

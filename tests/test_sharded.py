@@ -13,7 +13,10 @@ from functrain.checkpoint import folder as ckpt_folder
 from functrain.layout import FlatLayout
 
 MODES = ("optimizer", "params")
-CONFIGS = ["plain", "two_dtypes", "accumulate", "clip", "ema", "fp16_overflow", "num_items", "all"]
+CONFIGS = ["plain", "two_dtypes", "accumulate", "clip", "ema", "fp16_overflow", "fp16_shard_overflow", "num_items",
+           "all"]
+MAX_NORM = {"clip": 0.05, "num_items": 0.5, "all": 0.05}
+INIT_SCALE = {"fp16_overflow": 2.0 ** 16, "fp16_shard_overflow": 1024.0}
 
 
 def _problem(config: str, rank: int, micro: int = 2):
@@ -51,11 +54,24 @@ def _problem(config: str, rank: int, micro: int = 2):
         loss_fn = scaled_loss
     elif config == "fp16_overflow":
         x[6, 0] = 1e30  # in rank 1's half only: inf in fp16
+    elif config == "fp16_shard_overflow":
+        # A finite loss whose gradient overflows fp16 in ONE element, 0.bias[0], driven by rank 1's rows only and
+        # held by rank 0's shard only (_overflow_owners): after the reduce-scatter only rank 0's shard has the
+        # inf, so a finite check local to the shard would skip on rank 0 alone.
+        c = torch.zeros(8)
+        c[4:] = 1e3
+
+        def overflow_loss(params, buffers, batch):
+            x, y, c = batch
+            return mse(params, buffers, (x, y)) + (params["0.bias"][0].float() * c.float()).mean()
+
+        loss_fn, batch = overflow_loss, (x, y, c)
     transforms = {
-        "plain": [], "two_dtypes": [], "accumulate": [ft.accumulate(micro)], "clip": [ft.clip(0.05)],
-        "ema": [ft.ema(0.5)], "fp16_overflow": [ft.mixed_precision("fp16"), ft.ema(0.5)],
-        "num_items": [ft.accumulate(micro), ft.clip(0.5)],
-        "all": [ft.accumulate(micro), ft.clip(0.05), ft.ema(0.5), ft.mixed_precision("fp16", init_scale=256.0)],
+        "plain": [], "two_dtypes": [], "accumulate": [ft.accumulate(micro)], "clip": [ft.clip(MAX_NORM["clip"])],
+        "ema": [ft.ema(0.5)], "fp16_overflow": [ft.mixed_precision("fp16", init_scale=INIT_SCALE["fp16_overflow"]), ft.ema(0.5)],
+        "fp16_shard_overflow": [ft.mixed_precision("fp16", init_scale=INIT_SCALE["fp16_shard_overflow"]), ft.ema(0.5)],
+        "num_items": [ft.accumulate(micro), ft.clip(MAX_NORM["num_items"])],
+        "all": [ft.accumulate(micro), ft.clip(MAX_NORM["all"]), ft.ema(0.5), ft.mixed_precision("fp16", init_scale=256.0)],
     }[config]
     step = ft.train_step(loss_fn, ft.optim.adamw(1e-2))
     for t in transforms:
@@ -72,6 +88,33 @@ def _nbytes(tree) -> int:
 def _my_rows(batch, rank, world):
     rows = batch[0].shape[0] // world
     return tuple(t[rank * rows:(rank + 1) * rows] for t in batch)
+
+
+def _overflow_owners(params, world):
+    """The ranks whose shard holds 0.bias[0] (the element fp16_shard_overflow makes overflow)."""
+    marker = {k: torch.zeros_like(v) for k, v in params.items()}
+    marker["0.bias"][0] = 1.0
+    return [r for r in range(world) if any(s.any() for s in FlatLayout.from_params(marker, world, r)
+                                           .shard_of(marker).values())]
+
+
+class _Collectives:
+    """A compile backend that notes the functional collectives of each graph (op name, input numel), then
+    hands the graph to the real backend."""
+
+    def __init__(self, backend: str):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.backend, self.graphs = lookup_backend(backend), []
+
+    def __call__(self, gm, example_inputs):
+        ops = []
+        for n in gm.graph.nodes:
+            name = str(n.target)
+            if n.op == "call_function" and "c10d_functional" in name and "wait_tensor" not in name:
+                ops.append((name.split(".")[-2], n.args[0].meta["val"].numel()))
+        self.graphs.append(ops)
+        return self.backend(gm, example_inputs)
 
 
 def _law_worker(modes, configs, backend):
@@ -91,7 +134,8 @@ def _law_worker(modes, configs, backend):
             step, params, buffers, _ = _problem(config, rank)
             sharded = ft.data_parallel(shard=mode)(step)
             state = sharded.init(params, buffers)
-            run = ft.compile(sharded, backend=backend) if backend else sharded
+            recorder = _Collectives(backend) if backend == "aot_eager" else None
+            run = ft.compile(sharded, backend=recorder or backend) if backend else sharded
             for _ in range(3):
                 state, metrics = run(state, _my_rows(batch, rank, world))
             full = ft.gather_state(state)
@@ -115,6 +159,13 @@ def _law_worker(modes, configs, backend):
                 "moment_bytes": (_nbytes(moments), _nbytes(reference.opt_state.exp_avg) * 2),
                 "param_bytes": (_nbytes(state.params), _nbytes(reference.params)),
                 "ema_bytes": (_nbytes(state.ema), _nbytes(reference.ema)),
+                "grad_norm": (float(metrics.get("grad_norm", float("nan"))),
+                              float(ref_metrics.get("grad_norm", float("nan")))),
+                "overflow_owners": _overflow_owners(params, world),
+                "graphs": recorder.graphs if recorder else None,
+                "flat_size": world * FlatLayout.from_params(params, world, rank).size["float32"],
+                "micro": next((t.n for t in step.transforms if t.name == "accumulate"), 1),
+                "backend": dist.get_backend(),
             }
     return report
 
@@ -138,9 +189,32 @@ def _check(report, compiled: bool):
             assert r["param_bytes"][0] == r["param_bytes"][1], f"{what}: params {r['param_bytes']}"
         if compiled:
             assert r["compiles"] == 1, f"{what}: {r['compiles']} graphs over 3 steps"
-        if config == "fp16_overflow":  # an overflow on rank 1 only: every rank skips every step
-            assert r["skipped"] and r["scale"] == 2.0 ** 16 * 0.5 ** 3, (what, r)
+        if config in ("fp16_overflow", "fp16_shard_overflow"):  # an overflow on one rank: every rank skips
+            assert r["skipped"] and r["scale"] == INIT_SCALE[config] * 0.5 ** 3, (what, r)
             assert r["exact"], f"{what}: skipped steps must leave params and EMA bitwise unchanged"
+        if config == "fp16_shard_overflow":  # the overflowing element lies in rank 0's shard only
+            assert r["overflow_owners"] == [0], (what, r["overflow_owners"])
+        if config in MAX_NORM:  # the global norm, summed over the shards, on every rank
+            norm, ref_norm = r["grad_norm"]
+            assert abs(norm - ref_norm) <= tol * max(1.0, ref_norm), f"{what}: grad_norm {norm} vs {ref_norm}"
+        if config in ("clip", "all"):  # clipping happened: a norm local to each shard would be wrong
+            assert r["grad_norm"][1] > 2 * MAX_NORM[config], (what, r["grad_norm"])
+        if r["graphs"] is not None:
+            _check_collectives(what, r, mode)
+
+
+def _check_collectives(what, r, mode):
+    """The compiled sharded step's one graph reduce-scatters the gradient (one float32 buffer) and all-reduces
+    nothing of its size except, on gloo, the param all-gathers (done there as a sum with -0.0: see sharded.py)."""
+    (ops,) = r["graphs"]
+    scatters = [n for op, n in ops if op.startswith("reduce_scatter")]
+    assert scatters == [r["flat_size"]], f"{what}: reduce-scatters {scatters} in the graph {ops}"
+    gathers = 1 if mode == "optimizer" else r["micro"]  # after the EMA / before each micro-batch's forward
+    big = [n for op, n in ops if op.startswith("all_reduce") and n >= r["flat_size"]]
+    if r["backend"] == "gloo":
+        assert big == [r["flat_size"]] * gathers, f"{what}: gradient-sized all-reduces {big} in the graph {ops}"
+    else:
+        assert not big and sum(op.startswith("all_gather") for op, _ in ops) == gathers, (what, ops)
 
 
 # -------------------------------------------------------------------------- checkpoints

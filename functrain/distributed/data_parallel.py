@@ -46,6 +46,24 @@ def _ensure_group() -> None:
             "torchrun); without a group each rank would train alone") from e
 
 
+def sum_over_ranks(tree: Any, group: Any) -> Any:
+    """``tree`` with every leaf summed over the ranks of ``group``: one functional all-reduce per dtype over
+    one flat buffer of the leaves (in the graph when traced)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    leaves, spec = T.tree_flatten(tree)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        by_dtype.setdefault(leaf.dtype, []).append(i)
+    out = list(leaves)
+    for dtype, idx in by_dtype.items():
+        flat = torch.cat([leaves[i].reshape(-1) for i in idx])
+        flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", group))
+        for i, part in zip(idx, flat.split([leaves[i].numel() for i in idx])):
+            out[i] = part.view(leaves[i].shape)
+    return T.tree_unflatten(spec, out)
+
+
 class DataParallel(Transform):
     """Sum gradients, losses, item counts and aux metrics over the processes of ``group``.
 
@@ -72,11 +90,19 @@ class DataParallel(Transform):
         return self.group if self.group is not None else dist.group.WORLD
 
     def post_init(self, state: TrainState) -> TrainState:
+        self.ensure_group()
+        return self.broadcast(state)  # the RNG key too: ranks differ by with_rng's rank offset
+
+    def ensure_group(self) -> None:
+        """Form the process group from a launcher's variables if the script did not (never train alone)."""
         if self.group is None:
             _ensure_group()
             self._env_checked = True
+
+    def broadcast(self, tree: Any) -> Any:
+        """Rank 0's ``tree`` on every rank of the group, in new tensors (the input is never written)."""
         if _world(self.group) == 1:
-            return state
+            return tree
         group = self._group()
         src = dist.get_global_rank(group, 0) if self.group is not None else 0
 
@@ -85,40 +111,37 @@ class DataParallel(Transform):
             dist.broadcast(t, src=src, group=group)
             return t
 
-        return T.tree_map(broadcast, state)  # the RNG key too: ranks differ by with_rng's rank offset
+        return T.tree_map(broadcast, tree)
 
     def rng_offset(self) -> int:
         """This process's rank in the group: each step seeds its random draws with ``seed + rank``."""
         return dist.get_rank(self._group()) if _world(self.group) > 1 else 0
 
     def reduce(self, ctx: StepContext) -> None:
+        self.reduce_counts(ctx, with_grads=True)
+
+    def reduce_counts(self, ctx: StepContext, with_grads: bool = False) -> None:
+        """Sum the loss, the denominator, the micro-batch weight and the aux metrics over the ranks (and,
+        ``with_grads``, the whole gradient: the replicated reduction); the sharded transform reduce-scatters
+        the gradient itself and calls this for the rest."""
         if self.group is None and not self._env_checked and not dist.is_initialized() \
                 and not torch.compiler.is_compiling():
             _ensure_group()  # a state not made by this step's init (post_init): still never alone
             self._env_checked = True
-        if _world(self.group) == 1:
-            return
-        from torch.distributed import _functional_collectives as funcol
-
         world = _world(self.group)
-        summed = {"grads": ctx.grads, "loss": ctx.loss}
+        if world == 1:
+            return
+        summed = {"grads": ctx.grads} if with_grads else {}
+        summed["loss"] = ctx.loss
         for k in ("denom", "weight"):  # a Python number is the same on every rank: no need to send it
             if torch.is_tensor(getattr(ctx, k)):
                 summed[k] = getattr(ctx, k)
         if ctx.aux:  # (Dynamo's optree polyfill cannot flatten an empty dict inside a tree)
             summed["aux"] = ctx.aux
-        leaves, spec = T.tree_flatten(summed)
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, leaf in enumerate(leaves):
-            by_dtype.setdefault(leaf.dtype, []).append(i)
-        out = list(leaves)
-        for dtype, idx in by_dtype.items():
-            flat = torch.cat([leaves[i].reshape(-1) for i in idx])
-            flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", self._group()))
-            for i, part in zip(idx, flat.split([leaves[i].numel() for i in idx])):
-                out[i] = part.view(leaves[i].shape)
-        reduced = T.tree_unflatten(spec, out)
-        ctx.grads, ctx.loss, ctx.aux = reduced["grads"], reduced["loss"], reduced.get("aux", {})
+        reduced = sum_over_ranks(summed, self._group())
+        if with_grads:
+            ctx.grads = reduced["grads"]
+        ctx.loss, ctx.aux = reduced["loss"], reduced.get("aux", {})
         ctx.denom = reduced.get("denom", ctx.denom * world if not torch.is_tensor(ctx.denom) else None)
         ctx.weight = reduced.get("weight", ctx.weight * world if not torch.is_tensor(ctx.weight) else None)
 
@@ -138,8 +161,9 @@ def data_parallel(group: Any = None, shard: str = "none") -> DataParallel | Shar
     process without launcher variables it does nothing.
 
     ``shard`` (see :mod:`functrain.distributed.sharded`): ``"none"`` replicates
-    the whole state on every rank; ``"optimizer"`` (ZeRO-2) shards the optimizer
-    state and the EMA over the ranks; ``"params"`` (ZeRO-3 / FSDP) shards the
+    the whole state on every rank; ``"optimizer"`` (ZeRO-2) reduce-scatters the
+    gradient, so each rank updates its 1/N of the params, optimizer state and
+    EMA, and all-gathers the new params; ``"params"`` (ZeRO-3 / FSDP) shards the
     params at rest too and all-gathers them for the forward and backward.
     :func:`functrain.gather_state` gives the whole state back.
 

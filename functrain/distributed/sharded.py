@@ -10,12 +10,17 @@ order 1000, so it acts last within each stage)::
 
     grad       shard="params": all-gather the param shards (functional all-gather), unflatten to the
                user's {name: tensor}, differentiate w.r.t. that transient copy
-    reduce     the gradients, loss and counts are all-reduced as by data_parallel(): ctx.grads is the
-               whole summed gradient on every rank
-    normalise, check, transform
-               unchanged, on that whole gradient: clip's global norm, fp16's finite check, skip_nonfinite,
-               accumulate and num_items see exactly what they see without sharding, identically on every rank
-    transform  (last) ctx.grads and (shard="optimizer") ctx.params are cut to this rank's shard
+    reduce     the loss, denominators and aux metrics are all-reduced (as by data_parallel()); the
+               gradient is laid into its padded flat buffers (FlatLayout.flatten) and each buffer is
+               reduce-scattered (one functional reduce-scatter per dtype, sum): from here on ctx.grads is
+               this rank's summed shard {dtype: 1-D tensor}, ctx.params is cut alike (shard="optimizer";
+               with "params" it already is one), and ctx.shard_sum is an all-reduce over the group
+    normalise  ÷ the global denominator, on the shard
+    check      fp16's unscale on the shard; the finite check (StepContext.skip_unless_finite, used by
+               fp16 loss scaling and skip_nonfinite) sums every rank's "my shard is not finite" flag
+               through ctx.global_sum, so an overflow in one rank's shard skips the update on every rank
+    transform  clip's global norm is sqrt(global_sum(|local shard|^2)) (the zero padding adds nothing),
+               the same on every rank; clip_value is elementwise
     update     the optimizer on the shard (an elementwise optimizer: sgd, adam, adamw)
     commit     the keep-or-drop select on the shard
     after      the EMA blends its shard; then (shard="optimizer") one all-gather rebuilds the whole params
@@ -23,8 +28,25 @@ order 1000, so it acts last within each stage)::
 So every transform keeps its law (the sharded step's state, gathered, equals the
 one-process step on the whole batch), and each element of the new params is
 computed by one rank and copied by the all-gather: the params are bitwise
-identical on every rank. All collectives are functional (in the compiled graph,
-no host sync).
+identical on every rank. A transform of one's own that reads a global property
+of the gradient (a norm, a count of non-finite values) sums its local value with
+``ctx.global_sum(x)`` (``x`` itself when the gradient is whole); one that reads
+``ctx.params`` next to ``ctx.grads`` gets matching shard trees. All collectives
+are functional (in the compiled graph, no host sync); gloo implements the
+reduce-scatter, so every backend runs the same collectives (except the
+all-gather, which gloo runs as a sum: see ``_all_gather``; gloo's cost below).
+
+At init, ``post_init`` sends rank 0's moments and EMA as a scatter of their flat
+buffers (each rank receives only its shard; the rest of the state is broadcast).
+Not done: ``step.init`` still builds the whole optimizer state and EMA before
+``post_init`` cuts them, so the init's peak holds the whole state once: the
+optimizer protocol's ``init`` takes the params tree (it checks per-leaf masks
+against its names) and may make any values, so it cannot run on a flat shard.
+
+On gloo the reduce-scatter is gloo's own, which allocates a whole-size buffer
+inside (measured: +358 MiB of peak for a 190 MiB input, vs +262 MiB for an
+all-reduce of it) and takes about 1.3x the all-reduce's time at 100 MB on 2
+ranks: on CPU it saves no transient memory; on NCCL it is the native collective.
 """
 from __future__ import annotations
 
@@ -47,6 +69,24 @@ MODES = ("optimizer", "params")
 
 def _world_of(group: Any) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``x`` summed over the ranks (a functional all-reduce: in the graph when traced)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+
+
+def _reduce_scatter(flat: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's slice of ``flat`` summed over the ranks (``flat``'s length a multiple of the world size):
+    a functional reduce-scatter (gloo implements it too, so no backend needs a fallback)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    if flat.numel() == 0:  # only empty leaves of this dtype: nothing to send
+        return flat
+    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor  # (renamed in 2.1x)
+    return funcol.wait_tensor(scatter(flat, "sum", 0, group))
 
 
 def _all_gather(shard: torch.Tensor, group: Any, world: int) -> torch.Tensor:
@@ -73,9 +113,12 @@ class ShardedDataParallel(Transform):
     Law: N ranks, each stepping on its 1/N of a batch, reach a state whose
     :func:`gather_state` equals the one-process step on the whole batch (and
     the params are bitwise identical on every rank), with every other transform
-    in the step keeping its own law. At rest rank r holds 1/N of the optimizer
-    moments and of the EMA (``"optimizer"``), and of the params too
-    (``"params"``); buffers, counters and the loss scale stay replicated.
+    in the step keeping its own law (clip's norm and the finite checks are
+    summed over the shards). The gradient is reduce-scattered, so from the
+    ``reduce`` stage on each rank holds, and updates, 1/N of it. At rest rank
+    r holds 1/N of the optimizer moments and of the EMA (``"optimizer"``), and
+    of the params too (``"params"``); buffers, counters and the loss scale stay
+    replicated.
 
     ``step.init(params, buffers)`` broadcasts rank 0's initial state (as
     ``data_parallel()``), computes the layout and cuts the state; the step needs
@@ -86,7 +129,7 @@ class ShardedDataParallel(Transform):
 
     name = SLOT
     shards_state = True  # Step.apply runs a sharded state only in a step with such a transform
-    order = 1000  # last in each stage: cut after every gradient transform, gather after the EMA
+    order = 1000  # last in each stage: reduce-scatter after any other reduction, gather after the EMA
 
     def __init__(self, replicated: Transform, shard: str):
         self.replicated = replicated  # data_parallel(): the reduction, the broadcast at init, the rank offset
@@ -114,23 +157,47 @@ class ShardedDataParallel(Transform):
 
     # -- init: broadcast, then cut -----------------------------------------------------------------
     def post_init(self, state: TrainState) -> TrainState:
-        state = self.replicated.post_init(state)
+        # Rank 0's initial state, cut. The params-like trees (the optimizer's moments, the EMA, and with
+        # shard="params" the params) travel as a scatter of rank 0's flat buffers: each rank receives only its
+        # shard, so no rank makes a second whole copy of them; every other leaf is broadcast as by
+        # data_parallel() (the params too, with shard="optimizer")
+        rep = self.replicated
+        rep.ensure_group()
         world = self._world()
         rank = dist.get_rank(self._group()) if world > 1 else 0
         layout = FlatLayout.from_params(state.params, world, rank)
+        big = layout.is_params_like
 
-        def cut(tree: Any) -> Any:
-            return layout.shard_of(tree, copy=True)
+        def cut(tree: Any) -> dict:
+            return self._scatter(layout, tree)
 
-        opt_state = optree.tree_map(lambda n: cut(n) if layout.is_params_like(n) else n, state.opt_state,
-                                    is_leaf=layout.is_params_like)
-        slots = dict(state.slots)
-        if isinstance(slots.get("ema"), EmaState):
-            slots["ema"] = slots["ema"]._replace(params=cut(slots["ema"].params))
+        nodes, spec = optree.tree_flatten(state.opt_state, is_leaf=big)
+        opt_state = optree.tree_unflatten(spec, [cut(n) if big(n) else rep.broadcast(n) for n in nodes])
+        slots = {name: EmaState(cut(slot.params), rep.broadcast(slot.count))
+                 if name == "ema" and isinstance(slot, EmaState) else rep.broadcast(slot)
+                 for name, slot in state.slots.items()}
         slots[SLOT] = layout.slot(self.shard == "params", state.step.device)
-        params = cut(state.params) if self.shard == "params" else state.params
+        params = cut(state.params) if self.shard == "params" else rep.broadcast(state.params)
         self.layout = layout
-        return state._replace(params=params, opt_state=opt_state, slots=slots)
+        return TrainState(params, rep.broadcast(state.buffers), opt_state, rep.broadcast(state.step),
+                          rep.broadcast(state.rng), slots)
+
+    def _scatter(self, layout: FlatLayout, tree: Any) -> dict[str, torch.Tensor]:
+        """This rank's shard tree of rank 0's params-like ``tree``: rank 0 flattens it and scatters the slices."""
+        if layout.world == 1:
+            return layout.shard_of(tree, copy=True)
+        group = self._group()
+        src = dist.get_global_rank(group, 0) if self.group is not None else 0
+        flats = layout.flatten(tree) if layout.rank == 0 else None  # only the sender builds the whole buffers
+        device = optree.tree_leaves(tree)[0].device
+        out = {}
+        for k in layout.keys:
+            shard = torch.empty(layout.size[k], dtype=layout.dtypes[k], device=device)
+            if shard.numel():
+                parts = list(flats[k].split(layout.size[k])) if flats is not None else None
+                dist.scatter(shard, parts, src=src, group=group)
+            out[k] = shard
+        return out
 
     # -- the step ----------------------------------------------------------------------------------
     def _check(self, ctx: StepContext) -> FlatLayout:
@@ -192,13 +259,19 @@ class ShardedDataParallel(Transform):
         return gathered
 
     def reduce(self, ctx: StepContext) -> None:
-        self.replicated.reduce(ctx)  # the whole gradient, summed, identical on every rank
-
-    def transform(self, ctx: StepContext) -> None:
-        # last in the stage: clip and clip_value have seen the whole gradient; now keep this rank's part
-        ctx.grads = self.layout.shard_of(ctx.grads)
+        # last in the stage: one reduce-scatter per dtype of the padded flat gradient, so from here on
+        # ctx.grads (and ctx.params, cut alike) is this rank's shard, and transforms that read a global
+        # property of the gradient sum it over the shards through ctx.global_sum
+        layout, world = self.layout, self.layout.world
+        self.replicated.reduce_counts(ctx)  # loss, denominators, aux: all-reduced as without sharding
+        if world == 1:
+            ctx.grads = layout.flatten(ctx.grads)  # the one shard is the whole (unpadded) buffer
+        else:
+            group = self._group()
+            ctx.grads = {k: _reduce_scatter(flat, group) for k, flat in layout.flatten(ctx.grads).items()}
+            ctx.shard_sum = lambda x: _all_reduce(x, group)
         if self.shard == "optimizer":
-            ctx.params = self.layout.shard_of(ctx.params)
+            ctx.params = layout.shard_of(ctx.params)
 
     def after(self, ctx: StepContext) -> None:
         # after the EMA (order 0) has blended its shard from the new param shard

@@ -23,8 +23,10 @@ class Clip(Transform):
     Law: the clipped gradient is ``g * min(1, max_norm / (|g| + 1e-6))`` (as
     ``torch.nn.utils.clip_grad_norm_``), so its norm is ``min(|g|, max_norm)`` up
     to that epsilon and its direction is unchanged. It acts on the normalised,
-    unscaled, process-reduced gradient whatever the wrapping order.
-    ``metrics["grad_norm"]`` is the norm before clipping.
+    unscaled, process-reduced gradient whatever the wrapping order; with a
+    sharded gradient (``data_parallel(shard=...)``) the norm is summed over the
+    shards (:meth:`~functrain.StepContext.global_sum`), so every rank scales by
+    the same global factor. ``metrics["grad_norm"]`` is the norm before clipping.
     """
 
     name = "clip"
@@ -35,6 +37,8 @@ class Clip(Transform):
 
     def transform(self, ctx: StepContext) -> None:
         norm = T.global_norm(ctx.grads)
+        if ctx.shard_sum is not None:  # ctx.grads is this rank's shard: the norm is over every rank's shard
+            norm = ctx.global_sum(norm.square()).sqrt()  # (the shards' zero padding adds nothing)
         ctx.metrics["grad_norm"] = norm
         coef = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
         ctx.grads = T.tree_scale(ctx.grads, coef)

@@ -17,6 +17,10 @@ class SkipNonfinite(Transform):
     whether it happened and the slot counts the skipped steps
     (``state.slots["skip_nonfinite"]["skipped"]``). For fp32 and bf16 runs;
     ``mixed_precision("fp16")`` does this itself as part of loss scaling.
+    Under data parallelism the decision is the same on every rank: the
+    gradient is reduced first, and a sharded gradient's finite check is summed
+    over the shards (:meth:`~functrain.StepContext.skip_unless_finite`), so a
+    non-finite value in one rank's shard skips the update everywhere.
     """
 
     name = "skip_nonfinite"

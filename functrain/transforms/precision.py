@@ -55,7 +55,10 @@ class MixedPrecision(Transform):
     data-parallel reduction), a non-finite gradient drops the update (params,
     optimizer state, EMA unchanged; ``metrics["skipped"]``) and multiplies the
     scale by ``backoff_factor``, and ``growth_interval`` finite updates in a row
-    multiply it by ``growth_factor``. All of it is selected on the device.
+    multiply it by ``growth_factor``. All of it is selected on the device. The
+    overflow check is :meth:`~functrain.StepContext.skip_unless_finite`: with a
+    sharded gradient (``data_parallel(shard=...)``) it counts every rank's
+    shard, so all ranks skip, and back off the scale, together.
     """
 
     name = "mixed_precision"

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import itertools
+import os
 import types
 from typing import Any
 
 import optree
 import torch
 
+from . import compile_cache
 from ._validate import check_choice
 from .capture import FastPath
 from .checks import check_batch
@@ -23,15 +25,24 @@ class GraphBreakError(RuntimeError):
 
 
 class _CountingBackend:
-    """A ``torch.compile`` backend that counts the graphs it compiles, then defers to the real one."""
+    """A ``torch.compile`` backend that counts the graphs it compiles, then defers to the real one.
 
-    def __init__(self, backend: Any):
+    ``shared``: the real backend keeps an on-disk cache other processes read (inductor): each graph
+    is compiled under its machine-wide lock, with inductor's CPU probes memoized
+    (:mod:`functrain.compile_cache`)."""
+
+    def __init__(self, backend: Any, shared: bool = False):
         self.backend = backend
         self.count = 0
+        self.shared = shared
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
         self.count += 1
-        return self.backend(gm, example_inputs)
+        if not self.shared:
+            return self.backend(gm, example_inputs)
+        key = compile_cache.graph_key(gm, [t for t in example_inputs if torch.is_tensor(t)])
+        with compile_cache.probe_memo(), compile_cache.compile_lock(key):
+            return self.backend(gm, example_inputs)
 
     def __getattr__(self, name: str) -> Any:  # get_compiler_config, reset, ... of the inductor wrapper
         return getattr(self.__dict__["backend"], name)
@@ -42,8 +53,8 @@ def _make_backend(backend: Any, mode: str | None, options: dict | None, dynamic:
         wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
         if wrapper is None:  # pragma: no cover - older torch: count through the registry's inductor
             from torch._dynamo.backends.registry import lookup_backend
-            return _CountingBackend(lookup_backend("inductor"))
-        return _CountingBackend(wrapper(mode, options, dynamic))
+            return _CountingBackend(lookup_backend("inductor"), shared=True)
+        return _CountingBackend(wrapper(mode, options, dynamic), shared=True)
     if mode is not None or options is not None:
         raise ValueError(f"ft.compile: mode/options apply to the inductor backend only; got backend={backend!r}")
     if isinstance(backend, str):
@@ -98,13 +109,15 @@ class CompiledStep:
         compiles:  how many graphs ``torch.compile`` has built for it so far (a
                    recompile shows up as an increase after the first call).
         donate:    whether calls donate the input state's storage.
+        cache_dir: the inductor cache folder in use when ``cache_dir=`` was given, else ``None``.
     """
 
     def __init__(self, step: Step, *, donate: bool = False, fullgraph: bool = True, backend: Any = None,
                  mode: str | None = None, options: dict | None = None, dynamic: bool | None = None,
-                 capture: str = "auto", **kwargs: Any):
+                 capture: str = "auto", cache_dir: Any = None, **kwargs: Any):
         if not isinstance(step, Step):
             raise TypeError(f"ft.compile takes a functrain Step (from ft.train_step); got {type(step).__name__}")
+        self.cache_dir = None if cache_dir is None else compile_cache.use_cache_dir(cache_dir)
         self.step = step
         self.donate = bool(donate)
         self.fullgraph = fullgraph
@@ -114,7 +127,7 @@ class CompiledStep:
         self._fast: FastPath | None = None
         self._owned: Any = None  # the driver's donating call path, made on first use (see donating())
         self._config = dict(fullgraph=fullgraph, backend=backend, mode=mode, options=options, dynamic=dynamic,
-                            capture=capture, **kwargs)
+                            capture=capture, cache_dir=cache_dir, **kwargs)
         check_choice("capture", capture, ("auto", "flat", "dynamo"))
         fast_ok = fullgraph and not dynamic and mode != "reduce-overhead" and not kwargs
         if capture == "flat" and not fast_ok:
@@ -239,7 +252,7 @@ class CompiledStep:
 
 
 def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture: str = "auto",
-            **torch_compile_kwargs: Any) -> CompiledStep:
+            cache_dir: str | os.PathLike | None = None, **torch_compile_kwargs: Any) -> CompiledStep:
     """Compile the whole step with ``torch.compile`` (``fullgraph=True`` by default).
 
     The result is called like the step and gives the same results (to float
@@ -261,8 +274,13 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture
     ``capture="dynamo"`` asks for that path explicitly (``"flat"`` insists on the fast one).
 
     A later process that traces the same graph (a resumed run, a second run, another
-    rank) reuses AOTAutograd's and inductor's on-disk caches (``TORCHINDUCTOR_CACHE_DIR``),
-    keyed by torch on the graph, shapes, config and version.
+    rank) reuses AOTAutograd's and inductor's on-disk caches, keyed by torch on the graph,
+    shapes, dtypes, devices, config and version (a changed loss is a new key, compiled
+    afresh). ``cache_dir`` puts them in ``cache_dir/inductor`` (a folder of this user's,
+    not writable by others; inductor's folder is process-wide, so the first one a process
+    compiles with stays; default: ``TORCHINDUCTOR_CACHE_DIR`` or inductor's own). Ranks
+    of one machine starting together compile each graph once: the first takes a lock
+    on it, the others wait and load its entry. See :mod:`functrain.compile_cache`.
 
     Example::
 
@@ -271,4 +289,5 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture
         state, metrics = cstep(state, batch)
         cstep.compiles                      # 1
     """
-    return CompiledStep(step, donate=donate, fullgraph=fullgraph, capture=capture, **torch_compile_kwargs)
+    return CompiledStep(step, donate=donate, fullgraph=fullgraph, capture=capture, cache_dir=cache_dir,
+                        **torch_compile_kwargs)

@@ -161,7 +161,8 @@ class Trainer:
         if compiled is not None:
             self.run_step = compiled
         else:
-            self.run_step = compile_step(self.step) if config.compile else self.step
+            self.run_step = compile_step(self.step, cache_dir=os.path.join(config.results_folder, "compile_cache")) \
+                if config.compile else self.step  # a resume / rerun loads the compiled step from there
         self.loader = shard(dataset, batch_size=config.train_batch_size * config.gradient_accumulate_every,
                             shuffle=True, seed=config.seed, drop_last=True, device=self.device)
         self.loader.check_nonempty("train dataset")

@@ -37,10 +37,13 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import warnings
 from typing import Any, Callable, Iterator
 
 import optree
 import torch
+
+from .cudagraph import GraphedCall, why_not
 
 __all__ = ["Captured", "capture", "CaptureError", "draws_random"]
 
@@ -149,10 +152,11 @@ class Captured:
         out_plan:   for each output leaf, ``None`` (the next graph output) or ``("const", v)``.
         random:     whether the graph draws random numbers.
         donate:     whether the graph writes the new state into the input state's tensors.
+        graphed:    the CUDA graph that replays ``fn`` (``mode="reduce-overhead"``), or ``None``.
     """
 
     __slots__ = ("signature", "fn", "constants", "out_spec", "out_plan", "random", "donate", "n_state",
-                 "state_spec", "trivial_out", "stable", "step_index")
+                 "state_spec", "trivial_out", "stable", "step_index", "graphed")
 
     def __init__(self, **kw: Any):
         for k, v in kw.items():
@@ -166,11 +170,14 @@ class Captured:
         return [next(it) if p is None else p[1] for p in self.out_plan]
 
 
-def capture(apply: Callable, state: Any, batch: Any, backend: Callable, *, donate: bool = False) -> Captured:
+def capture(apply: Callable, state: Any, batch: Any, backend: Callable, *, donate: bool = False,
+            cuda_graphs: bool = False) -> Captured:
     """Trace ``apply(state, batch) -> (new_state, metrics)`` over flat leaves and compile it with ``backend``.
 
     ``state`` must have ``rng=None`` (the caller handles the RNG on the host).
-    ``backend(gm, example_inputs)`` is any ``torch.compile`` backend callable.
+    ``backend(gm, example_inputs)`` is any ``torch.compile`` backend callable. ``cuda_graphs``:
+    replay the compiled code as a CUDA graph (:mod:`functrain.cudagraph`) where it can be (a
+    donated CUDA state, no random numbers), else warn why not and call it directly.
     """
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -223,10 +230,18 @@ def capture(apply: Callable, state: Any, batch: Any, backend: Callable, *, donat
     # where the state's step counter sits among the tensors (an owned donation re-homes only it)
     step_t = getattr(state, "step", None)
     step_index = next((k for k, i in enumerate(sig.tensor_pos) if leaves[i] is step_t), None)
+    graphed = None
+    if cuda_graphs:
+        reason = why_not(example, constants, donate=donate, random=random)
+        if reason is None:
+            graphed = GraphedCall(fn, sig.n_state)
+        else:
+            warnings.warn(f"ft.compile(mode='reduce-overhead'): this step runs without CUDA graphs: {reason}",
+                          stacklevel=5)
     return Captured(signature=sig, fn=fn, constants=constants, out_spec=record["spec"], out_plan=plan,
                     random=random, donate=donate, n_state=n_state, state_spec=state_spec,
                     trivial_out=all(p is None for p in plan), stable=None,
-                    step_index=step_index)
+                    step_index=step_index, graphed=graphed)
 
 
 @contextlib.contextmanager
@@ -336,12 +351,14 @@ class FastPath:
     ``rank()`` the RNG offset of this process, ``explain(error, state, batch)`` turns a
     failed trace into the exception to raise. ``owned=True`` (with ``donate``) is the
     driver's donation: the caller holds no other reference to the state, so the new state
-    keeps the donated tensor objects and only the old step counter is emptied.
+    keeps the donated tensor objects and only the old step counter is emptied. ``cuda_graphs``:
+    see :func:`capture`.
     """
 
     def __init__(self, apply: Callable, backend: Callable, *, donate: bool, check: Callable, with_rng: Callable,
-                 rank: Callable[[], int], explain: Callable, owned: bool = False):
+                 rank: Callable[[], int], explain: Callable, owned: bool = False, cuda_graphs: bool = False):
         self.apply = apply
+        self.cuda_graphs = cuda_graphs
         self.backend = backend
         self.donate = donate
         self.owned = owned
@@ -388,7 +405,10 @@ class FastPath:
 
     def _run(self, cap: Captured, tensors: list, leaves: list) -> tuple[Any, dict, list]:
         """Call the graph; returns the new state (``rng=None``), the metrics, the new state's tensors."""
-        out = cap.fn(*tensors, *cap.constants) if cap.constants else cap.fn(*tensors)
+        if cap.graphed is not None:
+            out = cap.graphed(tensors, cap.constants)
+        else:
+            out = cap.fn(*tensors, *cap.constants) if cap.constants else cap.fn(*tensors)
         k = cap.signature.n_state
         if not cap.donate:
             out = cap.outputs(list(out))
@@ -420,7 +440,7 @@ class FastPath:
         cap = self.captures.get(key)
         if cap is None:
             try:
-                cap = capture(self.apply, s, batch, self.backend, donate=self.donate)
+                cap = capture(self.apply, s, batch, self.backend, donate=self.donate, cuda_graphs=self.cuda_graphs)
             except CaptureError as e:
                 raise self.explain(e.__cause__ or e, state, batch) from e
             self.captures[key] = cap

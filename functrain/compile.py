@@ -129,17 +129,22 @@ class CompiledStep:
         self._config = dict(fullgraph=fullgraph, backend=backend, mode=mode, options=options, dynamic=dynamic,
                             capture=capture, cache_dir=cache_dir, **kwargs)
         check_choice("capture", capture, ("auto", "flat", "dynamo"))
-        fast_ok = fullgraph and not dynamic and mode != "reduce-overhead" and not kwargs
+        # CUDA graphs on the fast path replay the compiled code on the donated state's own buffers
+        # (functrain/cudagraph.py); an undonated state takes inductor's CUDA graphs on the Dynamo path
+        self._graphs = mode == "reduce-overhead"
+        fast_ok = fullgraph and not dynamic and (self.donate or not self._graphs) and not kwargs
         if capture == "flat" and not fast_ok:
-            raise ValueError("ft.compile: capture='flat' needs fullgraph=True, static shapes, no mode="
-                             "'reduce-overhead' and no extra torch.compile arguments; got "
-                             f"fullgraph={fullgraph!r}, dynamic={dynamic!r}, mode={mode!r}, extra={sorted(kwargs)}")
+            raise ValueError("ft.compile: capture='flat' needs fullgraph=True, static shapes, donate=True with mode="
+                             "'reduce-overhead', and no extra torch.compile arguments; got "
+                             f"fullgraph={fullgraph!r}, dynamic={dynamic!r}, mode={mode!r}, donate={donate!r}, "
+                             f"extra={sorted(kwargs)}")
         if fast_ok and capture != "dynamo":
             fast_options = options
             if backend in (None, "inductor"):
                 # the signature check compares every input's strides: inductor's per-call asserts are redundant
                 fast_options = {"size_asserts": False, **(options or {})}
-            self._backend = _make_backend(backend, mode, fast_options, dynamic)
+            # (mode="reduce-overhead": the CUDA graph is functrain's, around inductor's default-mode code)
+            self._backend = _make_backend(backend, None if self._graphs else mode, fast_options, dynamic)
             self._fast = self._fast_path(owned=False)
             return
         self._backend = _make_backend(backend, mode, options, dynamic)
@@ -158,7 +163,7 @@ class CompiledStep:
             self._explain(error, state, batch, graph_break=True)
 
         return FastPath(step.apply, self._backend, donate=self.donate or owned, check=check, with_rng=with_rng,
-                        rank=step.rng_offset, explain=explain, owned=owned)
+                        rank=step.rng_offset, explain=explain, owned=owned, cuda_graphs=self._graphs)
 
     @property
     def compiles(self) -> int:
@@ -269,9 +274,15 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture
     functrain's check that the state's structure and every leaf's shape, stride, dtype
     and device match the capture (a change compiles again and counts in ``compiles``).
     Python values the step reads (closures, globals) are constants of the capture, as
-    under ``jax.jit``. ``fullgraph=False``, ``dynamic=True``, ``mode="reduce-overhead"``
-    or extra ``torch.compile`` arguments use ``torch.compile`` per call instead, and
-    ``capture="dynamo"`` asks for that path explicitly (``"flat"`` insists on the fast one).
+    under ``jax.jit``. ``fullgraph=False``, ``dynamic=True`` or extra ``torch.compile``
+    arguments use ``torch.compile`` per call instead, and ``capture="dynamo"`` asks for
+    that path explicitly (``"flat"`` insists on the fast one).
+
+    ``mode="reduce-overhead"`` (CUDA graphs): with ``donate=True`` (or through
+    :meth:`CompiledStep.donating`, as ``ft.run`` calls it) the fast path replays the
+    compiled step as one CUDA graph on the donated state's buffers, the batch copied in
+    (:mod:`functrain.cudagraph`); a step it cannot graph (a CPU state, random numbers)
+    warns and runs without. Undonated, it is inductor's CUDA graphs on the Dynamo path.
 
     A later process that traces the same graph (a resumed run, a second run, another
     rank) reuses AOTAutograd's and inductor's on-disk caches, keyed by torch on the graph,

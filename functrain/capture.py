@@ -171,13 +171,15 @@ class Captured:
 
 
 def capture(apply: Callable, state: Any, batch: Any, backend: Callable, *, donate: bool = False,
-            cuda_graphs: bool = False) -> Captured:
+            cuda_graphs: bool = False, package: Callable | None = None) -> Captured:
     """Trace ``apply(state, batch) -> (new_state, metrics)`` over flat leaves and compile it with ``backend``.
 
     ``state`` must have ``rng=None`` (the caller handles the RNG on the host).
     ``backend(gm, example_inputs)`` is any ``torch.compile`` backend callable. ``cuda_graphs``:
     replay the compiled code as a CUDA graph (:mod:`functrain.cudagraph`) where it can be (a
     donated CUDA state, no random numbers), else warn why not and call it directly.
+    ``package(gm, inputs)``: the compiled callable from a package (:mod:`functrain.compile_package`),
+    or ``None`` to compile with ``backend``.
     """
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -225,7 +227,9 @@ def capture(apply: Callable, state: Any, batch: Any, backend: Callable, *, donat
         raise CaptureError(f"{type(e).__name__}: {e}") from e
     constants = _lift_constants(gm)
     random = draws_random(gm)
-    fn = _compile(backend, gm, example + constants)
+    fn = package(gm, example + constants) if package is not None else None
+    if fn is None:
+        fn = _compile(backend, gm, example + constants)
     plan = record["plan"]
     # where the state's step counter sits among the tensors (an owned donation re-homes only it)
     step_t = getattr(state, "step", None)
@@ -351,14 +355,16 @@ class FastPath:
     ``rank()`` the RNG offset of this process, ``explain(error, state, batch)`` turns a
     failed trace into the exception to raise. ``owned=True`` (with ``donate``) is the
     driver's donation: the caller holds no other reference to the state, so the new state
-    keeps the donated tensor objects and only the old step counter is emptied. ``cuda_graphs``:
-    see :func:`capture`.
+    keeps the donated tensor objects and only the old step counter is emptied. ``cuda_graphs``
+    and ``package``: see :func:`capture`.
     """
 
     def __init__(self, apply: Callable, backend: Callable, *, donate: bool, check: Callable, with_rng: Callable,
-                 rank: Callable[[], int], explain: Callable, owned: bool = False, cuda_graphs: bool = False):
+                 rank: Callable[[], int], explain: Callable, owned: bool = False, cuda_graphs: bool = False,
+                 package: Callable | None = None):
         self.apply = apply
         self.cuda_graphs = cuda_graphs
+        self.package = package
         self.backend = backend
         self.donate = donate
         self.owned = owned
@@ -440,7 +446,8 @@ class FastPath:
         cap = self.captures.get(key)
         if cap is None:
             try:
-                cap = capture(self.apply, s, batch, self.backend, donate=self.donate, cuda_graphs=self.cuda_graphs)
+                cap = capture(self.apply, s, batch, self.backend, donate=self.donate, cuda_graphs=self.cuda_graphs,
+                              package=self.package)
             except CaptureError as e:
                 raise self.explain(e.__cause__ or e, state, batch) from e
             self.captures[key] = cap

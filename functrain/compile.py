@@ -1,6 +1,7 @@
 """``ft.compile``: the whole step under ``torch.compile``, one graph, optional buffer donation."""
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import types
@@ -32,9 +33,15 @@ class _CountingBackend:
     (:mod:`functrain.compile_cache`)."""
 
     def __init__(self, backend: Any, shared: bool = False):
-        self.backend = backend
-        self.count = 0
+        self._backend = backend  # the backend, or a function that makes it (inductor's: on first use, so
+        self.count = 0           # that a process that only loads packages never imports inductor)
         self.shared = shared
+
+    @property
+    def backend(self) -> Any:
+        if isinstance(self._backend, functools.partial):
+            self._backend = self._backend()
+        return self._backend
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
         self.count += 1
@@ -45,7 +52,9 @@ class _CountingBackend:
             return self.backend(gm, example_inputs)
 
     def __getattr__(self, name: str) -> Any:  # get_compiler_config, reset, ... of the inductor wrapper
-        return getattr(self.__dict__["backend"], name)
+        if name.startswith("__") or "_backend" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.backend, name)
 
 
 def _make_backend(backend: Any, mode: str | None, options: dict | None, dynamic: bool | None) -> _CountingBackend:
@@ -54,7 +63,7 @@ def _make_backend(backend: Any, mode: str | None, options: dict | None, dynamic:
         if wrapper is None:  # pragma: no cover - older torch: count through the registry's inductor
             from torch._dynamo.backends.registry import lookup_backend
             return _CountingBackend(lookup_backend("inductor"), shared=True)
-        return _CountingBackend(wrapper(mode, options, dynamic), shared=True)
+        return _CountingBackend(functools.partial(wrapper, mode, options, dynamic), shared=True)
     if mode is not None or options is not None:
         raise ValueError(f"ft.compile: mode/options apply to the inductor backend only; got backend={backend!r}")
     if isinstance(backend, str):
@@ -114,7 +123,7 @@ class CompiledStep:
 
     def __init__(self, step: Step, *, donate: bool = False, fullgraph: bool = True, backend: Any = None,
                  mode: str | None = None, options: dict | None = None, dynamic: bool | None = None,
-                 capture: str = "auto", cache_dir: Any = None, **kwargs: Any):
+                 capture: str = "auto", cache_dir: Any = None, package: bool = False, **kwargs: Any):
         if not isinstance(step, Step):
             raise TypeError(f"ft.compile takes a functrain Step (from ft.train_step); got {type(step).__name__}")
         self.cache_dir = None if cache_dir is None else compile_cache.use_cache_dir(cache_dir)
@@ -127,7 +136,7 @@ class CompiledStep:
         self._fast: FastPath | None = None
         self._owned: Any = None  # the driver's donating call path, made on first use (see donating())
         self._config = dict(fullgraph=fullgraph, backend=backend, mode=mode, options=options, dynamic=dynamic,
-                            capture=capture, cache_dir=cache_dir, **kwargs)
+                            capture=capture, cache_dir=cache_dir, package=package, **kwargs)
         check_choice("capture", capture, ("auto", "flat", "dynamo"))
         # CUDA graphs on the fast path replay the compiled code on the donated state's own buffers
         # (functrain/cudagraph.py); an undonated state takes inductor's CUDA graphs on the Dynamo path
@@ -145,15 +154,39 @@ class CompiledStep:
                 fast_options = {"size_asserts": False, **(options or {})}
             # (mode="reduce-overhead": the CUDA graph is functrain's, around inductor's default-mode code)
             self._backend = _make_backend(backend, None if self._graphs else mode, fast_options, dynamic)
+            self._packages = self._make_packages(package, cache_dir, backend, options)
             self._fast = self._fast_path(owned=False)
             return
+        if package:
+            raise ValueError("ft.compile(package=True) needs the flat capture (fullgraph=True, static shapes, "
+                             "no extra torch.compile arguments, capture='auto' or 'flat'; with mode="
+                             f"'reduce-overhead', donate=True); got capture={capture!r}, fullgraph={fullgraph!r}, "
+                             f"dynamic={dynamic!r}, mode={mode!r}, donate={donate!r}, extra={sorted(kwargs)}")
         self._backend = _make_backend(backend, mode, options, dynamic)
         fn = _own_code(self._donating if self.donate else _apply)
         fn.__defaults__ = (step,)
         self._compiled = torch.compile(fn, fullgraph=fullgraph, backend=self._backend, dynamic=dynamic, **kwargs)
 
+    def _make_packages(self, package: bool, cache_dir: Any, backend: Any, options: dict | None) -> Any:
+        if not package:
+            return None
+        if cache_dir is None:
+            raise ValueError("ft.compile(package=True) needs cache_dir=: the folder its packages are kept in")
+        if backend not in (None, "inductor") or options:
+            raise ValueError(f"ft.compile(package=True) compiles with AOTInductor's defaults: it takes no "
+                             f"backend= or options=; got backend={backend!r}, options={options!r}")
+        from .compile_package import Packages
+        return Packages(os.fspath(cache_dir))
+
+    def _count(self) -> None:
+        self._backend.count += 1
+
     def _fast_path(self, owned: bool) -> FastPath:
         step = self.step
+        packages = self._packages
+
+        def package(gm: Any, inputs: list) -> Any:
+            return packages(gm, inputs, self._count)
 
         def check(state: Any, batch: Any) -> None:  # what Step.host_call checks before running
             step.check_state(state)
@@ -163,7 +196,8 @@ class CompiledStep:
             self._explain(error, state, batch, graph_break=True)
 
         return FastPath(step.apply, self._backend, donate=self.donate or owned, check=check, with_rng=with_rng,
-                        rank=step.rng_offset, explain=explain, owned=owned, cuda_graphs=self._graphs)
+                        rank=step.rng_offset, explain=explain, owned=owned, cuda_graphs=self._graphs,
+                        package=package if packages is not None else None)
 
     @property
     def compiles(self) -> int:

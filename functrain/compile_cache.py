@@ -46,7 +46,7 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["use_cache_dir", "compile_lock", "probe_memo", "graph_key", "check_private_folder"]
+__all__ = ["use_cache_dir", "compile_lock", "probe_memo", "graph_key", "check_private_folder", "machine"]
 
 _MEMO_FORMAT = 1
 _LOCK_TIMEOUT = 600.0
@@ -191,11 +191,24 @@ def memo_folder() -> str:
     return os.path.join(xdg, "functrain")
 
 
-def _machine() -> dict:
-    """What a probe's outcome depends on besides its code and flags."""
+def machine() -> dict:
+    """This machine and torch build, as compiled code depends on them: host, CPU features, torch, python."""
     import platform
-    import shutil
     import socket
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    cuda = None
+    if torch.cuda.is_available():
+        cuda = [torch.version.cuda, [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+                [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]]
+    return {"torch": [torch.__version__, getattr(torch.version, "git_version", None), os.path.dirname(torch.__file__)],
+            "python": [sys.executable, sys.version], "host": socket.gethostname(), "machine": platform.machine(),
+            "cpu": sorted((k, v) for k, v in caps.items() if isinstance(v, (bool, int, str))), "cuda": cuda,
+            "env": {k: os.environ.get(k) for k in ("LD_LIBRARY_PATH", "ATEN_CPU_CAPABILITY")}}
+
+
+def _machine() -> dict:
+    """What a probe's outcome depends on besides its code and flags: the machine and the compiler."""
+    import shutil
     from torch._inductor.cpp_builder import get_cpp_compiler
     compiler = get_cpp_compiler()
     where = shutil.which(compiler) or compiler
@@ -204,12 +217,8 @@ def _machine() -> dict:
         ident = [os.path.realpath(where), info.st_size, info.st_mtime_ns]
     except OSError:
         ident = [where, None, None]
-    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-    return {"format": _MEMO_FORMAT, "torch": [torch.__version__, getattr(torch.version, "git_version", None),
-                                              os.path.dirname(torch.__file__)],
-            "python": sys.executable, "host": socket.gethostname(), "machine": platform.machine(),
-            "compiler": ident, "cpu": sorted((k, v) for k, v in caps.items() if isinstance(v, (bool, int, str))),
-            "env": {k: os.environ.get(k) for k in ("CXX", "CC", "LD_LIBRARY_PATH", "CPATH", "TORCH_CUDA_ARCH_LIST")}}
+    return {"format": _MEMO_FORMAT, **machine(), "compiler": ident,
+            "compiler_env": {k: os.environ.get(k) for k in ("CXX", "CC", "CPATH", "TORCH_CUDA_ARCH_LIST")}}
 
 
 def _load_memo(path: str) -> set:

@@ -192,3 +192,70 @@ def test_a_failed_probe_is_not_remembered(tmp_path, monkeypatch):
             assert cvi.VecISA.check_build(cvi.VecAVX2(), "int x;") is False
     assert len(calls) == 2
     assert not (tmp_path / "memo" / "vec_isa_probes.json").exists()
+
+
+# -- packages (ahead-of-time compiled steps a later process loads) ---------------------------------
+PACKAGE_CHILD = r"""
+import json, sys, time, warnings
+import torch
+import functrain as ft
+torch.manual_seed(0)
+scale, cache = float(sys.argv[1]), sys.argv[2]
+model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+apply_fn, params, buffers = ft.functionalize(model)
+def loss_fn(params, buffers, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(apply_fn(params, buffers, x), y) * scale
+step = ft.train_step(loss_fn, ft.optim.adamw(1e-2))
+batches = [(torch.randn(8, 6), torch.randn(8, 1)) for _ in range(3)]
+state = step.init(params, buffers)
+cstep = ft.compile(step, cache_dir=cache, package=True)
+run = cstep.donating()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    t = time.perf_counter()
+    c, _ = run(ft.tree.tree_map(torch.clone, state), batches[0])
+    first = time.perf_counter() - t
+    for b in batches[1:]:
+        c, _ = run(c, b)
+e = state
+for b in batches:
+    e, _ = step(e, b)
+print(json.dumps({"built": cstep._packages.built, "loaded": cstep._packages.loaded, "compiles": cstep.compiles,
+                  "first_call_s": round(first, 3), "equal": bool(ft.tree.tree_allclose(c, e, rtol=1e-5, atol=1e-6)),
+                  "warnings": [str(w.message) for w in caught if "package" in str(w.message)]}))
+"""
+
+
+def _package_run(tmp_path, scale):
+    proc = subprocess.Popen([sys.executable, "-c", PACKAGE_CHILD, str(scale), str(tmp_path / "cache")],
+                            env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return _result(proc)
+
+
+def test_a_package_is_loaded_by_a_later_process_and_rebuilt_when_corrupt_or_for_other_code(tmp_path):
+    """The first process builds the package; the second loads it (no compile) and is right; a
+    corrupted package is rebuilt with a warning, never loaded; a changed loss builds its own."""
+    first = _package_run(tmp_path, 1.0)
+    assert first["built"] == 1 and first["loaded"] == 0 and first["compiles"] == 1 and first["equal"], first
+    packages = tmp_path / "cache" / "packages"
+    (pt2,) = [p for p in packages.iterdir() if p.suffix == ".pt2"]
+    second = _package_run(tmp_path, 1.0)
+    assert second["loaded"] == 1 and second["built"] == 0 and second["equal"] and not second["warnings"], second
+    print(f"first call: {first['first_call_s']} s building / {second['first_call_s']} s loading the package")
+    pt2.write_bytes(pt2.read_bytes()[: pt2.stat().st_size // 2])  # a torn / tampered file
+    third = _package_run(tmp_path, 1.0)
+    assert third["built"] == 1 and third["loaded"] == 0 and third["equal"], third
+    assert any("not loading" in w and "checksum" in w for w in third["warnings"]), third
+    changed = _package_run(tmp_path, 3.0)
+    assert changed["built"] == 1 and changed["loaded"] == 0 and changed["equal"], changed
+    assert len([p for p in packages.iterdir() if p.suffix == ".pt2"]) == 2
+
+
+def test_package_needs_a_cache_dir_and_the_flat_capture():
+    import functrain as ft
+    step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1))
+    with pytest.raises(ValueError, match="needs cache_dir"):
+        ft.compile(step, package=True)
+    with pytest.raises(ValueError, match="flat capture"):
+        ft.compile(step, package=True, capture="dynamo")

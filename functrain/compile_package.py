@@ -67,7 +67,13 @@ class Packages:
             with compile_cache.compile_lock("package-" + key):
                 fn = self._load(key, material, quiet=True)  # another rank may have built it meanwhile
                 if fn is None:
-                    fn = self._build(key, material, gm, inputs)
+                    try:
+                        fn = self._build(key, material, gm, inputs)
+                    except Exception as e:  # noqa: BLE001 - an op AOTInductor cannot take: compile as usual
+                        warnings.warn(f"ft.compile(package=True): could not build a package for this step "
+                                      f"({type(e).__name__}: {str(e)[:500]}); compiling it without one",
+                                      stacklevel=5)
+                        return None
                     self.built += 1
                 else:
                     self.loaded += 1
@@ -128,7 +134,17 @@ def _material(gm: torch.fx.GraphModule, inputs: list) -> str:
         "inputs": [[list(t.shape), list(t.stride()), str(t.dtype), str(t.device), t.requires_grad] for t in inputs],
         "device": [device.type, device.index],
         "machine": compile_cache.machine(),
+        "functrain": _calling_convention(),
     }, sort_keys=True, default=str)
+
+
+def _calling_convention() -> str:
+    """A hash of the code that decides how a package is called (the capture's input order, the loader)."""
+    h = hashlib.sha256()
+    for path in (__file__, os.path.join(os.path.dirname(__file__), "capture.py")):
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
 
 
 def _loader(package: str, device: list) -> Callable:

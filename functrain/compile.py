@@ -291,7 +291,8 @@ class CompiledStep:
 
 
 def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture: str = "auto",
-            cache_dir: str | os.PathLike | None = None, **torch_compile_kwargs: Any) -> CompiledStep:
+            cache_dir: str | os.PathLike | None = None, package: bool = False,
+            **torch_compile_kwargs: Any) -> CompiledStep:
     """Compile the whole step with ``torch.compile`` (``fullgraph=True`` by default).
 
     The result is called like the step and gives the same results (to float
@@ -322,10 +323,13 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture
     rank) reuses AOTAutograd's and inductor's on-disk caches, keyed by torch on the graph,
     shapes, dtypes, devices, config and version (a changed loss is a new key, compiled
     afresh). ``cache_dir`` puts them in ``cache_dir/inductor`` (a folder of this user's,
-    not writable by others; inductor's folder is process-wide, so the first one a process
+    not world-writable; inductor's folder is process-wide, so the first one a process
     compiles with stays; default: ``TORCHINDUCTOR_CACHE_DIR`` or inductor's own). Ranks
     of one machine starting together compile each graph once: the first takes a lock
     on it, the others wait and load its entry. See :mod:`functrain.compile_cache`.
+    ``package=True`` (with ``cache_dir``) compiles each graph ahead of time into a package
+    instead (AOTInductor: a slower first compile), which a later process tracing the same
+    graph loads in milliseconds (:mod:`functrain.compile_package`).
 
     Example::
 
@@ -333,6 +337,7 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture
         cstep = ft.compile(step)            # first call compiles (seconds), later calls are fast
         state, metrics = cstep(state, batch)
         cstep.compiles                      # 1
+        cstep = ft.compile(step, cache_dir="runs/a/compile_cache")   # a resumed run loads, not compiles
     """
     return CompiledStep(step, donate=donate, fullgraph=fullgraph, capture=capture, cache_dir=cache_dir,
-                        **torch_compile_kwargs)
+                        package=package, **torch_compile_kwargs)

@@ -10,7 +10,7 @@ different key, compiled afresh, never a stale entry. functrain adds three things
   inductor's cache at ``cache_dir/inductor``. Inductor reads its folder from the
   process-wide ``TORCHINDUCTOR_CACHE_DIR``, so the first folder a process compiles
   with is the one it keeps; a different one later is a warning, not a silent switch.
-  The folder must belong to this user and not be writable by others (the cache holds
+  The folder must belong to this user and not be world-writable (the cache holds
   shared libraries the process loads).
 * **a lock per graph** (:func:`compile_lock`): N ranks of one machine that start
   together would each compile the same graph from scratch (each misses the cache
@@ -54,7 +54,10 @@ _active: str | None = None  # the inductor folder this process compiles into (se
 
 
 def check_private_folder(path: str, *, create: bool = True) -> str:
-    """``path`` as an absolute folder owned by this user and not writable by group or others (raises otherwise)."""
+    """``path`` as an absolute folder owned by this user and not world-writable (raises otherwise).
+
+    (New folders are made ``0o700``; a group-writable one is accepted, as a user-private group's umask makes it.)
+    """
     path = os.path.abspath(os.fspath(path))
     if create:
         os.makedirs(path, mode=0o700, exist_ok=True)
@@ -66,8 +69,8 @@ def check_private_folder(path: str, *, create: bool = True) -> str:
         raise ValueError(f"ft.compile cache folder {path!r} belongs to uid {info.st_uid}, not to this user "
                          f"(uid {getuid()}): its compiled code would be loaded into this process; use a folder "
                          f"of your own")
-    if getuid is not None and info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ValueError(f"ft.compile cache folder {path!r} is writable by others (mode {oct(info.st_mode & 0o777)}):"
+    if getuid is not None and info.st_mode & stat.S_IWOTH:
+        raise ValueError(f"ft.compile cache folder {path!r} is writable by everyone (mode {oct(info.st_mode & 0o777)}):"
                          f" anyone could plant code this process loads; chmod go-w it, or use another folder")
     return path
 

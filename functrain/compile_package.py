@@ -16,7 +16,7 @@ shape, device, torch version or machine is another key. Next to each package a J
 file holds the full key material, compared in full before loading: a package whose
 material differs, or that fails to load, is rebuilt with a warning, never used.
 Files are written to a temporary name and renamed; the folder must be this user's
-and not writable by others (:func:`functrain.compile_cache.check_private_folder`).
+and not world-writable (:func:`functrain.compile_cache.check_private_folder`).
 """
 from __future__ import annotations
 

@@ -92,7 +92,7 @@ def test_a_folder_others_can_write_is_refused(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)
-    with pytest.raises(ValueError, match="writable by others"):
+    with pytest.raises(ValueError, match="writable by everyone"):
         compile_cache.check_private_folder(str(shared))
     with pytest.raises(TypeError, match="folder path"):
         compile_cache.use_cache_dir(3)

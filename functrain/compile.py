@@ -135,6 +135,7 @@ class CompiledStep:
         # only it can do: graph breaks (fullgraph=False), dynamic shapes, CUDA graphs, extra options.
         self._fast: FastPath | None = None
         self._owned: Any = None  # the driver's donating call path, made on first use (see donating())
+        self._packages: Any = None  # package=True: functrain.compile_package.Packages
         self._config = dict(fullgraph=fullgraph, backend=backend, mode=mode, options=options, dynamic=dynamic,
                             capture=capture, cache_dir=cache_dir, package=package, **kwargs)
         check_choice("capture", capture, ("auto", "flat", "dynamo"))
@@ -154,7 +155,7 @@ class CompiledStep:
                 fast_options = {"size_asserts": False, **(options or {})}
             # (mode="reduce-overhead": the CUDA graph is functrain's, around inductor's default-mode code)
             self._backend = _make_backend(backend, None if self._graphs else mode, fast_options, dynamic)
-            self._packages = self._make_packages(package, cache_dir, backend, options)
+            self._packages = self._make_packages(package, cache_dir, backend, mode, options)
             self._fast = self._fast_path(owned=False)
             return
         if package:
@@ -167,14 +168,16 @@ class CompiledStep:
         fn.__defaults__ = (step,)
         self._compiled = torch.compile(fn, fullgraph=fullgraph, backend=self._backend, dynamic=dynamic, **kwargs)
 
-    def _make_packages(self, package: bool, cache_dir: Any, backend: Any, options: dict | None) -> Any:
+    def _make_packages(self, package: bool, cache_dir: Any, backend: Any, mode: str | None,
+                       options: dict | None) -> Any:
         if not package:
             return None
         if cache_dir is None:
             raise ValueError("ft.compile(package=True) needs cache_dir=: the folder its packages are kept in")
-        if backend not in (None, "inductor") or options:
+        if backend not in (None, "inductor") or options or mode not in (None, "default", "reduce-overhead"):
             raise ValueError(f"ft.compile(package=True) compiles with AOTInductor's defaults: it takes no "
-                             f"backend= or options=; got backend={backend!r}, options={options!r}")
+                             f"backend=, options= or mode= other than 'reduce-overhead'; got backend={backend!r}, "
+                             f"options={options!r}, mode={mode!r}")
         from .compile_package import Packages
         return Packages(os.fspath(cache_dir))
 

@@ -4,7 +4,7 @@
     python bench/compile_time.py --repeat 3 # the median of three rounds
 
 Each scenario is a new process (``import torch`` and ``functrain`` are timed apart from the first
-call), with ``OMP_NUM_THREADS=1`` and folders under one temp folder:
+call, which here means ``ft.compile(...)`` plus the first call: inductor is imported in either), with ``OMP_NUM_THREADS=1`` and folders under one temp folder:
 
 * ``cold``: empty ``cache_dir`` and empty probe memo (``FUNCTRAIN_CACHE_DIR``): a first compile on a
   machine (inductor's CPU ISA probes included);
@@ -36,8 +36,8 @@ from bench.workloads import WORKLOADS, build, functrain_step
 wl = build(WORKLOADS["W1"], torch.device("cpu"))
 step, params, buffers = functrain_step(wl)
 state = step.init(params, buffers)
-cstep = ft.compile(step, cache_dir=sys.argv[1], package=sys.argv[2] == "1")
 t3 = time.perf_counter()
+cstep = ft.compile(step, cache_dir=sys.argv[1], package=sys.argv[2] == "1")
 s, m = cstep(state, wl.batches[0])
 t4 = time.perf_counter()
 from torch._dynamo.utils import counters

@@ -37,10 +37,15 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import warnings
 from typing import Any, Callable, Iterator
 
 import optree
 import torch
+
+from .cudagraph import GraphedCall, why_not
+
+from .recycle import Buffer, free_buffers, recyclable, write_into
 
 __all__ = ["Captured", "capture", "CaptureError", "draws_random"]
 
@@ -149,10 +154,11 @@ class Captured:
         out_plan:   for each output leaf, ``None`` (the next graph output) or ``("const", v)``.
         random:     whether the graph draws random numbers.
         donate:     whether the graph writes the new state into the input state's tensors.
+        graphed:    the CUDA graph that replays ``fn`` (``mode="reduce-overhead"``), or ``None``.
     """
 
     __slots__ = ("signature", "fn", "constants", "out_spec", "out_plan", "random", "donate", "n_state",
-                 "state_spec", "trivial_out", "stable", "step_index", "recycle", "recycled", "pool")
+                 "state_spec", "trivial_out", "stable", "step_index", "recycle", "recycled", "pool", "graphed")
 
     def __init__(self, **kw: Any):
         for k, v in kw.items():
@@ -164,42 +170,11 @@ class Captured:
         if self.trivial_out:
             return graph_out
         it = iter(graph_out)
-        return [next(it) if p is None else written[p.j] if isinstance(p, _Buffer) else p[1] for p in self.out_plan]
-
-
-class _Buffer:
-    """Marks an output leaf the graph wrote into recycled buffer ``j`` (not a graph output)."""
-
-    __slots__ = ("j",)
-
-    def __init__(self, j: int):
-        self.j = j
-
-
-def _write_into(new: Any, state_spec: Any, inputs: tuple, recycle: tuple, bufs: tuple, record: dict) -> Any:
-    """``new`` (the traced new state) with each recyclable tensor leaf written into its buffer (``copy_``,
-    which inductor fuses into the kernel computing it) and replaced by a :class:`_Buffer` mark."""
-    new_leaves, new_spec = optree.tree_flatten(new)
-    tensor_idx = [i for i, x in enumerate(new_leaves) if torch.is_tensor(x)]
-    used = []
-    if new_spec == state_spec:
-        for j, (k, buf) in enumerate(zip(recycle, bufs)):
-            if k >= len(tensor_idx):
-                continue
-            i = tensor_idx[k]
-            value = new_leaves[i]
-            if value is inputs[k] or value.shape != buf.shape or value.dtype != buf.dtype \
-                    or value.device != buf.device:
-                continue  # an unchanged leaf is returned as it is; another shape cannot go there
-            buf.copy_(value)
-            new_leaves[i] = _Buffer(j)
-            used.append(j)
-    record["recycled"] = used
-    return optree.tree_unflatten(new_spec, new_leaves)
+        return [next(it) if p is None else written[p.j] if isinstance(p, Buffer) else p[1] for p in self.out_plan]
 
 
 def capture(apply: Callable, state: Any, batch: Any, backend: Callable, *, donate: bool = False,
-            recycle: tuple = ()) -> Captured:
+            recycle: tuple = (), cuda_graphs: bool = False, package: Callable | None = None) -> Captured:
     """Trace ``apply(state, batch) -> (new_state, metrics)`` over flat leaves and compile it with ``backend``.
 
     ``state`` must have ``rng=None`` (the caller handles the RNG on the host).
@@ -207,7 +182,11 @@ def capture(apply: Callable, state: Any, batch: Any, backend: Callable, *, donat
     ``recycle``: positions (among the state's tensors) whose new value the graph writes
     into an extra trailing input buffer of that leaf's metadata instead of a new output
     (see :class:`FastPath`); ``Captured.recycled`` says which it could (same structure,
-    shape, dtype and device; not the unchanged input itself).
+    shape, dtype and device; not the unchanged input itself). ``cuda_graphs``:
+    replay the compiled code as a CUDA graph (:mod:`functrain.cudagraph`) where it can be (a
+    donated CUDA state, no random numbers), else warn why not and call it directly.
+    ``package(gm, inputs)``: the compiled callable from a package (:mod:`functrain.compile_package`),
+    or ``None`` to compile with ``backend``.
     """
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -227,7 +206,7 @@ def capture(apply: Callable, state: Any, batch: Any, backend: Callable, *, donat
         s, b = optree.tree_unflatten(spec, full)
         new, metrics = apply(s, b)
         if bufs:
-            new = _write_into(new, state_spec, tensors, recycle, bufs, record)
+            new = write_into(new, state_spec, tensors, recycle, bufs, record)
         if donate:
             new_leaves, new_spec = optree.tree_flatten(new)
             if new_spec != state_spec:
@@ -249,9 +228,9 @@ def capture(apply: Callable, state: Any, batch: Any, backend: Callable, *, donat
             out = (new, metrics)
         out_leaves, out_spec = optree.tree_flatten(out)
         record["spec"] = out_spec
-        record["plan"] = [x if isinstance(x, _Buffer) else None if torch.is_tensor(x) else ("const", x)
+        record["plan"] = [x if isinstance(x, Buffer) else None if torch.is_tensor(x) else ("const", x)
                           for x in out_leaves]
-        return [x for x in out_leaves if torch.is_tensor(x) and not isinstance(x, _Buffer)]
+        return [x for x in out_leaves if torch.is_tensor(x) and not isinstance(x, Buffer)]
 
     example = [leaves[i].detach() for i in sig.tensor_pos]
     example += [torch.empty_strided(example[k].shape, example[k].stride(), dtype=example[k].dtype,
@@ -263,16 +242,26 @@ def capture(apply: Callable, state: Any, batch: Any, backend: Callable, *, donat
         raise CaptureError(f"{type(e).__name__}: {e}") from e
     constants = _lift_constants(gm)
     random = draws_random(gm)
-    fn = _compile(backend, gm, example + constants)
+    fn = package(gm, example + constants) if package is not None else None
+    if fn is None:
+        fn = _compile(backend, gm, example + constants)
     plan = record["plan"]
     # where the state's step counter sits among the tensors (an owned donation re-homes only it)
     step_t = getattr(state, "step", None)
     step_index = next((k for k, i in enumerate(sig.tensor_pos) if leaves[i] is step_t), None)
+    graphed = None
+    if cuda_graphs:
+        reason = why_not(example, constants, donate=donate, random=random)
+        if reason is None:
+            graphed = GraphedCall(fn, sig.n_state)
+        else:
+            warnings.warn(f"ft.compile(mode='reduce-overhead'): this step runs without CUDA graphs: {reason}",
+                          stacklevel=5)
     return Captured(signature=sig, fn=fn, constants=constants, out_spec=record["spec"], out_plan=plan,
                     random=random, donate=donate, n_state=n_state, state_spec=state_spec,
                     trivial_out=all(p is None for p in plan), stable=None,
                     step_index=step_index, recycle=tuple(recycle), recycled=tuple(record.get("recycled", ())),
-                    pool=[])
+                    pool=[], graphed=graphed)
 
 
 @contextlib.contextmanager
@@ -382,12 +371,16 @@ class FastPath:
     ``rank()`` the RNG offset of this process, ``explain(error, state, batch)`` turns a
     failed trace into the exception to raise. ``owned=True`` (with ``donate``) is the
     driver's donation: the caller holds no other reference to the state, so the new state
-    keeps the donated tensor objects and only the old step counter is emptied.
+    keeps the donated tensor objects and only the old step counter is emptied. ``cuda_graphs``
+    and ``package``: see :func:`capture`.
     """
 
     def __init__(self, apply: Callable, backend: Callable, *, donate: bool, check: Callable, with_rng: Callable,
-                 rank: Callable[[], int], explain: Callable, owned: bool = False):
+                 rank: Callable[[], int], explain: Callable, owned: bool = False, cuda_graphs: bool = False,
+                 package: Callable | None = None):
         self.apply = apply
+        self.cuda_graphs = cuda_graphs
+        self.package = package
         self.backend = backend
         self.donate = donate
         self.owned = owned
@@ -434,8 +427,10 @@ class FastPath:
 
     def _run(self, cap: Captured, tensors: list, leaves: list) -> tuple[Any, dict, list]:
         """Call the graph; returns the new state (``rng=None``), the metrics, the new state's tensors."""
-        if cap.recycle:
-            bufs = _free_buffers(cap)
+        if cap.graphed is not None:
+            out = cap.graphed(tensors, cap.constants)
+        elif cap.recycle:
+            bufs = free_buffers(cap)
             out = cap.fn(*tensors, *bufs, *cap.constants)
         else:
             out = cap.fn(*tensors, *cap.constants) if cap.constants else cap.fn(*tensors)
@@ -472,47 +467,11 @@ class FastPath:
         key = sig.key
         cap = self.captures.get(key)
         if cap is None:
-            recycle = () if self.donate else _recyclable([leaves[i] for i in sig.tensor_pos[:sig.n_state]])
+            recycle = () if self.donate else recyclable([leaves[i] for i in sig.tensor_pos[:sig.n_state]])
             try:
-                cap = capture(self.apply, s, batch, self.backend, donate=self.donate, recycle=recycle)
+                cap = capture(self.apply, s, batch, self.backend, donate=self.donate, recycle=recycle,
+                              cuda_graphs=self.cuda_graphs, package=self.package)
             except CaptureError as e:
                 raise self.explain(e.__cause__ or e, state, batch) from e
             self.captures[key] = cap
         return cap, leaves
-
-
-# -- recycled output buffers (the pure call path) ---------------------------------------------------
-RECYCLE_BYTES = 1 << 17  # glibc serves blocks from 128 KiB up with fresh pages: a page fault per 4 KiB
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def _recyclable(state_tensors: list) -> tuple:
-    """Positions of the state's tensors worth writing into recycled buffers: large CPU leaves.
-
-    A pure step's new state is fresh memory every call; on CPU a large block comes from the
-    kernel as untouched pages, and each first write faults (~0.7k faults per step on a 1.3M
-    parameter MLP with Adam, ~20% of its step time). Other devices have caching allocators.
-    """
-    if _use_count is None:  # pragma: no cover - a torch without the use-count query: no recycling
-        return ()
-    return tuple(k for k, t in enumerate(state_tensors)
-                 if t.device.type == "cpu" and t.numel() * t.element_size() >= RECYCLE_BYTES)
-
-
-def _free_buffers(cap: Captured) -> list:
-    """Output buffers for the recycled leaves of ``cap``: a set from an earlier call whose every
-    storage nobody else holds any more (the caller dropped that state and all views of it), or a new set.
-
-    At most two sets are kept: the state passed in (in use) and the one before it (free once the
-    caller rebinds its variable), so a loop ``state, m = step(state, batch)`` alternates between them.
-    """
-    for bufs in cap.pool:
-        # 2 = the pool's tensor + the temporary storage object of the query; anything more is a holder
-        if all(_use_count(b.untyped_storage()._cdata) == 2 for b in bufs):
-            return bufs
-    metas = [cap.signature.metas[k] for k in cap.recycle]
-    bufs = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype, device in metas]
-    cap.pool.insert(0, bufs)
-    del cap.pool[2:]
-    return bufs
-

@@ -1,13 +1,16 @@
 """``ft.compile``: the whole step under ``torch.compile``, one graph, optional buffer donation."""
 from __future__ import annotations
 
+import functools
 import itertools
+import os
 import types
 from typing import Any
 
 import optree
 import torch
 
+from . import compile_cache
 from ._validate import check_choice
 from .capture import FastPath
 from .checks import check_batch
@@ -23,18 +26,35 @@ class GraphBreakError(RuntimeError):
 
 
 class _CountingBackend:
-    """A ``torch.compile`` backend that counts the graphs it compiles, then defers to the real one."""
+    """A ``torch.compile`` backend that counts the graphs it compiles, then defers to the real one.
 
-    def __init__(self, backend: Any):
-        self.backend = backend
-        self.count = 0
+    ``shared``: the real backend keeps an on-disk cache other processes read (inductor): each graph
+    is compiled under its machine-wide lock, with inductor's CPU probes memoized
+    (:mod:`functrain.compile_cache`)."""
+
+    def __init__(self, backend: Any, shared: bool = False):
+        self._backend = backend  # the backend, or a function that makes it (inductor's: on first use, so
+        self.count = 0           # that a process that only loads packages never imports inductor)
+        self.shared = shared
+
+    @property
+    def backend(self) -> Any:
+        if isinstance(self._backend, functools.partial):
+            self._backend = self._backend()
+        return self._backend
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
         self.count += 1
-        return self.backend(gm, example_inputs)
+        if not self.shared:
+            return self.backend(gm, example_inputs)
+        key = compile_cache.graph_key(gm, [t for t in example_inputs if torch.is_tensor(t)])
+        with compile_cache.probe_memo(), compile_cache.compile_lock(key):
+            return self.backend(gm, example_inputs)
 
     def __getattr__(self, name: str) -> Any:  # get_compiler_config, reset, ... of the inductor wrapper
-        return getattr(self.__dict__["backend"], name)
+        if name.startswith("__") or "_backend" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.backend, name)
 
 
 def _make_backend(backend: Any, mode: str | None, options: dict | None, dynamic: bool | None) -> _CountingBackend:
@@ -42,8 +62,8 @@ def _make_backend(backend: Any, mode: str | None, options: dict | None, dynamic:
         wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
         if wrapper is None:  # pragma: no cover - older torch: count through the registry's inductor
             from torch._dynamo.backends.registry import lookup_backend
-            return _CountingBackend(lookup_backend("inductor"))
-        return _CountingBackend(wrapper(mode, options, dynamic))
+            return _CountingBackend(lookup_backend("inductor"), shared=True)
+        return _CountingBackend(functools.partial(wrapper, mode, options, dynamic), shared=True)
     if mode is not None or options is not None:
         raise ValueError(f"ft.compile: mode/options apply to the inductor backend only; got backend={backend!r}")
     if isinstance(backend, str):
@@ -98,13 +118,15 @@ class CompiledStep:
         compiles:  how many graphs ``torch.compile`` has built for it so far (a
                    recompile shows up as an increase after the first call).
         donate:    whether calls donate the input state's storage.
+        cache_dir: the inductor cache folder in use when ``cache_dir=`` was given, else ``None``.
     """
 
     def __init__(self, step: Step, *, donate: bool = False, fullgraph: bool = True, backend: Any = None,
                  mode: str | None = None, options: dict | None = None, dynamic: bool | None = None,
-                 capture: str = "auto", **kwargs: Any):
+                 capture: str = "auto", cache_dir: Any = None, package: bool = False, **kwargs: Any):
         if not isinstance(step, Step):
             raise TypeError(f"ft.compile takes a functrain Step (from ft.train_step); got {type(step).__name__}")
+        self.cache_dir = None if cache_dir is None else compile_cache.use_cache_dir(cache_dir)
         self.step = step
         self.donate = bool(donate)
         self.fullgraph = fullgraph
@@ -113,29 +135,61 @@ class CompiledStep:
         # only it can do: graph breaks (fullgraph=False), dynamic shapes, CUDA graphs, extra options.
         self._fast: FastPath | None = None
         self._owned: Any = None  # the driver's donating call path, made on first use (see donating())
+        self._packages: Any = None  # package=True: functrain.compile_package.Packages
         self._config = dict(fullgraph=fullgraph, backend=backend, mode=mode, options=options, dynamic=dynamic,
-                            capture=capture, **kwargs)
+                            capture=capture, cache_dir=cache_dir, package=package, **kwargs)
         check_choice("capture", capture, ("auto", "flat", "dynamo"))
-        fast_ok = fullgraph and not dynamic and mode != "reduce-overhead" and not kwargs
+        # CUDA graphs on the fast path replay the compiled code on the donated state's own buffers
+        # (functrain/cudagraph.py); an undonated state takes inductor's CUDA graphs on the Dynamo path
+        self._graphs = mode == "reduce-overhead"
+        fast_ok = fullgraph and not dynamic and (self.donate or not self._graphs) and not kwargs
         if capture == "flat" and not fast_ok:
-            raise ValueError("ft.compile: capture='flat' needs fullgraph=True, static shapes, no mode="
-                             "'reduce-overhead' and no extra torch.compile arguments; got "
-                             f"fullgraph={fullgraph!r}, dynamic={dynamic!r}, mode={mode!r}, extra={sorted(kwargs)}")
+            raise ValueError("ft.compile: capture='flat' needs fullgraph=True, static shapes, donate=True with mode="
+                             "'reduce-overhead', and no extra torch.compile arguments; got "
+                             f"fullgraph={fullgraph!r}, dynamic={dynamic!r}, mode={mode!r}, donate={donate!r}, "
+                             f"extra={sorted(kwargs)}")
         if fast_ok and capture != "dynamo":
             fast_options = options
             if backend in (None, "inductor"):
                 # the signature check compares every input's strides: inductor's per-call asserts are redundant
                 fast_options = {"size_asserts": False, **(options or {})}
-            self._backend = _make_backend(backend, mode, fast_options, dynamic)
+            # (mode="reduce-overhead": the CUDA graph is functrain's, around inductor's default-mode code)
+            self._backend = _make_backend(backend, None if self._graphs else mode, fast_options, dynamic)
+            self._packages = self._make_packages(package, cache_dir, backend, mode, options)
             self._fast = self._fast_path(owned=False)
             return
+        if package:
+            raise ValueError("ft.compile(package=True) needs the flat capture (fullgraph=True, static shapes, "
+                             "no extra torch.compile arguments, capture='auto' or 'flat'; with mode="
+                             f"'reduce-overhead', donate=True); got capture={capture!r}, fullgraph={fullgraph!r}, "
+                             f"dynamic={dynamic!r}, mode={mode!r}, donate={donate!r}, extra={sorted(kwargs)}")
         self._backend = _make_backend(backend, mode, options, dynamic)
         fn = _own_code(self._donating if self.donate else _apply)
         fn.__defaults__ = (step,)
         self._compiled = torch.compile(fn, fullgraph=fullgraph, backend=self._backend, dynamic=dynamic, **kwargs)
 
+    def _make_packages(self, package: bool, cache_dir: Any, backend: Any, mode: str | None,
+                       options: dict | None) -> Any:
+        if not package:
+            return None
+        if cache_dir is None:
+            raise ValueError("ft.compile(package=True) needs cache_dir=: the folder its packages are kept in")
+        if backend not in (None, "inductor") or options or mode not in (None, "default", "reduce-overhead"):
+            raise ValueError(f"ft.compile(package=True) compiles with AOTInductor's defaults: it takes no "
+                             f"backend=, options= or mode= other than 'reduce-overhead'; got backend={backend!r}, "
+                             f"options={options!r}, mode={mode!r}")
+        from .compile_package import Packages
+        return Packages(os.fspath(cache_dir))
+
+    def _count(self) -> None:
+        self._backend.count += 1
+
     def _fast_path(self, owned: bool) -> FastPath:
         step = self.step
+        packages = self._packages
+
+        def package(gm: Any, inputs: list) -> Any:
+            return packages(gm, inputs, self._count)
 
         def check(state: Any, batch: Any) -> None:  # what Step.host_call checks before running
             step.check_state(state)
@@ -145,7 +199,8 @@ class CompiledStep:
             self._explain(error, state, batch, graph_break=True)
 
         return FastPath(step.apply, self._backend, donate=self.donate or owned, check=check, with_rng=with_rng,
-                        rank=step.rng_offset, explain=explain, owned=owned)
+                        rank=step.rng_offset, explain=explain, owned=owned, cuda_graphs=self._graphs,
+                        package=package if packages is not None else None)
 
     @property
     def compiles(self) -> int:
@@ -239,6 +294,7 @@ class CompiledStep:
 
 
 def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture: str = "auto",
+            cache_dir: str | os.PathLike | None = None, package: bool = False,
             **torch_compile_kwargs: Any) -> CompiledStep:
     """Compile the whole step with ``torch.compile`` (``fullgraph=True`` by default).
 
@@ -256,13 +312,27 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture
     functrain's check that the state's structure and every leaf's shape, stride, dtype
     and device match the capture (a change compiles again and counts in ``compiles``).
     Python values the step reads (closures, globals) are constants of the capture, as
-    under ``jax.jit``. ``fullgraph=False``, ``dynamic=True``, ``mode="reduce-overhead"``
-    or extra ``torch.compile`` arguments use ``torch.compile`` per call instead, and
-    ``capture="dynamo"`` asks for that path explicitly (``"flat"`` insists on the fast one).
+    under ``jax.jit``. ``fullgraph=False``, ``dynamic=True`` or extra ``torch.compile``
+    arguments use ``torch.compile`` per call instead, and ``capture="dynamo"`` asks for
+    that path explicitly (``"flat"`` insists on the fast one).
+
+    ``mode="reduce-overhead"`` (CUDA graphs): with ``donate=True`` (or through
+    :meth:`CompiledStep.donating`, as ``ft.run`` calls it) the fast path replays the
+    compiled step as one CUDA graph on the donated state's buffers, the batch copied in
+    (:mod:`functrain.cudagraph`); a step it cannot graph (a CPU state, random numbers)
+    warns and runs without. Undonated, it is inductor's CUDA graphs on the Dynamo path.
 
     A later process that traces the same graph (a resumed run, a second run, another
-    rank) reuses AOTAutograd's and inductor's on-disk caches (``TORCHINDUCTOR_CACHE_DIR``),
-    keyed by torch on the graph, shapes, config and version.
+    rank) reuses AOTAutograd's and inductor's on-disk caches, keyed by torch on the graph,
+    shapes, dtypes, devices, config and version (a changed loss is a new key, compiled
+    afresh). ``cache_dir`` puts them in ``cache_dir/inductor`` (a folder of this user's,
+    not world-writable; inductor's folder is process-wide, so the first one a process
+    compiles with stays; default: ``TORCHINDUCTOR_CACHE_DIR`` or inductor's own). Ranks
+    of one machine starting together compile each graph once: the first takes a lock
+    on it, the others wait and load its entry. See :mod:`functrain.compile_cache`.
+    ``package=True`` (with ``cache_dir``) compiles each graph ahead of time into a package
+    instead (AOTInductor: a slower first compile), which a later process tracing the same
+    graph loads in milliseconds (:mod:`functrain.compile_package`).
 
     Example::
 
@@ -270,5 +340,7 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture
         cstep = ft.compile(step)            # first call compiles (seconds), later calls are fast
         state, metrics = cstep(state, batch)
         cstep.compiles                      # 1
+        cstep = ft.compile(step, cache_dir="runs/a/compile_cache")   # a resumed run loads, not compiles
     """
-    return CompiledStep(step, donate=donate, fullgraph=fullgraph, capture=capture, **torch_compile_kwargs)
+    return CompiledStep(step, donate=donate, fullgraph=fullgraph, capture=capture, cache_dir=cache_dir,
+                        package=package, **torch_compile_kwargs)

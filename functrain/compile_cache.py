@@ -1,0 +1,298 @@
+"""What makes a second compile of ``ft.compile``'s step cheap: its cache folder, a lock per graph, a probe memo.
+
+A process that traces the same graph as an earlier one (a resumed run, a second run,
+another rank) is served by AOTAutograd's and inductor's on-disk FX-graph caches, which
+torch keys on the graph, the input shapes / strides / dtypes / devices, the inductor
+config and the torch version: a changed loss, shape, device or torch build is a
+different key, compiled afresh, never a stale entry. functrain adds three things:
+
+* **the folder** (:func:`use_cache_dir`): ``ft.compile(step, cache_dir=...)`` points
+  inductor's cache at ``cache_dir/inductor``. Inductor reads its folder from the
+  process-wide ``TORCHINDUCTOR_CACHE_DIR``, so the first folder a process compiles
+  with is the one it keeps; a different one later is a warning, not a silent switch.
+  The folder must belong to this user and not be world-writable (the cache holds
+  shared libraries the process loads).
+* **a lock per graph** (:func:`compile_lock`): N ranks of one machine that start
+  together would each compile the same graph from scratch (each misses the cache
+  before any has written it). The first to arrive takes an ``flock`` on a file named
+  by the traced graph's hash; the others wait (bounded: after
+  ``FUNCTRAIN_COMPILE_LOCK_TIMEOUT`` seconds, 600 by default, they compile themselves
+  with a warning), then find the entry the first one wrote.
+* **a memo of inductor's CPU probes** (:func:`probe_memo`): before its first CPU
+  kernel, inductor compiles a test program per vector ISA the CPU reports and loads
+  each in a child process (~7 s cold, ~1.3 s with the probes' builds cached: most of a
+  small step's compile). The memo keeps which probes *passed* in a JSON file in the
+  user's cache (``FUNCTRAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/functrain``, else
+  ``~/.cache/functrain``), keyed by the probe's code and flags, the compiler binary
+  (path, size, mtime), the host, the CPU's features and the torch build. A passed probe
+  is not run again; a failed one always is (a transient failure is not remembered), so
+  inductor picks the same ISA, and builds the same kernels, as without the memo.
+
+No cache file is unpickled by functrain: the memo is JSON, written atomically (temp
+file + rename); an unreadable or foreign memo is rebuilt with a warning, never trusted.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import stat
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["use_cache_dir", "compile_lock", "probe_memo", "graph_key", "check_private_folder", "machine"]
+
+_MEMO_FORMAT = 1
+_LOCK_TIMEOUT = 600.0
+_active: str | None = None  # the inductor folder this process compiles into (set by use_cache_dir)
+
+
+def check_private_folder(path: str, *, create: bool = True) -> str:
+    """``path`` as an absolute folder owned by this user and not world-writable (raises otherwise).
+
+    (New folders are made ``0o700``; a group-writable one is accepted, as a user-private group's umask makes it.)
+    """
+    path = os.path.abspath(os.fspath(path))
+    if create:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    info = os.stat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"ft.compile cache folder {path!r} is not a folder")
+    getuid = getattr(os, "getuid", None)
+    if getuid is not None and info.st_uid != getuid():
+        raise ValueError(f"ft.compile cache folder {path!r} belongs to uid {info.st_uid}, not to this user "
+                         f"(uid {getuid()}): its compiled code would be loaded into this process; use a folder "
+                         f"of your own")
+    if getuid is not None and info.st_mode & stat.S_IWOTH:
+        raise ValueError(f"ft.compile cache folder {path!r} is writable by everyone (mode {oct(info.st_mode & 0o777)}):"
+                         f" anyone could plant code this process loads; chmod go-w it, or use another folder")
+    return path
+
+
+def use_cache_dir(cache_dir: Any) -> str:
+    """Make ``cache_dir/inductor`` the on-disk compile cache of this process; returns the folder in use.
+
+    Inductor's folder is process-wide (``TORCHINDUCTOR_CACHE_DIR``): the first call decides it,
+    a later call with another folder warns and keeps the first.
+
+    Example::
+
+        use_cache_dir("results/compile_cache")   # what ft.compile(step, cache_dir=...) calls
+    """
+    global _active
+    if not isinstance(cache_dir, (str, os.PathLike)):
+        raise TypeError(f"ft.compile(cache_dir=...) takes a folder path (str or os.PathLike); "
+                        f"got {type(cache_dir).__name__}")
+    root = check_private_folder(cache_dir)
+    folder = check_private_folder(os.path.join(root, "inductor"))
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if _active is None and current is not None and _inductor_compiled():
+        _active = os.path.abspath(current)  # inductor has compiled in this process, into its folder
+    if _active is not None and _active != folder:
+        warnings.warn(f"ft.compile(cache_dir={os.fspath(cache_dir)!r}): this process already compiles into "
+                      f"{_active!r} (inductor's cache folder is process-wide, TORCHINDUCTOR_CACHE_DIR); "
+                      f"keeping that one", stacklevel=3)
+        return _active
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    _active = folder
+    return folder
+
+
+def _inductor_compiled() -> bool:
+    """Whether inductor has compiled (or loaded) a graph in this process (its folder is then in use)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(utils, "counters", None)
+    return bool(counters is not None and counters.get("inductor"))
+
+
+def _inductor_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    return cache_dir()
+
+
+def graph_key(gm: torch.fx.GraphModule, inputs: list) -> str:
+    """A hash of a traced graph and its inputs' metadata: names the graph's lock (not a cache key:
+    torch's caches key on the graph themselves)."""
+    h = hashlib.sha256()
+    h.update(torch.__version__.encode())
+    h.update(gm.code.encode())
+    for t in inputs:
+        h.update(repr((tuple(t.shape), t.stride(), str(t.dtype), str(t.device))).encode())
+    return h.hexdigest()[:40]
+
+
+def _lock_timeout() -> float:
+    raw = os.environ.get("FUNCTRAIN_COMPILE_LOCK_TIMEOUT")
+    if raw is None:
+        return _LOCK_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"FUNCTRAIN_COMPILE_LOCK_TIMEOUT must be a number of seconds >= 0; got {raw!r}")
+    return value
+
+
+@contextlib.contextmanager
+def compile_lock(key: str) -> Iterator[bool]:
+    """Hold the machine-wide lock on graph ``key`` while compiling it (yields whether it is held).
+
+    Another process holding it is waited for, at most ``FUNCTRAIN_COMPILE_LOCK_TIMEOUT``
+    seconds; after that this one compiles anyway (a warning says so). Without ``fcntl``
+    (Windows) or a writable lock folder there is no lock: each process compiles itself.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield False
+        return
+    timeout = _lock_timeout()
+    try:
+        folder = check_private_folder(os.path.join(_inductor_dir(), "functrain-locks"))
+        fd = os.open(os.path.join(folder, key + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    except (OSError, ValueError) as e:
+        warnings.warn(f"ft.compile: no compile lock ({e}); processes starting together may each compile "
+                      f"this graph", stacklevel=3)
+        yield False
+        return
+    held = False
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    warnings.warn(f"ft.compile: another process has been compiling this graph for over "
+                                  f"{timeout:g} s (FUNCTRAIN_COMPILE_LOCK_TIMEOUT); compiling it here too",
+                                  stacklevel=3)
+                    break
+                time.sleep(0.05)
+        yield held
+    finally:
+        if held:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+# -- the probe memo ---------------------------------------------------------------------------
+def memo_folder() -> str:
+    """Where the probe memo lives: ``FUNCTRAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/functrain``, else ``~/.cache/functrain``."""
+    root = os.environ.get("FUNCTRAIN_CACHE_DIR")
+    if root:
+        return root
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(xdg, "functrain")
+
+
+def machine() -> dict:
+    """This machine and torch build, as compiled code depends on them: host, CPU features, torch, python."""
+    import platform
+    import socket
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    cuda = None
+    if torch.cuda.is_available():
+        cuda = [torch.version.cuda, [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+                [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]]
+    return {"torch": [torch.__version__, getattr(torch.version, "git_version", None), os.path.dirname(torch.__file__)],
+            "python": [sys.executable, sys.version], "host": socket.gethostname(), "machine": platform.machine(),
+            "cpu": sorted((k, v) for k, v in caps.items() if isinstance(v, (bool, int, str))), "cuda": cuda,
+            "env": {k: os.environ.get(k) for k in ("LD_LIBRARY_PATH", "ATEN_CPU_CAPABILITY")}}
+
+
+def _machine() -> dict:
+    """What a probe's outcome depends on besides its code and flags: the machine and the compiler."""
+    import shutil
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    compiler = get_cpp_compiler()
+    where = shutil.which(compiler) or compiler
+    try:
+        info = os.stat(os.path.realpath(where))
+        ident = [os.path.realpath(where), info.st_size, info.st_mtime_ns]
+    except OSError:
+        ident = [where, None, None]
+    return {"format": _MEMO_FORMAT, **machine(), "compiler": ident,
+            "compiler_env": {k: os.environ.get(k) for k in ("CXX", "CC", "CPATH", "TORCH_CUDA_ARCH_LIST")}}
+
+
+def _load_memo(path: str) -> set:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if not (isinstance(data, dict) and data.get("format") == _MEMO_FORMAT and isinstance(data.get("passed"), list)
+                and all(isinstance(k, str) for k in data["passed"])):
+            raise ValueError("not a functrain probe memo")
+        return set(data["passed"])
+    except FileNotFoundError:
+        return set()
+    except (OSError, ValueError) as e:
+        warnings.warn(f"ft.compile: ignoring the unreadable probe memo {path!r} ({type(e).__name__}: {e}); "
+                      f"it is rebuilt", stacklevel=4)
+        return set()
+
+
+def _save_memo(path: str, passed: set) -> None:
+    folder = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".probe-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"format": _MEMO_FORMAT, "passed": sorted(passed)}, f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def probe_memo() -> Iterator[None]:
+    """While compiling: inductor's CPU ISA probes that passed on this machine before are not run again."""
+    try:
+        from torch._inductor import cpu_vec_isa
+    except ImportError:  # pragma: no cover - a torch without inductor's CPU backend
+        yield
+        return
+    original = cpu_vec_isa.VecISA.check_build
+    if getattr(original, "_functrain_memo", False):  # nested compile: already in place
+        yield
+        return
+    try:
+        folder = check_private_folder(memo_folder())
+        machine = json.dumps(_machine(), sort_keys=True, default=str)
+    except (OSError, ValueError) as e:
+        warnings.warn(f"ft.compile: no probe memo ({e}); inductor probes the CPU's vector ISAs in every "
+                      f"process (seconds)", stacklevel=3)
+        yield
+        return
+    path = os.path.join(folder, "vec_isa_probes.json")
+    passed = _load_memo(path)
+
+    def check_build(self: Any, code: str) -> bool:
+        key = hashlib.sha256(json.dumps([machine, type(self).__name__, str(self), self.build_arch_flags(),
+                                         code]).encode()).hexdigest()
+        if key in passed:
+            return True
+        ok = original(self, code)
+        if ok:
+            passed.add(key)
+            try:
+                _save_memo(path, passed | _load_memo(path))  # keep what another process added meanwhile
+            except OSError as e:
+                warnings.warn(f"ft.compile: could not write the probe memo {path!r} ({e})", stacklevel=2)
+        return ok
+
+    check_build._functrain_memo = True  # type: ignore[attr-defined]
+    cpu_vec_isa.VecISA.check_build = check_build
+    try:
+        yield
+    finally:
+        cpu_vec_isa.VecISA.check_build = original

@@ -439,3 +439,15 @@ def test_sigkill_during_sharded_saves_leaves_a_complete_checkpoint(tmp_path):
     ft.save(path, make(start), extra={"step": start})  # the next save cleans what the killed ones left
     assert not [e for e in os.listdir(tmp_path) if e.startswith(".")]
     print(f"{leftovers_seen} of 6 kills left a temporary folder")
+
+
+def test_per_parameter_groups_are_refused_by_a_sharded_step():
+    # the update runs on flat per-dtype shards: a name-based mask would silently apply to nothing
+    loss = lambda p, b, x: (p["w"] * x).sum() + p["b"].sum()  # noqa: E731
+    masked = ft.optim.adamw(1e-3, weight_decay=0.1, weight_decay_mask=lambda name, p: p.ndim > 1)
+    for shard in ("optimizer", "params"):
+        with pytest.raises(ValueError, match="weight_decay_mask"):
+            ft.data_parallel(shard=shard)(ft.train_step(loss, masked))
+        ft.data_parallel(shard=shard)(ft.train_step(loss, ft.optim.adamw(1e-3, weight_decay=0.1)))  # no groups: fine
+    assert masked.per_param and not ft.optim.adamw(1e-3).per_param
+    assert ft.optim.sgd(0.1, lr_multipliers=lambda name, p: 2.0).per_param

@@ -137,6 +137,10 @@ class ShardedDataParallel(Transform):
         self.layout: FlatLayout | None = None
 
     def __call__(self, step: Any) -> Any:
+        if getattr(getattr(step, "optimizer", None), "per_param", False):
+            raise ValueError(f"data_parallel(shard={self.shard!r}) updates flat per-dtype shards, which have no "
+                             f"parameter names: this optimizer's weight_decay_mask / lr_multipliers groups cannot "
+                             f"apply there; use shard='none' or an optimizer without per-parameter groups")
         t = copy.copy(self)  # one layout per step: the same transform object may wrap several steps
         t.layout = None
         return Transform.__call__(t, step)

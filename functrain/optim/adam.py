@@ -101,7 +101,8 @@ def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool, wei
         )
         return unflatten(new_p), new_state
 
-    return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr))
+    return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr),
+                     per_param=weight_decay_mask is not None or lr_multipliers is not None)
 
 
 def adam(

@@ -46,6 +46,9 @@ class Optimizer(NamedTuple):
     init: Callable[[Any], Any]
     update: Callable[[Any, Any, Any], tuple]
     learning_rate: Callable[[Any], Any]
+    # whether the update treats parameters by name (weight_decay_mask / lr_multipliers groups): a state
+    # whose params are flat buffers or shards (ft.flat, data_parallel(shard=...)) has no names to go by
+    per_param: bool = False
 
 
 # ----------------------------------------------------------------- validation

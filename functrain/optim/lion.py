@@ -108,4 +108,5 @@ def lion(
         new_p, new_m = run_groups(groups, group_update, p, g, m)
         return unflatten(new_p), LionState(count=count + 1, exp_avg=unflatten(new_m))
 
-    return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr))
+    return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr),
+                     per_param=weight_decay_mask is not None or lr_multipliers is not None)

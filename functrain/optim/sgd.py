@@ -139,4 +139,5 @@ def sgd(
         new_state = SGDState(count=count + 1, momentum_buffer=unflatten(new_buf[0]) if new_buf else None)
         return unflatten(new_p), new_state
 
-    return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr))
+    return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr),
+                     per_param=weight_decay_mask is not None or lr_multipliers is not None)

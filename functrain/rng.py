@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ._validate import BadValue, check_int
-from .checks import rng_problem
+from .checks import rng_ok, rng_problem
 
 __all__ = ["rng_init", "with_rng"]
 
@@ -104,13 +104,9 @@ def with_rng(fn: Callable, state: Any, batch: Any, rank: int = 0) -> tuple[Any, 
     rng = state.rng
     if rng is None:
         return fn(state, batch)
-    try:
-        key = rng["key"]
-        if key.dtype is not torch.int64:
-            raise TypeError(key.dtype)
-        seed, counter = (int(v) for v in key.numpy())  # a host tensor, read without a torch op
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError):
-        raise BadValue(f"the state does not match this step: {rng_problem(rng)}") from None
+    if not rng_ok(rng):
+        raise BadValue(f"the state does not match this step: {rng_problem(rng)}")
+    seed, counter = rng["key"].tolist()  # a host tensor: read without a torch op (and so no sync)
     seed_now = step_seed(seed, counter)
     devices = _devices(state)
     saved = {dev: _get_rng(dev) for dev in devices}

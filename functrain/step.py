@@ -291,9 +291,11 @@ def _grad_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
 
 def _normalise_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
     # one division by the global denominator (micro-batches or items)
-    if not (isinstance(ctx.denom, float) and ctx.denom == 1.0):
+    one = isinstance(ctx.denom, float) and ctx.denom == 1.0
+    if not one:
         ctx.grads = T.tree_scale(ctx.grads, 1.0 / ctx.denom)
-    ctx.metrics["loss"] = ctx.loss / ctx.denom
+    # eagerly, ÷ 1.0 is a copy of a tensor made for this step (traced, a division the graph folds)
+    ctx.metrics["loss"] = ctx.loss if one and not torch.compiler.is_compiling() else ctx.loss / ctx.denom
     for k, v in ctx.aux.items():
         ctx.metrics[k] = v / ctx.weight
     if ctx._counts_items:  # the loss is a sum over items: report the global count
@@ -302,7 +304,8 @@ def _normalise_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
 
 def _update_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
     lr = step.optimizer.learning_rate(ctx.opt_state)
-    ctx.metrics["lr"] = torch.as_tensor(lr, dtype=torch.float64)
+    ctx.metrics["lr"] = (torch.scalar_tensor(lr, dtype=torch.float64) if isinstance(lr, float)
+                         else torch.as_tensor(lr, dtype=torch.float64))
     update_fn: Callable = step.optimizer.update
     for hook in reversed(hooks):
         update_fn = hook(update_fn, ctx)
@@ -556,8 +559,10 @@ def _autograd_grad(loss_fn: Callable, params: Any, buffers: Any, batch: Any) -> 
     with torch.enable_grad():
         objective, out = loss_fn(optree.tree_unflatten(spec, live), buffers, batch)
         grads = torch.autograd.grad(objective, live, allow_unused=True)
-    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
-    out = optree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, out)
+    if any(g is None for g in grads):
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
+    if any(t.requires_grad for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)):
+        out = optree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, out)
     return optree.tree_unflatten(spec, grads), out
 
 

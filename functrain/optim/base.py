@@ -16,6 +16,7 @@ from .. import _validate
 # describe / is_real / leaf_path are re-exported for the optimizers (one copy, in _validate).
 from .._validate import describe, is_real  # noqa: F401
 from .._validate import path_str as leaf_path  # noqa: F401
+from .._host import host_number  # noqa: F401  (the optimizers' eager scalar path)
 
 __all__ = ["Optimizer"]
 
@@ -166,31 +167,6 @@ def lr_value(lr: float | Callable[[Any], Any], count: torch.Tensor) -> float | t
     if isinstance(value, torch.Tensor):
         return value.to(dtype=torch.float64, device=count.device)
     return torch.tensor(value, dtype=torch.float64, device=count.device)
-
-
-def host_number(x: Any) -> Any:
-    """``x`` as a Python number when reading it is free and cannot end up baked into a trace, else ``x``.
-
-    That is a plain 0-dim CPU tensor in eager code: not a fake, functional or
-    batched tensor, not under ``torch.compile`` / ``make_fx`` (``is_compiling``, a dispatch
-    mode), not wrapped by a ``torch.func`` transform. Reading such a tensor is a host memory
-    read, not a device sync, and ``.tolist()`` runs no aten op. The optimizers use it for the
-    step counter and a scheduled lr: their scalar math (bias corrections, step size) is then
-    Python floats, as in ``torch.optim``'s for-loop and foreach paths (the same numbers, and
-    about ten tiny tensor ops fewer per update). Anything else stays a tensor: a traced or
-    device-side counter keeps the sync-free tensor math.
-
-    Example::
-
-        >>> import torch
-        >>> from functrain.optim.base import host_number
-        >>> host_number(torch.tensor(3)), host_number(2.5)
-        (3, 2.5)
-    """
-    if (type(x) is torch.Tensor and x.is_cpu and x.dim() == 0 and not torch.compiler.is_compiling()
-            and not torch._C._len_torch_dispatch_stack() and not torch._C._functorch.is_functorch_wrapped_tensor(x)):
-        return x.tolist()
-    return x
 
 
 def make_learning_rate(lr: float | Callable[[Any], Any]) -> Callable[[Any], Any]:

@@ -60,15 +60,35 @@ class Accumulate(Transform):
         n = self.n
 
         def accumulated(params, buffers, batch):
-            grads = out = None
+            if torch.compiler.is_compiling():  # traced: out-of-place sums, one graph node each
+                grads = out = None
+                for micro in split_batch(batch, n):
+                    g, o = grad_fn(params, buffers, micro)
+                    buffers = o["buffers"]
+                    if grads is None:
+                        grads, out = g, o
+                    else:
+                        grads, out = T.tree_add(grads, g), add_outs(out, o)
+                return grads, out
+            # Eager: the sums run over flat leaves; the second micro-batch's sum makes fresh tensors
+            # (never the grad_fn's own, which a wrapper might keep) and later ones add into them in
+            # place. The same additions in the same order as above: the same bits.
+            spec = acc = out = None
+            owned = False  # acc holds tensors this function made
             for micro in split_batch(batch, n):
                 g, o = grad_fn(params, buffers, micro)
                 buffers = o["buffers"]
-                if grads is None:
-                    grads, out = g, o
+                if spec is None:
+                    acc, spec = optree.tree_flatten(g)
+                    out = o
+                    continue
+                leaves = spec.flatten_up_to(g)
+                if owned:
+                    torch._foreach_add_(acc, leaves)
                 else:
-                    grads, out = T.tree_add(grads, g), add_outs(out, o)
-            return grads, out
+                    acc, owned = torch._foreach_add(acc, leaves), True
+                out = add_outs(out, o)
+            return optree.tree_unflatten(spec, acc), out
 
         return accumulated if n > 1 else grad_fn
 

@@ -33,6 +33,7 @@ import torch
 from torch.func import grad_and_value
 
 from . import tree as T
+from ._eager import FlatDict
 from .checks import Layout, check_batch, check_inputs, check_loss, check_params
 from .checks import check_state as _check_state
 from .layout import SLOT, ShardState
@@ -278,7 +279,7 @@ def _grad_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
         if torch.compiler.is_compiling():  # traced: torch.func composes with Dynamo
             grads, (_, out) = grad_and_value(_tensor_aux(loss_fn), has_aux=True)(params, buffers, batch)
             return grads, {"denom": 1.0, "weight": 1.0, **out}
-        return _autograd_grad(loss_fn, params, buffers, batch)
+        return _autograd_grad(loss_fn, params, buffers, batch, step._flat)
 
     grad_fn: Callable = base_grad
     for hook in reversed(hooks):
@@ -293,7 +294,8 @@ def _normalise_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
     # one division by the global denominator (micro-batches or items)
     one = isinstance(ctx.denom, float) and ctx.denom == 1.0
     if not one:
-        ctx.grads = T.tree_scale(ctx.grads, 1.0 / ctx.denom)
+        leaves, spec = step._flat(ctx.grads)
+        ctx.grads = T.tree_unflatten(spec, torch._foreach_mul(leaves, 1.0 / ctx.denom)) if leaves else ctx.grads
     # eagerly, ÷ 1.0 is a copy of a tensor made for this step (traced, a division the graph folds)
     ctx.metrics["loss"] = ctx.loss if one and not torch.compiler.is_compiling() else ctx.loss / ctx.denom
     for k, v in ctx.aux.items():
@@ -381,6 +383,7 @@ class Step:
         self._offsets = tuple(t.rng_offset for t in ordered if _uses(t, "rng_offset"))
         self._shards_state = any(getattr(t, "shards_state", False) for t in self.transforms)
         self._layout: Layout | None = None  # check_state's expectations, found once
+        self._flat = FlatDict()  # flattens the params (and the gradients, shaped alike) eagerly
 
     # -- building ---------------------------------------------------------------------------
     def with_transform(self, transform: Transform) -> "Step":
@@ -551,19 +554,31 @@ def _tensor_aux(loss_fn: Callable) -> Callable:
     return fn
 
 
-def _autograd_grad(loss_fn: Callable, params: Any, buffers: Any, batch: Any) -> tuple[Any, dict]:
+def _autograd_grad(loss_fn: Callable, params: Any, buffers: Any, batch: Any,
+                   flatten: Callable = optree.tree_flatten) -> tuple[Any, dict]:
     """The eager path of the grad stage: ``torch.autograd.grad``, the same math as
     ``torch.func.grad_and_value`` at a fraction of its per-call Python cost."""
-    leaves, spec = optree.tree_flatten(params)
+    leaves, spec = flatten(params)
     live = [p.detach().requires_grad_(True) for p in leaves]
     with torch.enable_grad():
         objective, out = loss_fn(optree.tree_unflatten(spec, live), buffers, batch)
         grads = torch.autograd.grad(objective, live, allow_unused=True)
     if any(g is None for g in grads):
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
-    if any(t.requires_grad for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)):
+    if _has_grad(out):
         out = optree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, out)
     return optree.tree_unflatten(spec, grads), out
+
+
+def _has_grad(tree: Any) -> bool:
+    """Does a tensor in ``tree`` require grad? (dicts walked directly: the grad stage's ``out``)"""
+    if isinstance(tree, torch.Tensor):
+        return tree.requires_grad
+    if type(tree) is dict:
+        return any(_has_grad(v) for v in tree.values())
+    if tree is None or isinstance(tree, (float, int)):
+        return False
+    return any(t.requires_grad for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
 def train_step(loss_fn: LossFn, optimizer: Any) -> Step:

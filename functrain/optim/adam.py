@@ -13,6 +13,7 @@ from .base import (
     check_lr,
     check_real,
     flatten_params,
+    FlatDict,
     flatten_update,
     host_number,
     init_count,
@@ -51,6 +52,8 @@ def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool, wei
     weight_decay = check_real("weight_decay", weight_decay, lo=0.0)
     check_group_args(owner, weight_decay, weight_decay_mask, lr_multipliers)
 
+    flat = FlatDict()  # the params' treespec, cached for the eager update
+
     def init(params: Any) -> AdamState:
         leaves, spec = flatten_params(params)
         make_groups(params, weight_decay_mask, lr_multipliers)  # check the mask / multipliers now
@@ -59,7 +62,7 @@ def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool, wei
 
     def update(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState]:
         count = state.count
-        unflatten, p, g, (m, v) = flatten_update(grads, params, state.exp_avg, state.exp_avg_sq)
+        unflatten, p, g, (m, v) = flatten_update(grads, params, state.exp_avg, state.exp_avg_sq, flatten=flat)
         if not p:
             return params, state._replace(count=count + 1)
         lr_base = lr_value(lr, count)
@@ -93,7 +96,7 @@ def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool, wei
         else:
             group_update = _traced_group_update(lr_base, count, beta1, beta2, eps, weight_decay, decoupled)
 
-        groups = make_groups(params, weight_decay_mask, lr_multipliers)
+        groups = make_groups(params, weight_decay_mask, lr_multipliers, n=len(p))
         new_p, m, v = run_groups(groups, group_update, p, g, m, v)
         new_state = AdamState(
             count=count + 1,

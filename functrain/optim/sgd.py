@@ -12,6 +12,7 @@ from .base import (
     check_lr,
     check_real,
     flatten_params,
+    FlatDict,
     flatten_update,
     init_count,
     lr_value,
@@ -92,6 +93,8 @@ def sgd(
         )
     check_group_args("sgd", weight_decay, weight_decay_mask, lr_multipliers)
 
+    flat = FlatDict()  # the params' treespec, cached for the eager update
+
     def init(params: Any) -> SGDState:
         leaves, spec = flatten_params(params)
         make_groups(params, weight_decay_mask, lr_multipliers)  # check the mask / multipliers now
@@ -103,7 +106,7 @@ def sgd(
     def update(grads: Any, state: SGDState, params: Any) -> tuple[Any, SGDState]:
         count = state.count
         bufs_in = [state.momentum_buffer] if momentum != 0 else []
-        unflatten, p, g, trees = flatten_update(grads, params, *bufs_in)
+        unflatten, p, g, trees = flatten_update(grads, params, *bufs_in, flatten=flat)
         if not p:
             return params, state._replace(count=count + 1)
         lr_base = lr_value(lr, count)
@@ -134,7 +137,7 @@ def sgd(
                 new_p = torch._foreach_add(p, d, alpha=-lr_t)
             return (new_p, *new_buf)
 
-        groups = make_groups(params, weight_decay_mask, lr_multipliers)
+        groups = make_groups(params, weight_decay_mask, lr_multipliers, n=len(p))
         new_p, *new_buf = run_groups(groups, group_update, p, g, *trees)
         new_state = SGDState(count=count + 1, momentum_buffer=unflatten(new_buf[0]) if new_buf else None)
         return unflatten(new_p), new_state

@@ -7,7 +7,7 @@ import torch
 
 from .. import tree as T
 from .._validate import check_int, check_real
-from .._host import host_number
+from .._eager import FlatDict, host_number
 from ..step import StepContext, Transform
 from ..registry import register_checkpoint_type
 
@@ -41,6 +41,7 @@ class EMA(Transform):
         self.decay = check_real("ema: decay", decay, lo=0, hi=1, lo_open=True, hi_open=True)
         self.every = check_int("ema: every", every, minimum=1)
         self.start_step = check_int("ema: start_step", start_step, minimum=0)
+        self._flat = FlatDict()
 
     def init(self, params, buffers) -> EmaState:
         leaves = T.tree_leaves(params)
@@ -49,7 +50,7 @@ class EMA(Transform):
 
     def after(self, ctx: StepContext) -> None:
         old: EmaState = ctx.slot(self)
-        leaves, spec = T.tree_flatten(old.params)
+        leaves, spec = self._flat(old.params)
         new_params = spec.flatten_up_to(ctx.params)
         blended = torch._foreach_lerp(leaves, new_params, 1.0 - self.decay)
         count = host_number(old.count) if ctx.apply is None else old.count

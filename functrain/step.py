@@ -28,13 +28,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, ClassVar, Iterable, NamedTuple
 
-import optree
 import torch
 from torch.func import grad_and_value
 
 from . import tree as T
 from ._eager import FlatDict
-from .checks import Layout, check_batch, check_inputs, check_loss, check_params
+from ._grad import autograd_grad, base_loss, tensor_aux
+from .checks import Layout, check_batch, check_inputs, check_params
 from .checks import check_state as _check_state
 from .layout import SLOT, ShardState
 from .rng import rng_init, with_rng
@@ -277,9 +277,9 @@ def _grad_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
 
     def base_grad(params, buffers, batch):
         if torch.compiler.is_compiling():  # traced: torch.func composes with Dynamo
-            grads, (_, out) = grad_and_value(_tensor_aux(loss_fn), has_aux=True)(params, buffers, batch)
+            grads, (_, out) = grad_and_value(tensor_aux(loss_fn), has_aux=True)(params, buffers, batch)
             return grads, {"denom": 1.0, "weight": 1.0, **out}
-        return _autograd_grad(loss_fn, params, buffers, batch, step._flat)
+        return autograd_grad(loss_fn, params, buffers, batch, step._flat)
 
     grad_fn: Callable = base_grad
     for hook in reversed(hooks):
@@ -513,72 +513,7 @@ class Step:
         return new_state, ctx.metrics
 
     def _base_loss(self, params: Any, buffers: Any, batch: Any) -> tuple[torch.Tensor, dict]:
-        # The forward pass may update buffers in place (BatchNorm statistics):
-        # give it copies so that the input state is never written.
-        buffers = T.tree_map(torch.clone, buffers)
-        result = self.loss_fn(params, buffers, batch)
-        loss, aux = result if isinstance(result, tuple) else (result, {})
-        if isinstance(result, tuple) and len(result) != 2:
-            raise TypeError(f"loss_fn must return a scalar loss or (loss, aux_dict); got a tuple of {len(result)}")
-        check_loss(loss)
-        if not isinstance(aux, dict):
-            raise TypeError(f"loss_fn's aux must be a dict of tensors (metrics); got {type(aux).__name__}")
-        aux = dict(aux)
-        num_items = aux.pop("num_items", None)
-        # Denominators known before the step runs stay Python numbers (a mean loss counts 1 per
-        # micro-batch): the graph then divides by a constant, or not at all.
-        if num_items is None:
-            denom: Any = 1.0
-        else:
-            denom = torch.as_tensor(num_items, device=loss.device).to(torch.float32).detach()
-        aux = {k: torch.as_tensor(v).detach().to(torch.float32) for k, v in aux.items()}
-        out = {
-            "loss": loss.detach().to(torch.float32),
-            "denom": denom,
-            "aux": aux,
-            "weight": 1.0,
-            "buffers": buffers,
-        }
-        if num_items is not None:
-            out["num_items"] = out["denom"]
-        return loss, out
-
-def _tensor_aux(loss_fn: Callable) -> Callable:
-    """``loss_fn`` with the per-micro-batch constants (``denom``/``weight`` of 1.0) left out of its
-    aux output: torch.func transforms return tensors only; ``base_grad`` puts them back."""
-
-    def fn(params, buffers, batch):
-        objective, out = loss_fn(params, buffers, batch)
-        return objective, {k: v for k, v in out.items() if not isinstance(v, float)}
-
-    return fn
-
-
-def _autograd_grad(loss_fn: Callable, params: Any, buffers: Any, batch: Any,
-                   flatten: Callable = optree.tree_flatten) -> tuple[Any, dict]:
-    """The eager path of the grad stage: ``torch.autograd.grad``, the same math as
-    ``torch.func.grad_and_value`` at a fraction of its per-call Python cost."""
-    leaves, spec = flatten(params)
-    live = [p.detach().requires_grad_(True) for p in leaves]
-    with torch.enable_grad():
-        objective, out = loss_fn(optree.tree_unflatten(spec, live), buffers, batch)
-        grads = torch.autograd.grad(objective, live, allow_unused=True)
-    if any(g is None for g in grads):
-        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
-    if _has_grad(out):
-        out = optree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, out)
-    return optree.tree_unflatten(spec, grads), out
-
-
-def _has_grad(tree: Any) -> bool:
-    """Does a tensor in ``tree`` require grad? (dicts walked directly: the grad stage's ``out``)"""
-    if isinstance(tree, torch.Tensor):
-        return tree.requires_grad
-    if type(tree) is dict:
-        return any(_has_grad(v) for v in tree.values())
-    if tree is None or isinstance(tree, (float, int)):
-        return False
-    return any(t.requires_grad for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+        return base_loss(self.loss_fn, params, buffers, batch)
 
 
 def train_step(loss_fn: LossFn, optimizer: Any) -> Step:

@@ -306,8 +306,7 @@ def _normalise_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
 
 def _update_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
     lr = step.optimizer.learning_rate(ctx.opt_state)
-    ctx.metrics["lr"] = (torch.scalar_tensor(lr, dtype=torch.float64) if isinstance(lr, float)
-                         else torch.as_tensor(lr, dtype=torch.float64))
+    ctx.metrics["lr"] = torch.as_tensor(lr, dtype=torch.float64)
     update_fn: Callable = step.optimizer.update
     for hook in reversed(hooks):
         update_fn = hook(update_fn, ctx)

@@ -15,6 +15,7 @@ from .base import (
     flatten_params,
     FlatDict,
     flatten_update,
+    host_number,
     init_count,
     lr_value,
     make_learning_rate,
@@ -94,7 +95,7 @@ def lion(
         unflatten, p, g, (m,) = flatten_update(grads, params, state.exp_avg, flatten=flat)
         if not p:
             return params, state._replace(count=count + 1)
-        lr_base = lr_value(lr, count)
+        lr_base = host_number(lr_value(lr, count))  # eagerly, a scheduled lr read as a float
 
         def group_update(group: Group, p: list, g: list, m: list) -> tuple[list, list]:
             lr_t = group_lr(lr_base, group)

@@ -14,6 +14,7 @@ from .base import (
     flatten_params,
     FlatDict,
     flatten_update,
+    host_number,
     init_count,
     lr_value,
     make_learning_rate,
@@ -109,7 +110,7 @@ def sgd(
         unflatten, p, g, trees = flatten_update(grads, params, *bufs_in, flatten=flat)
         if not p:
             return params, state._replace(count=count + 1)
-        lr_base = lr_value(lr, count)
+        lr_base = host_number(lr_value(lr, count))  # eagerly, a scheduled lr read as a float
 
         def group_update(group: Group, p: list, g: list, *bufs: list) -> tuple[list, ...]:
             # One torch.optim param group: its own lr (base * multiplier) and weight decay.

@@ -26,14 +26,13 @@ def add_outs(a: dict, b: dict) -> dict:
 def split_batch(batch: Any, n: int) -> list:
     """Split every tensor leaf of ``batch`` along dim 0 into ``n`` equal micro-batches."""
     leaves, spec = optree.tree_flatten(batch)
-    paths = optree.tree_paths(batch)
     parts = []
-    for path, leaf in zip(paths, leaves):
+    for i, leaf in enumerate(leaves):
         if not torch.is_tensor(leaf) or leaf.dim() == 0:
             parts.append([leaf] * n)
             continue
         if leaf.shape[0] % n:
-            name = path_str(path)
+            name = path_str(optree.tree_paths(batch)[i])  # the paths only for the message
             raise ValueError(f"accumulate({n}): batch leaf {name!r} has leading dimension {leaf.shape[0]}, "
                              f"which is not divisible by {n}; give a batch of n * micro_batch rows")
         parts.append(list(leaf.chunk(n)))

@@ -108,12 +108,21 @@ def with_rng(fn: Callable, state: Any, batch: Any, rank: int = 0) -> tuple[Any, 
         raise BadValue(f"the state does not match this step: {rng_problem(rng)}")
     seed, counter = rng["key"].tolist()  # a host tensor: read without a torch op (and so no sync)
     seed_now = step_seed(seed, counter)
-    devices = _devices(state)
-    saved = {dev: _get_rng(dev) for dev in devices}
-    try:
-        _seed_globals(devices, seed_now + rank)
-        new_state, metrics = fn(state._replace(rng=None), batch)
-    finally:
-        for dev, value in saved.items():
-            _set_rng(dev, value)
+    if not state.step.is_cuda:  # the common case, one generator: the general loop below, unrolled
+        cpu = torch.default_generator
+        saved_cpu = cpu.get_state()
+        try:
+            cpu.manual_seed(seed_now + rank)
+            new_state, metrics = fn(state._replace(rng=None), batch)
+        finally:
+            cpu.set_state(saved_cpu)
+    else:
+        devices = _devices(state)
+        saved = {dev: _get_rng(dev) for dev in devices}
+        try:
+            _seed_globals(devices, seed_now + rank)
+            new_state, metrics = fn(state._replace(rng=None), batch)
+        finally:
+            for dev, value in saved.items():
+                _set_rng(dev, value)
     return new_state._replace(rng={"key": torch.tensor([seed, counter + 1], dtype=torch.int64)}), metrics

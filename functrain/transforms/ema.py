@@ -52,7 +52,6 @@ class EMA(Transform):
         old: EmaState = ctx.slot(self)
         leaves, spec = self._flat(old.params)
         new_params = spec.flatten_up_to(ctx.params)
-        blended = torch._foreach_lerp(leaves, new_params, 1.0 - self.decay)
         count = host_number(old.count) if ctx.apply is None else old.count
         if not isinstance(count, torch.Tensor):
             # Eager, every update applied, the count on the host: decide on the host, as the selects
@@ -62,7 +61,7 @@ class EMA(Transform):
             if count <= self.start_step:
                 out = [p.clone() for p in new_params]
             elif count % self.every == 0:
-                out = blended
+                out = torch._foreach_lerp(leaves, new_params, 1.0 - self.decay)
             else:
                 out = [e.clone() for e in leaves]
             ctx.set_slot(self, EmaState(T.tree_unflatten(spec, out), old.count + 1))
@@ -71,6 +70,7 @@ class EMA(Transform):
         count = old.count + applied.to(torch.int64)
         copy = applied & (count <= self.start_step)
         blend = applied & (count > self.start_step) & (count % self.every == 0)
+        blended = torch._foreach_lerp(leaves, new_params, 1.0 - self.decay)
         out = [torch.where(blend, b, torch.where(copy, p, e)) for e, p, b in zip(leaves, new_params, blended)]
         ctx.set_slot(self, EmaState(T.tree_unflatten(spec, out), count))
 

@@ -83,7 +83,8 @@ class FlatDict:
             if all(isinstance(x, torch.Tensor) for x in leaves):
                 return leaves, known[0]
         leaves, spec = optree.tree_flatten(tree)
-        if (type(tree) is dict and spec.num_leaves == len(tree) == spec.num_children
+        # flat: the root dict's children are its leaves (a one-leaf sub-dict would add a node)
+        if (type(tree) is dict and spec.num_leaves == len(tree) and spec.num_nodes == len(tree) + 1
                 and all(isinstance(x, torch.Tensor) for x in leaves)):
             self._known = (spec, list(tree), spec.entries())
         return leaves, spec

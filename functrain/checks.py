@@ -78,7 +78,8 @@ def rng_problem(rng: Any) -> str:
             f"seed=s)); got {_kind(rng) if not isinstance(rng, dict) else {k: _kind(v) for k, v in rng.items()}}")
 
 
-def _rng_ok(rng: Any) -> bool:
+def rng_ok(rng: Any) -> bool:
+    """``rng`` is ``{'key': int64 CPU tensor of shape (2,)}`` (what :func:`functrain.rng.rng_init` makes)."""
     key = rng.get("key") if type(rng) is dict and len(rng) == 1 else None
     return torch.is_tensor(key) and key.dtype is torch.int64 and key.shape == (2,) and key.is_cpu
 
@@ -133,7 +134,7 @@ def check_state(step: Any, state: Any, *, rng: bool = True) -> None:
     if (layout is None or not isinstance(count, torch.Tensor) or count.dtype is not torch.int64 or count.dim() != 0
             or type(slots) is not dict
             or (layout.opt_type is not None and type(state.opt_state) is not layout.opt_type)
-            or (rng and state.rng is not None and not _rng_ok(state.rng))
+            or (rng and state.rng is not None and not rng_ok(state.rng))
             or (not layout.unknown and len(slots) != len(layout.slots))):
         return _check_state_slowly(step, state)
     for name, kind in layout.slots.items():
@@ -149,7 +150,7 @@ def _check_state_slowly(step: Any, state: Any) -> None:
     if count.dtype is not torch.int64 or count.dim() != 0:
         problems.append(f"state.step must be an int64 scalar tensor (the count of steps called); got "
                         f"{_kind(count)}")
-    if state.rng is not None and not _rng_ok(state.rng):
+    if state.rng is not None and not rng_ok(state.rng):
         problems.append(rng_problem(state.rng))
     if type(slots) is not dict:
         problems.append(f"state.slots must be a dict {{transform name: slot}}; got {_kind(slots)}")

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, ClassVar, Iterable, NamedTuple
 
-import optree
 import torch
 from torch.func import grad_and_value
 
 from . import tree as T
-from .checks import Layout, check_batch, check_inputs, check_loss, check_params
+from ._eager import FlatDict
+from ._grad import autograd_grad, base_loss, tensor_aux
+from .checks import Layout, check_batch, check_inputs, check_params
 from .checks import check_state as _check_state
 from .layout import SLOT, ShardState
 from .ravel import flat as to_flat, split_leaves
@@ -285,12 +286,12 @@ def _grad_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
 
     def base_grad(params, buffers, batch):
         if torch.compiler.is_compiling():  # traced: torch.func composes with Dynamo
-            leaves, as_params, as_grads = split_leaves(params)
-            fn = _tensor_aux(loss_fn)
+            leaves, as_params, as_grads = split_leaves(params)  # a flat state: the per-leaf views
+            fn = tensor_aux(loss_fn)
             grads, (_, out) = grad_and_value(lambda ls, b, x: fn(as_params(ls), b, x), has_aux=True)(
                 leaves, buffers, batch)
             return as_grads(grads), {"denom": 1.0, "weight": 1.0, **out}
-        return _autograd_grad(loss_fn, params, buffers, batch)
+        return autograd_grad(loss_fn, params, buffers, batch, step._flat)
 
     grad_fn: Callable = base_grad
     for hook in reversed(hooks):
@@ -303,9 +304,12 @@ def _grad_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
 
 def _normalise_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
     # one division by the global denominator (micro-batches or items)
-    if not (isinstance(ctx.denom, float) and ctx.denom == 1.0):
-        ctx.grads = T.tree_scale(ctx.grads, 1.0 / ctx.denom)
-    ctx.metrics["loss"] = ctx.loss / ctx.denom
+    one = isinstance(ctx.denom, float) and ctx.denom == 1.0
+    if not one:
+        leaves, spec = step._flat(ctx.grads)
+        ctx.grads = T.tree_unflatten(spec, torch._foreach_mul(leaves, 1.0 / ctx.denom)) if leaves else ctx.grads
+    # eagerly, ÷ 1.0 is a copy of a tensor made for this step (traced, a division the graph folds)
+    ctx.metrics["loss"] = ctx.loss if one and not torch.compiler.is_compiling() else ctx.loss / ctx.denom
     for k, v in ctx.aux.items():
         ctx.metrics[k] = v / ctx.weight
     if ctx._counts_items:  # the loss is a sum over items: report the global count
@@ -390,6 +394,7 @@ class Step:
         self._offsets = tuple(t.rng_offset for t in ordered if _uses(t, "rng_offset"))
         self._shards_state = any(getattr(t, "shards_state", False) for t in self.transforms)
         self._layout: Layout | None = None  # check_state's expectations, found once
+        self._flat = FlatDict()  # flattens the params (and the gradients, shaped alike) eagerly
 
     # -- building ---------------------------------------------------------------------------
     def with_transform(self, transform: Transform) -> "Step":
@@ -527,58 +532,7 @@ class Step:
         return new_state, ctx.metrics
 
     def _base_loss(self, params: Any, buffers: Any, batch: Any) -> tuple[torch.Tensor, dict]:
-        # The forward pass may update buffers in place (BatchNorm statistics):
-        # give it copies so that the input state is never written.
-        buffers = T.tree_map(torch.clone, buffers)
-        result = self.loss_fn(params, buffers, batch)
-        loss, aux = result if isinstance(result, tuple) else (result, {})
-        if isinstance(result, tuple) and len(result) != 2:
-            raise TypeError(f"loss_fn must return a scalar loss or (loss, aux_dict); got a tuple of {len(result)}")
-        check_loss(loss)
-        if not isinstance(aux, dict):
-            raise TypeError(f"loss_fn's aux must be a dict of tensors (metrics); got {type(aux).__name__}")
-        aux = dict(aux)
-        num_items = aux.pop("num_items", None)
-        # Denominators known before the step runs stay Python numbers (a mean loss counts 1 per
-        # micro-batch): the graph then divides by a constant, or not at all.
-        if num_items is None:
-            denom: Any = 1.0
-        else:
-            denom = torch.as_tensor(num_items, device=loss.device).to(torch.float32).detach()
-        aux = {k: torch.as_tensor(v).detach().to(torch.float32) for k, v in aux.items()}
-        out = {
-            "loss": loss.detach().to(torch.float32),
-            "denom": denom,
-            "aux": aux,
-            "weight": 1.0,
-            "buffers": buffers,
-        }
-        if num_items is not None:
-            out["num_items"] = out["denom"]
-        return loss, out
-
-def _tensor_aux(loss_fn: Callable) -> Callable:
-    """``loss_fn`` with the per-micro-batch constants (``denom``/``weight`` of 1.0) left out of its
-    aux output: torch.func transforms return tensors only; ``base_grad`` puts them back."""
-
-    def fn(params, buffers, batch):
-        objective, out = loss_fn(params, buffers, batch)
-        return objective, {k: v for k, v in out.items() if not isinstance(v, float)}
-
-    return fn
-
-
-def _autograd_grad(loss_fn: Callable, params: Any, buffers: Any, batch: Any) -> tuple[Any, dict]:
-    """The eager path of the grad stage: ``torch.autograd.grad``, the same math as
-    ``torch.func.grad_and_value`` at a fraction of its per-call Python cost."""
-    leaves, as_params, as_grads = split_leaves(params)  # a flat state: the per-leaf views
-    live = [p.detach().requires_grad_(True) for p in leaves]
-    with torch.enable_grad():
-        objective, out = loss_fn(as_params(live), buffers, batch)
-        grads = torch.autograd.grad(objective, live, allow_unused=True)
-    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
-    out = optree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, out)
-    return as_grads(grads), out
+        return base_loss(self.loss_fn, params, buffers, batch)
 
 
 def train_step(loss_fn: LossFn, optimizer: Any) -> Step:

@@ -7,6 +7,7 @@ so a whole training step can be traced by ``torch.compile(fullgraph=True)``.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, NamedTuple
 
 import optree
@@ -16,6 +17,7 @@ from .. import _validate
 # describe / is_real / leaf_path are re-exported for the optimizers (one copy, in _validate).
 from .._validate import describe, is_real  # noqa: F401
 from .._validate import path_str as leaf_path  # noqa: F401
+from .._eager import FlatDict, host_number  # noqa: F401  (the optimizers' eager shortcuts)
 
 __all__ = ["Optimizer"]
 
@@ -138,16 +140,20 @@ def init_count(leaves: list[torch.Tensor]) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=device)
 
 
-def flatten_update(grads: Any, params: Any, *trees: Any) -> tuple[Callable, list, list, list[list]]:
-    """Flatten ``params`` and bring ``grads`` and the state ``trees`` to its leaf order.
+def flatten_update(grads: Any, params: Any, *trees: Any,
+                   flatten: Callable = optree.tree_flatten) -> tuple[Callable, list, list, list[list]]:
+    """Flatten ``params`` (with ``flatten``: an optimizer passes its :class:`functrain._eager.FlatDict`)
+    and bring ``grads`` and the state ``trees`` to its leaf order.
 
     0-dim leaves are viewed as shape ``(1,)``: a float64 0-dim scalar tensor would
     otherwise promote a 0-dim float32 leaf to float64 in ``_foreach_*(leaves, scalar)``
     (dimensioned leaves keep their dtype). Returns ``unflatten(leaves) -> tree`` that
     undoes both the flattening and those views.
     """
-    p, spec = optree.tree_flatten(params)
+    p, spec = flatten(params)
     is_0d = [x.dim() == 0 for x in p]
+    if not any(is_0d):
+        return partial(optree.tree_unflatten, spec), p, spec.flatten_up_to(grads), [spec.flatten_up_to(t) for t in trees]
 
     def lift(leaves: list) -> list:
         return [x.reshape(1) if s else x for x, s in zip(leaves, is_0d)]

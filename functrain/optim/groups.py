@@ -123,11 +123,11 @@ def lr_multipliers(multipliers: Any, params: Any) -> list[float]:
     return out
 
 
-def make_groups(params: Any, weight_decay_mask: Any, multipliers: Any) -> list[Group]:
-    """Partition the leaves by ``(decay, lr_mult)``, in order of first appearance."""
-    n = len(optree.tree_leaves(params))
+def make_groups(params: Any, weight_decay_mask: Any, multipliers: Any, n: int | None = None) -> list[Group]:
+    """Partition the leaves by ``(decay, lr_mult)``, in order of first appearance (``n``: the
+    number of leaves, when the caller has flattened ``params`` already)."""
     if weight_decay_mask is None and multipliers is None:
-        return [Group(tuple(range(n)), True, 1.0)]
+        return [Group(tuple(range(len(optree.tree_leaves(params)) if n is None else n)), True, 1.0)]
     decay = decay_mask(weight_decay_mask, params)
     mult = lr_multipliers(multipliers, params)
     groups: dict[tuple[bool, float], list[int]] = {}

@@ -13,7 +13,9 @@ from .base import (
     check_lr,
     check_real,
     flatten_params,
+    FlatDict,
     flatten_update,
+    host_number,
     init_count,
     lr_value,
     make_learning_rate,
@@ -80,6 +82,8 @@ def lion(
     weight_decay = check_real("weight_decay", weight_decay, lo=0.0)
     check_group_args("lion", weight_decay, weight_decay_mask, lr_multipliers)
 
+    flat = FlatDict()  # the params' treespec, cached for the eager update
+
     def init(params: Any) -> LionState:
         leaves, spec = flatten_params(params)
         make_groups(params, weight_decay_mask, lr_multipliers)  # check the mask / multipliers now
@@ -88,10 +92,10 @@ def lion(
 
     def update(grads: Any, state: LionState, params: Any) -> tuple[Any, LionState]:
         count = state.count
-        unflatten, p, g, (m,) = flatten_update(grads, params, state.exp_avg)
+        unflatten, p, g, (m,) = flatten_update(grads, params, state.exp_avg, flatten=flat)
         if not p:
             return params, state._replace(count=count + 1)
-        lr_base = lr_value(lr, count)
+        lr_base = host_number(lr_value(lr, count))  # eagerly, a scheduled lr read as a float
 
         def group_update(group: Group, p: list, g: list, m: list) -> tuple[list, list]:
             lr_t = group_lr(lr_base, group)
@@ -104,7 +108,7 @@ def lion(
                 new_p = torch._foreach_add(p, direction, alpha=-lr_t)
             return new_p, torch._foreach_lerp(m, g, 1 - beta2)
 
-        groups = make_groups(params, weight_decay_mask, lr_multipliers)
+        groups = make_groups(params, weight_decay_mask, lr_multipliers, n=len(p))
         new_p, new_m = run_groups(groups, group_update, p, g, m)
         return unflatten(new_p), LionState(count=count + 1, exp_avg=unflatten(new_m))
 

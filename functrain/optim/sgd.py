@@ -12,7 +12,9 @@ from .base import (
     check_lr,
     check_real,
     flatten_params,
+    FlatDict,
     flatten_update,
+    host_number,
     init_count,
     lr_value,
     make_learning_rate,
@@ -92,6 +94,8 @@ def sgd(
         )
     check_group_args("sgd", weight_decay, weight_decay_mask, lr_multipliers)
 
+    flat = FlatDict()  # the params' treespec, cached for the eager update
+
     def init(params: Any) -> SGDState:
         leaves, spec = flatten_params(params)
         make_groups(params, weight_decay_mask, lr_multipliers)  # check the mask / multipliers now
@@ -103,10 +107,10 @@ def sgd(
     def update(grads: Any, state: SGDState, params: Any) -> tuple[Any, SGDState]:
         count = state.count
         bufs_in = [state.momentum_buffer] if momentum != 0 else []
-        unflatten, p, g, trees = flatten_update(grads, params, *bufs_in)
+        unflatten, p, g, trees = flatten_update(grads, params, *bufs_in, flatten=flat)
         if not p:
             return params, state._replace(count=count + 1)
-        lr_base = lr_value(lr, count)
+        lr_base = host_number(lr_value(lr, count))  # eagerly, a scheduled lr read as a float
 
         def group_update(group: Group, p: list, g: list, *bufs: list) -> tuple[list, ...]:
             # One torch.optim param group: its own lr (base * multiplier) and weight decay.
@@ -134,7 +138,7 @@ def sgd(
                 new_p = torch._foreach_add(p, d, alpha=-lr_t)
             return (new_p, *new_buf)
 
-        groups = make_groups(params, weight_decay_mask, lr_multipliers)
+        groups = make_groups(params, weight_decay_mask, lr_multipliers, n=len(p))
         new_p, *new_buf = run_groups(groups, group_update, p, g, *trees)
         new_state = SGDState(count=count + 1, momentum_buffer=unflatten(new_buf[0]) if new_buf else None)
         return unflatten(new_p), new_state

@@ -26,14 +26,13 @@ def add_outs(a: dict, b: dict) -> dict:
 def split_batch(batch: Any, n: int) -> list:
     """Split every tensor leaf of ``batch`` along dim 0 into ``n`` equal micro-batches."""
     leaves, spec = optree.tree_flatten(batch)
-    paths = optree.tree_paths(batch)
     parts = []
-    for path, leaf in zip(paths, leaves):
+    for i, leaf in enumerate(leaves):
         if not torch.is_tensor(leaf) or leaf.dim() == 0:
             parts.append([leaf] * n)
             continue
         if leaf.shape[0] % n:
-            name = path_str(path)
+            name = path_str(optree.tree_paths(batch)[i])  # the paths only for the message
             raise ValueError(f"accumulate({n}): batch leaf {name!r} has leading dimension {leaf.shape[0]}, "
                              f"which is not divisible by {n}; give a batch of n * micro_batch rows")
         parts.append(list(leaf.chunk(n)))
@@ -60,15 +59,35 @@ class Accumulate(Transform):
         n = self.n
 
         def accumulated(params, buffers, batch):
-            grads = out = None
+            if torch.compiler.is_compiling():  # traced: out-of-place sums, one graph node each
+                grads = out = None
+                for micro in split_batch(batch, n):
+                    g, o = grad_fn(params, buffers, micro)
+                    buffers = o["buffers"]
+                    if grads is None:
+                        grads, out = g, o
+                    else:
+                        grads, out = T.tree_add(grads, g), add_outs(out, o)
+                return grads, out
+            # Eager: the sums run over flat leaves; the second micro-batch's sum makes fresh tensors
+            # (never the grad_fn's own, which a wrapper might keep) and later ones add into them in
+            # place. The same additions in the same order as above: the same bits.
+            spec = acc = out = None
+            owned = False  # acc holds tensors this function made
             for micro in split_batch(batch, n):
                 g, o = grad_fn(params, buffers, micro)
                 buffers = o["buffers"]
-                if grads is None:
-                    grads, out = g, o
+                if spec is None:
+                    acc, spec = optree.tree_flatten(g)
+                    out = o
+                    continue
+                leaves = spec.flatten_up_to(g)
+                if owned:
+                    torch._foreach_add_(acc, leaves)
                 else:
-                    grads, out = T.tree_add(grads, g), add_outs(out, o)
-            return grads, out
+                    acc, owned = torch._foreach_add(acc, leaves), True
+                out = add_outs(out, o)
+            return optree.tree_unflatten(spec, acc), out
 
         return accumulated if n > 1 else grad_fn
 

@@ -7,6 +7,7 @@ import torch
 
 from .. import tree as T
 from .._validate import check_int, check_real
+from .._eager import FlatDict, host_number
 from ..step import StepContext, Transform
 from ..registry import register_checkpoint_type
 
@@ -40,6 +41,7 @@ class EMA(Transform):
         self.decay = check_real("ema: decay", decay, lo=0, hi=1, lo_open=True, hi_open=True)
         self.every = check_int("ema: every", every, minimum=1)
         self.start_step = check_int("ema: start_step", start_step, minimum=0)
+        self._flat = FlatDict()
 
     def init(self, params, buffers) -> EmaState:
         leaves = T.tree_leaves(params)
@@ -48,12 +50,26 @@ class EMA(Transform):
 
     def after(self, ctx: StepContext) -> None:
         old: EmaState = ctx.slot(self)
+        leaves, spec = self._flat(old.params)
+        new_params = spec.flatten_up_to(ctx.params)
+        count = host_number(old.count) if ctx.apply is None else old.count
+        if not isinstance(count, torch.Tensor):
+            # Eager, every update applied, the count on the host: decide on the host, as the selects
+            # below would (the same values, a dozen tiny ops fewer). Copies stay fresh tensors: the
+            # new state never shares storage with the params or with the input state.
+            count += 1
+            if count <= self.start_step:
+                out = [p.clone() for p in new_params]
+            elif count % self.every == 0:
+                out = torch._foreach_lerp(leaves, new_params, 1.0 - self.decay)
+            else:
+                out = [e.clone() for e in leaves]
+            ctx.set_slot(self, EmaState(T.tree_unflatten(spec, out), old.count + 1))
+            return
         applied = torch.ones((), dtype=torch.bool, device=old.count.device) if ctx.apply is None else ctx.apply
         count = old.count + applied.to(torch.int64)
         copy = applied & (count <= self.start_step)
         blend = applied & (count > self.start_step) & (count % self.every == 0)
-        leaves, spec = T.tree_flatten(old.params)
-        new_params = spec.flatten_up_to(ctx.params)
         blended = torch._foreach_lerp(leaves, new_params, 1.0 - self.decay)
         out = [torch.where(blend, b, torch.where(copy, p, e)) for e, p, b in zip(leaves, new_params, blended)]
         ctx.set_slot(self, EmaState(T.tree_unflatten(spec, out), count))

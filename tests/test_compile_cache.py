@@ -16,11 +16,10 @@ import torch
 
 from functrain import compile_cache
 
-CHILD = r"""
-import json, sys, time
+# what both child scripts start with: a tiny MLP step whose loss is scaled by argv[1]
+SETUP = r"""
 import torch
 import functrain as ft
-from torch._dynamo.utils import counters
 torch.manual_seed(0)
 scale, cache = float(sys.argv[1]), sys.argv[2]
 model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
@@ -29,6 +28,11 @@ def loss_fn(params, buffers, batch):
     x, y = batch
     return torch.nn.functional.mse_loss(apply_fn(params, buffers, x), y) * scale
 step = ft.train_step(loss_fn, ft.optim.adamw(1e-2))
+"""
+
+CHILD = r"""
+import json, sys, time
+""" + SETUP + r"""from torch._dynamo.utils import counters
 batch = (torch.randn(8, 6), torch.randn(8, 1))
 state = step.init(params, buffers)
 cstep = ft.compile(step, cache_dir=cache)
@@ -197,17 +201,7 @@ def test_a_failed_probe_is_not_remembered(tmp_path, monkeypatch):
 # -- packages (ahead-of-time compiled steps a later process loads) ---------------------------------
 PACKAGE_CHILD = r"""
 import json, sys, time, warnings
-import torch
-import functrain as ft
-torch.manual_seed(0)
-scale, cache = float(sys.argv[1]), sys.argv[2]
-model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-apply_fn, params, buffers = ft.functionalize(model)
-def loss_fn(params, buffers, batch):
-    x, y = batch
-    return torch.nn.functional.mse_loss(apply_fn(params, buffers, x), y) * scale
-step = ft.train_step(loss_fn, ft.optim.adamw(1e-2))
-batches = [(torch.randn(8, 6), torch.randn(8, 1)) for _ in range(3)]
+""" + SETUP + r"""batches = [(torch.randn(8, 6), torch.randn(8, 1)) for _ in range(3)]
 state = step.init(params, buffers)
 cstep = ft.compile(step, cache_dir=cache, package=True)
 run = cstep.donating()

@@ -76,15 +76,7 @@ def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool, wei
 
             def group_update(group: Group, p: list, g: list, m: list, v: list) -> tuple[list, list, list]:
                 lr_t = group_lr(lr_host, group)
-                new_p = None
-                if weight_decay != 0 and group.decay:
-                    if decoupled:
-                        new_p = torch._foreach_mul(p, 1 - lr_t * weight_decay)
-                    else:
-                        g = torch._foreach_add(g, p, alpha=weight_decay)
-                m = torch._foreach_lerp(m, g, 1 - beta1)
-                v = torch._foreach_mul(v, beta2)
-                torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+                new_p, m, v = _decay_and_moments(group, p, g, m, v, lr_t, beta1, beta2, weight_decay, decoupled)
                 denom = torch._foreach_sqrt(v)
                 torch._foreach_div_(denom, bc2_sqrt)
                 torch._foreach_add_(denom, eps)
@@ -110,6 +102,22 @@ def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool, wei
                      per_param=weight_decay_mask is not None or lr_multipliers is not None)
 
 
+def _decay_and_moments(group: Group, p: list, g: list, m: list, v: list, lr_t: Any, beta1: float, beta2: float,
+                       weight_decay: float, decoupled: bool) -> tuple[list | None, list, list]:
+    """Weight decay and both moment updates, in torch.optim's order; returns ``(decayed params or None, m, v)``
+    (coupled decay folds into the gradient, so the params come back ``None``: untouched)."""
+    decayed = None
+    if weight_decay != 0 and group.decay:
+        if decoupled:
+            decayed = torch._foreach_mul(p, 1 - lr_t * weight_decay)
+        else:
+            g = torch._foreach_add(g, p, alpha=weight_decay)
+    m = torch._foreach_lerp(m, g, 1 - beta1)
+    v = torch._foreach_mul(v, beta2)
+    torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+    return decayed, m, v
+
+
 def _traced_group_update(lr_base: Any, count: torch.Tensor, beta1: float, beta2: float, eps: float,
                          weight_decay: float, decoupled: bool) -> Callable:
     """The group update with tensor scalars: traced (torch.compile, make_fx) or a device-side counter.
@@ -124,15 +132,8 @@ def _traced_group_update(lr_base: Any, count: torch.Tensor, beta1: float, beta2:
     def group_update(group: Group, p: list, g: list, m: list, v: list) -> tuple[list, list, list]:
         # One torch.optim param group: its own lr (base * multiplier) and weight decay.
         lr_t = group_lr(lr_base, group)
-        if weight_decay != 0 and group.decay:
-            if decoupled:
-                p = torch._foreach_mul(p, 1 - lr_t * weight_decay)
-            else:
-                g = torch._foreach_add(g, p, alpha=weight_decay)
-
-        m = torch._foreach_lerp(m, g, 1 - beta1)
-        v = torch._foreach_mul(v, beta2)
-        torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+        decayed, m, v = _decay_and_moments(group, p, g, m, v, lr_t, beta1, beta2, weight_decay, decoupled)
+        p = p if decayed is None else decayed
 
         step_size, = per_step(lr_t / bias_correction1)
         # p + (-step_size) * m / (sqrt(v) / bias_correction2_sqrt + eps), in torch's order.

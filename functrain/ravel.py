@@ -57,7 +57,7 @@ class FlatSpec:
     Two specs are equal when the params' structure, dtypes and shapes are.
     """
 
-    __slots__ = ("spec", "keys", "entries", "numel", "names", "_index", "_hash")
+    __slots__ = ("spec", "keys", "entries", "numel", "names", "_index", "_key", "_hash")
 
     def __init__(self, spec: Any, dtypes: list[torch.dtype], shapes: list[tuple[int, ...]]):
         layout = FlatLayout(spec, dtypes, shapes, world=1, rank=0)  # the sharded layout, on one rank: no padding
@@ -71,7 +71,9 @@ class FlatSpec:
         self._index: dict | None = None
         if spec.type is dict and all(len(p) == 1 for p in paths):
             self._index = {p[0]: i for i, p in enumerate(paths)}
-        self._hash = hash((spec, self.entries))
+        # compared as Python values (a str and tuples), so that Dynamo can compare two specs while tracing
+        self._key = (repr(spec), self.entries)
+        self._hash = hash(self._key)
 
     @classmethod
     def of(cls, params: Any) -> "FlatSpec":
@@ -88,8 +90,7 @@ class FlatSpec:
         return cls(spec, [x.dtype for x in leaves], [tuple(x.shape) for x in leaves])
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, FlatSpec) and self._hash == other._hash and self.spec == other.spec \
-            and self.entries == other.entries
+        return isinstance(other, FlatSpec) and self._key == other._key
 
     def __hash__(self) -> int:
         return self._hash
@@ -105,7 +106,14 @@ class FlatSpec:
 
     def tree(self, buffers: dict) -> Any:
         """The params tree of views of ``buffers``."""
-        return optree.tree_unflatten(self.spec, self.views(buffers))
+        return self.unflatten(self.views(buffers))
+
+    def unflatten(self, leaves: list) -> Any:
+        """The params tree from per-leaf tensors in pytree order. A ``{name: tensor}`` dict is built
+        directly (Dynamo cannot unflatten with a treespec made outside its trace)."""
+        if self._index is not None:
+            return dict(zip(self._index, leaves))
+        return optree.tree_unflatten(self.spec, leaves)
 
     def pack(self, leaves: list[torch.Tensor], copy: bool = True) -> dict[str, torch.Tensor]:
         """One buffer per dtype from per-leaf tensors in pytree order (one concatenation each).
@@ -306,7 +314,7 @@ def split_leaves(params: Any) -> tuple[list[torch.Tensor], Callable[[list], Any]
     """
     if isinstance(params, FlatParams):
         spec = params.spec
-        return (spec.views(params.buffers), lambda ls: optree.tree_unflatten(spec.spec, ls),
+        return (spec.views(params.buffers), spec.unflatten,
                 lambda gs: FlatParams(spec.pack(gs, copy=False), spec))
     leaves, tspec = optree.tree_flatten(params)
     rebuild = lambda ls: optree.tree_unflatten(tspec, ls)  # noqa: E731

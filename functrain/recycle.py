@@ -8,7 +8,10 @@ extra input per large CPU state leaf and writes that leaf's new value into it
 two sets per capture, and a set is reused only when every buffer's storage is held by
 nobody but the pool (the caller dropped that state and every view of it). A loop
 ``state, m = cstep(state, b)`` alternates between the two sets; a state the caller
-keeps is never written. Other devices have caching allocators: nothing is recycled there.
+keeps is never written. The price is memory: the pool keeps up to two sets of those leaves alive
+for as long as the compiled step lives (after the loop, one set more than the caller holds); a
+donated step (``donate=True``, ``ft.run``) has no pool. Other devices have caching allocators:
+nothing is recycled there.
 """
 from __future__ import annotations
 

@@ -61,6 +61,88 @@ optimizers = st.sampled_from(sorted(OPTIMIZERS))
 FAST = settings(deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow])
 
 
+def two_nodes_on_loopback(script, cwd, env: dict, timeout: float, *script_args) -> list[tuple[int, str, str]]:
+    """Run ``script`` as a 2-node job on 127.0.0.1 (``python -m functrain.launch --nnodes 2 --nproc 1``, one
+    process per node, started together); returns ``(returncode, stdout, stderr)`` per node. Bounded: each node
+    gets ``timeout`` seconds, and any node still running afterwards is killed."""
+    import subprocess
+    import sys
+
+    from functrain.distributed import free_port
+
+    common = ("--nnodes", 2, "--nproc", 1, "--master-addr", "127.0.0.1", "--master-port", free_port(),
+              "--join-timeout", 60, "--dist-timeout", 60)
+    procs = [subprocess.Popen([sys.executable, "-m", "functrain.launch", *map(str, common), "--node-rank",
+                               str(node), str(script), *map(str, script_args)], cwd=cwd, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+def kill_when_running(argv: list, delay: float, start_timeout: float = 120.0) -> tuple[int, list]:
+    """Start ``argv``, wait for its first output line (it is running), SIGKILL it ``delay`` seconds later.
+
+    Returns ``(returncode, lines)``: every line it printed, split into words. Bounded: a child that never
+    prints fails the test after ``start_timeout`` seconds, and a child left running is killed.
+    """
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    lines: list = []
+    ready = threading.Event()
+
+    def reader():
+        for line in proc.stdout:
+            lines.append(line.split())
+            ready.set()
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    try:
+        assert ready.wait(start_timeout), "the child did not start"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        t.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, lines
+
+
+def donating_loop(run, state, batches, *, refused_by=(), leaves=lambda s: s.params, emptied=False):
+    """Step ``run`` (a donating compiled step) over ``batches`` from a copy of ``state``; returns the final state.
+
+    After every step the state passed in must be refused ("donated") by ``run`` and by each of ``refused_by``
+    (``emptied``: its ``leaves`` hold no data any more), and the final state's ``leaves`` must be the very storage
+    the first copy had (the update went into the donated buffers, never a fresh allocation).
+    """
+    s = ft.tree.tree_map(torch.clone, state)
+    ptrs = [x.data_ptr() for x in ft.tree.tree_leaves(leaves(s))]
+    for b in batches:
+        old = s
+        s, _ = run(s, b)
+        for call in (run, *refused_by):
+            with pytest.raises(RuntimeError, match="donated"):
+                call(old, b)
+        if emptied:
+            assert all(t.numel() == 0 for t in ft.tree.tree_leaves(leaves(old))), "a donated leaf still holds data"
+    assert [x.data_ptr() for x in ft.tree.tree_leaves(leaves(s))] == ptrs, "the new state did not reuse the storage"
+    return s
+
+
 def vec(tree) -> torch.Tensor:
     """All leaves of a tree as one float64 vector."""
     return torch.cat([x.detach().double().flatten() for x in optree.tree_leaves(tree)])

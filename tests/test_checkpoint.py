@@ -7,14 +7,12 @@ import pickle
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import textwrap
-import threading
-import time
 
 import pytest
 import torch
+from conftest import kill_when_running
 from hypothesis import given, settings, strategies as st
 
 import functrain as ft
@@ -517,29 +515,9 @@ def test_sigkill_during_saves_leaves_the_newest_complete_checkpoint_loadable(tmp
     kills_in_save = 0
     for _ in range(10):
         start = mgr.steps()[-1] + 1
-        proc = subprocess.Popen([sys.executable, str(script), str(folder), str(start)], stdout=subprocess.PIPE,
-                                text=True)
-        try:
-            ready = threading.Event()
-            lines: list = []
-
-            def reader():
-                for line in proc.stdout:
-                    lines.append(line.split())
-                    ready.set()
-
-            t = threading.Thread(target=reader, daemon=True)
-            t.start()
-            assert ready.wait(120), "the child did not start"
-            time.sleep(rng.uniform(0.0, 0.5))
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(30)
-            t.join(30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        assert proc.returncode == -signal.SIGKILL
+        returncode, lines = kill_when_running([sys.executable, str(script), str(folder), str(start)],
+                                              rng.uniform(0.0, 0.5))
+        assert returncode == -signal.SIGKILL
         saved = [int(x[1]) for x in lines if x[0] == "saved"]
         leftovers = [e for e in os.listdir(folder) if e.startswith(".")]
         kills_in_save += bool(leftovers)

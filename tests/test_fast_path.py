@@ -10,6 +10,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from conftest import donating_loop
+
 import functrain as ft
 from functrain import tree as T
 from functrain.capture import draws_random
@@ -160,17 +162,7 @@ def test_donation_invalidates_the_donated_state():
     for b in batches[:4]:
         expected, _ = step(expected, b)
     cstep = ft.compile(step, backend="aot_eager", donate=True)
-    s = T.tree_map(torch.clone, state)
-    ptrs = [x.data_ptr() for x in T.tree_leaves(s.params)]
-    for b in batches[:4]:
-        old = s
-        s, _ = cstep(s, b)
-        with pytest.raises(RuntimeError, match="donated"):
-            cstep(old, b)
-        with pytest.raises(RuntimeError, match="donated"):
-            step(old, b)
-        assert all(t.numel() == 0 for t in T.tree_leaves(old.params)), "a donated leaf still holds data"
-    assert [x.data_ptr() for x in T.tree_leaves(s.params)] == ptrs, "the new state did not reuse the storage"
+    s = donating_loop(cstep, state, batches[:4], refused_by=(step,), emptied=True)
     assert T.tree_allclose(expected, s, rtol=1e-5, atol=1e-6)
     assert cstep.compiles == 1
 
@@ -184,16 +176,8 @@ def test_owned_donation_writes_in_place_and_the_old_state_cannot_step():
     expected = state
     for b in batches[:3]:
         expected, _ = step(expected, b)
-    s = T.tree_map(torch.clone, state)
-    ptrs = [x.data_ptr() for x in T.tree_leaves(s._replace(rng=None))]  # the host rng key is new each step
-    for b in batches[:3]:
-        old = s
-        s, _ = run(s, b)
-        with pytest.raises(RuntimeError, match="donated"):
-            run(old, b)
-        with pytest.raises(RuntimeError, match="donated"):
-            cstep(old, b)
-    assert [x.data_ptr() for x in T.tree_leaves(s._replace(rng=None))] == ptrs
+    # every leaf but the host rng key (new each step) is written in place
+    s = donating_loop(run, state, batches[:3], refused_by=(cstep,), leaves=lambda s: s._replace(rng=None))
     assert T.tree_allclose(expected, s, rtol=1e-5, atol=1e-6)
     assert cstep.compiles == 1  # the donating graph; the pure one was never needed
 

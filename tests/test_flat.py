@@ -1,9 +1,9 @@
 """The flat state (``ft.flat`` / ``step.init(..., flat=True)``): one buffer per dtype, read by name.
 
 Laws: a flat state is a memory layout, not other math. The step on a flat state
-equals the step on the plain state it stands for (bitwise where the arithmetic
-is elementwise, to float rounding where a reduction's order changes, as clip's
-global norm), eagerly and compiled; checkpoints are the plain state's files
+equals the step on the plain state it stands for to float rounding (a matmul on a
+view at an offset may round its last bit differently; clip's global norm sums in
+another order), eagerly and compiled; checkpoints are the plain state's files
 (saved by name, loadable into either form); resume is bit-exact.
 """
 from __future__ import annotations
@@ -104,7 +104,7 @@ def test_per_parameter_groups_are_refused_on_flat_params():
 # -- laws: the same step on either form -----------------------------------------------------------
 @FAST
 @given(problem=mlp_problems(), lr=st.floats(1e-4, 1e-1), steps=st.integers(1, 3))
-def test_adamw_on_a_flat_state_is_bitwise_the_plain_step(problem, lr, steps):
+def test_adamw_on_a_flat_state_equals_the_plain_step(problem, lr, steps):
     params, batch = problem.params, problem.batch
     step = ft.train_step(problem.loss_fn, ft.optim.adamw(lr, weight_decay=0.01))
     plain = step.init(clone_tree(params))
@@ -113,8 +113,10 @@ def test_adamw_on_a_flat_state_is_bitwise_the_plain_step(problem, lr, steps):
     for _ in range(steps):
         plain, mp = step(plain, batch)
         flat, mf = step(flat, batch)
-    assert_same_state(flat, plain)  # elementwise Adam: the same bits, leaf by leaf, by name
-    assert_same_state(mf, mp)
+    # The update is the same elementwise math, but the gradient is not always the same bits: the params are
+    # views at offsets of one buffer, and BLAS picks its kernel by alignment (an ulp on a matmul's gradient).
+    assert_same_state(flat, plain, rtol=1e-6, atol=1e-7)
+    assert_same_state(mf, mp, rtol=1e-6, atol=1e-7)
 
 
 @FAST
@@ -179,10 +181,25 @@ def test_compiled_flat_step_equals_eager_without_recompiles(compiled):
 def test_compiled_flat_step_graph_takes_one_input_per_dtype_per_tree(compiled):
     step, cstep = compiled
     state = step.init(_plain_mlp(), flat=True)
-    leaves = [x for x in ft.tree.tree_leaves(state) if torch.is_tensor(x)]
-    plain = [x for x in ft.tree.tree_leaves(step.init(_plain_mlp())) if torch.is_tensor(x)]
-    # params, mu, nu, ema: 4 buffers instead of 16 leaves
-    assert len(plain) - len(leaves) == 4 * (4 - 1)
+    cstep(state, _batch())  # the signature the first test captured: no new compile
+    assert cstep.compiles == 1
+    graph_inputs = len(cstep._fast.last.signature.tensor_pos)
+    plain_state = step.init(_plain_mlp())._replace(rng=None)  # the host RNG key is not a graph input
+    plain = [x for x in ft.tree.tree_leaves((plain_state, _batch())) if torch.is_tensor(x)]
+    # params, exp_avg, exp_avg_sq, ema: one buffer each instead of 4 leaves each
+    assert graph_inputs == len(plain) - 4 * (4 - 1)
+
+
+def test_flat_state_on_the_dynamo_path_equals_eager():
+    # torch.compile per call (capture="dynamo", what fullgraph=False and other modes use) traces FlatParams too
+    step = ft.clip(0.5)(ft.train_step(_loss, ft.optim.adamw(1e-2)))
+    cstep = ft.compile(step, capture="dynamo", backend="aot_eager")
+    eager = state = step.init(_plain_mlp(), flat=True)
+    for i in range(3):
+        eager, _ = step(eager, _batch(seed=i))
+        state, _ = cstep(state, _batch(seed=i))
+    assert isinstance(state.params, FlatParams) and cstep.compiles == 1
+    assert_same_state(state, eager, rtol=1e-5, atol=1e-6)
 
 
 def test_donated_flat_state_is_written_in_place_and_invalidated(compiled):

@@ -8,6 +8,7 @@ import textwrap
 import time
 
 import pytest
+from conftest import two_nodes_on_loopback
 
 from functrain.distributed import cli
 from functrain.distributed import free_port
@@ -111,23 +112,10 @@ def test_two_processes_train_data_parallel(tmp_path):
 def test_two_nodes_on_loopback_form_one_world(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    port = free_port()
-    common = ("--nnodes", 2, "--nproc", 1, "--master-addr", "127.0.0.1", "--master-port", port,
-              "--join-timeout", 60, "--dist-timeout", 60)
-    procs = [subprocess.Popen(_cmd(*common, "--node-rank", node, script), cwd=tmp_path, env=_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for node in (0, 1)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=120))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, out + err
+    nodes = two_nodes_on_loopback(script, tmp_path, _env(), 120)
+    for returncode, out, err in nodes:
+        assert returncode == 0, out + err
+    outs = [(out, err) for _, out, err in nodes]
     assert [r["rank"] for r in _results(outs[0][0])] == [0]  # node 0 runs global rank 0, node 1 rank 1
     assert [r["rank"] for r in _results(outs[1][0])] == [1]
     _check_trained(_results(outs[0][0] + outs[1][0]))

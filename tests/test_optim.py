@@ -234,25 +234,32 @@ def test_join_boundaries():
 # ---------------------------------------------------------------- compile
 
 
-def test_compiled_step_matches_eager_and_compiles_once():
+def compiled_and_eager_updates(opt, params, grads, backend: str):
+    """``opt.update`` over ``grads`` under ``torch.compile(fullgraph=True)`` and eagerly, from ``params``:
+    ``(compiled params, compiled state, eager params, eager state, graphs compiled)``."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
-    opt = adamw(lr=schedules.warmup_cosine(0.05, warmup_steps=2, total_steps=5, final=0.01), weight_decay=0.1)
-    params = make_params(seed=5)
-    grads = make_grads(params, steps=5, seed=6)
 
     def step(params, state, g):
         return opt.update(g, state, params)
 
-    counter = CompileCounterWithBackend("inductor")
+    counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(step, backend=counter, fullgraph=True)
     p_c, s_c = params, opt.init(params)
     p_e, s_e = params, opt.init(params)
     for g in grads:
         p_c, s_c = compiled(p_c, s_c, g)
         p_e, s_e = step(p_e, s_e, g)
-    assert counter.frame_count == 1
+    return p_c, s_c, p_e, s_e, counter.frame_count
+
+
+def test_compiled_step_matches_eager_and_compiles_once():
+    opt = adamw(lr=schedules.warmup_cosine(0.05, warmup_steps=2, total_steps=5, final=0.01), weight_decay=0.1)
+    params = make_params(seed=5)
+    p_c, s_c, p_e, s_e, graphs = compiled_and_eager_updates(opt, params, make_grads(params, steps=5, seed=6),
+                                                            "inductor")
+    assert graphs == 1
     assert int(s_c.count) == 5 and s_c.count.dtype == torch.int64
     assert_tree_close(p_c, p_e)
     assert_tree_close(s_c, s_e)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_optim import assert_tree_close, bits_equal, make_grads, make_params, run_functional
+from test_optim import (assert_tree_close, bits_equal, compiled_and_eager_updates, make_grads, make_params,
+                        run_functional)
 
 from functrain.optim import LionState, lion, masks, schedules
 
@@ -94,27 +95,14 @@ def test_law_every_element_moves_by_lr():
 
 
 def test_compiled_fullgraph_matches_eager():
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    torch._dynamo.reset()
     params = {"fc.weight": torch.randn(4, 3), "fc.bias": torch.randn(4), "ln.weight": torch.randn(4),
               "scale": torch.randn(())}
-    grads = make_grads(params, steps=4, seed=9)
     opt = lion(schedules.warmup_linear_decay(0.01, 1, 4, final=0.001), weight_decay=0.1,
                weight_decay_mask=masks.no_decay_bias_and_norm,
                lr_multipliers=lambda name, p: 3.0 if name.startswith("fc") else 1.0)
-
-    def step(params, state, g):
-        return opt.update(g, state, params)
-
-    counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(step, backend=counter, fullgraph=True)
-    p_c, s_c = params, opt.init(params)
-    p_e, s_e = params, opt.init(params)
-    for g in grads:
-        p_c, s_c = compiled(p_c, s_c, g)
-        p_e, s_e = step(p_e, s_e, g)
-    assert counter.frame_count == 1
+    p_c, s_c, p_e, s_e, graphs = compiled_and_eager_updates(opt, params, make_grads(params, steps=4, seed=9),
+                                                            "aot_eager")
+    assert graphs == 1
     assert int(s_c.count) == 4
     assert_tree_close(p_c, p_e, atol=0)
     assert_tree_close(s_c, s_e, atol=0)

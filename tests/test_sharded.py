@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from conftest import kill_when_running
 
 import functrain as ft
 from functrain import tree as T
@@ -391,11 +392,7 @@ if __name__ == "__main__":
 
 def test_sigkill_during_sharded_saves_leaves_a_complete_checkpoint(tmp_path):
     import random
-    import signal
-    import subprocess
     import sys
-    import threading
-    import time
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = KILL_CHILD.format(root=root)
@@ -409,27 +406,7 @@ def test_sigkill_during_sharded_saves_leaves_a_complete_checkpoint(tmp_path):
     rng = random.Random(7)
     start, leftovers_seen = 1, 0
     for _ in range(6):
-        proc = subprocess.Popen([sys.executable, str(script), path, str(start)], stdout=subprocess.PIPE, text=True)
-        lines: list = []
-        ready = threading.Event()
-
-        def reader():
-            for line in proc.stdout:
-                lines.append(line.split())
-                ready.set()
-
-        t = threading.Thread(target=reader, daemon=True)
-        t.start()
-        try:
-            assert ready.wait(120), "the child did not start"
-            time.sleep(rng.uniform(0.0, 1.0))
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(30)
-            t.join(30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        _, lines = kill_when_running([sys.executable, str(script), path, str(start)], rng.uniform(0.0, 1.0))
         leftovers_seen += any(e.startswith(".") for e in os.listdir(tmp_path))
         saved = [int(x[1]) for x in lines if x[0] == "saved"]
         n = ft.load_extra(path)["step"]

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_driver import CountHostPulls
 
 import functrain as ft
 from functrain import tree as T
@@ -333,17 +333,6 @@ def test_hooks_see_logs_saves_and_can_stop(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ the loop's cost
-class CountHostPulls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.pulls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.pulls += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_no_host_sync_per_step(tmp_path):
     """30 steps cost the host reads of 10 steps: the same log, save and final reads, none per step."""
     pulls = []

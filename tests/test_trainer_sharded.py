@@ -7,17 +7,16 @@ Every subprocess runs with a timeout.
 import json
 import os
 import shutil
-import subprocess
 import sys
 import textwrap
 import warnings
 
 import pytest
 import torch
+from conftest import two_nodes_on_loopback
 
 import functrain as ft
 from functrain import tree as T
-from functrain.distributed import free_port
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_trainer import _final, _run  # noqa: E402  (the trainer job's runner: same env, same timeouts)
@@ -244,26 +243,11 @@ def _node_problem():
 def test_sharded_step_on_two_nodes_on_loopback(tmp_path):
     script = tmp_path / "node.py"
     script.write_text(NODE.format(tests=os.path.dirname(os.path.abspath(__file__))))
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    common = ("--nnodes", 2, "--nproc", 1, "--master-addr", "127.0.0.1", "--master-port", port,
-              "--join-timeout", 60, "--dist-timeout", 60)
-    procs = [subprocess.Popen([sys.executable, "-m", "functrain.launch", *map(str, common), "--node-rank",
-                               str(node), str(script), str(tmp_path)], cwd=tmp_path, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=180))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:] + err[-3000:]
+    for returncode, out, err in two_nodes_on_loopback(script, tmp_path, env, 180, tmp_path):
+        assert returncode == 0, out[-3000:] + err[-3000:]
     step, params, batch = _node_problem()
     reference = step.init(params)
     for _ in range(3):

@@ -33,6 +33,11 @@ class Optimizer(NamedTuple):
     * ``learning_rate(opt_state)``: the learning rate the *next* update will
       use (a float for a constant lr, a float64 scalar tensor for a schedule).
 
+    And one flag, ``per_param`` (default ``False``): whether ``update`` treats
+    parameters by name (``weight_decay_mask`` / ``lr_multipliers`` groups). A
+    sharded data-parallel step updates flat per-dtype shards, which have no
+    names, and refuses such an optimizer.
+
     Example::
 
         >>> import torch
@@ -48,8 +53,6 @@ class Optimizer(NamedTuple):
     init: Callable[[Any], Any]
     update: Callable[[Any, Any, Any], tuple]
     learning_rate: Callable[[Any], Any]
-    # whether the update treats parameters by name (weight_decay_mask / lr_multipliers groups): a state
-    # whose params are flat buffers or shards (ft.flat, data_parallel(shard=...)) has no names to go by
     per_param: bool = False
 
 

@@ -156,16 +156,7 @@ def warmup_cosine(
         >>> [round(float(s(t)), 6) for t in range(8)]
         [0.0, 0.5, 1.0, 0.853553, 0.5, 0.146447, 0.0, 0.0]
     """
-    warmup_steps = check_steps("warmup_cosine: warmup_steps", warmup_steps)
-    total_steps = check_steps("warmup_cosine: total_steps", total_steps)
-    if total_steps <= warmup_steps:
-        raise ValueError(
-            f"warmup_cosine: total_steps must be > warmup_steps={warmup_steps}; got {describe(total_steps)}"
-        )
-    return join(
-        [linear_warmup(peak, warmup_steps, start=start), cosine_decay(peak, total_steps - warmup_steps, final)],
-        [warmup_steps],
-    )
+    return _warmup_then("warmup_cosine", cosine_decay, peak, warmup_steps, total_steps, final, start)
 
 
 def warmup_linear_decay(
@@ -184,16 +175,19 @@ def warmup_linear_decay(
         >>> s.total_steps
         6
     """
-    warmup_steps = check_steps("warmup_linear_decay: warmup_steps", warmup_steps)
-    total_steps = check_steps("warmup_linear_decay: total_steps", total_steps)
+    return _warmup_then("warmup_linear_decay", linear_decay, peak, warmup_steps, total_steps, final, start)
+
+
+def _warmup_then(name: str, decay: Callable[..., Schedule], peak: float, warmup_steps: int, total_steps: int,
+                 final: float, start: float) -> Schedule:
+    """A linear warmup to ``peak``, then ``decay(peak, total_steps - warmup_steps, final)``: the checks and
+    the join the ``warmup_*`` schedules share."""
+    warmup_steps = check_steps(f"{name}: warmup_steps", warmup_steps)
+    total_steps = check_steps(f"{name}: total_steps", total_steps)
     if total_steps <= warmup_steps:
-        raise ValueError(
-            f"warmup_linear_decay: total_steps must be > warmup_steps={warmup_steps}; got {describe(total_steps)}"
-        )
-    return join(
-        [linear_warmup(peak, warmup_steps, start=start), linear_decay(peak, total_steps - warmup_steps, final)],
-        [warmup_steps],
-    )
+        raise ValueError(f"{name}: total_steps must be > warmup_steps={warmup_steps}; got {describe(total_steps)}")
+    return join([linear_warmup(peak, warmup_steps, start=start), decay(peak, total_steps - warmup_steps, final)],
+                [warmup_steps])
 
 
 def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:

@@ -3,17 +3,16 @@
     python bench/mainjob.py                       # cold (fresh caches) then warm (the caches of the cold run)
     python bench/mainjob.py --runs warm --cache /tmp/ft-ind   # one run on a given cache folder
 
-Each run deletes the results folder first (a warm run keeps its ``compile_cache``, where the
-Trainer's ``ft.compile`` caches its compiled step, as a resumed run would find it), starts
+Each run deletes the results folder first, starts
 
     python -m functrain.launch --nproc 2 examples/diffusion.py --steps 400 --results RESULTS
 
-with ``TORCHINDUCTOR_CACHE_DIR`` and ``FUNCTRAIN_CACHE_DIR`` (the probe memo) under ``--cache``, reads its output as it comes (a progress bar redraws with
-``\\r``, so the output is read in chunks, not lines) and polls ``RESULTS/metrics.jsonl`` every 20 ms.
-Reported, in seconds from the launch: the first output that shows a loss (the progress bar), the
-first line in ``metrics.jsonl``, and the exit. *cold*: the cache folder is new and empty and the
-results folder is deleted whole; *warm*: the same folders again, so inductor's / AOTAutograd's on-disk
-caches (in ``RESULTS/compile_cache``) and functrain's probe memo can hit.
+with ``TORCHINDUCTOR_CACHE_DIR`` and ``FUNCTRAIN_CACHE_DIR`` (the probe memo) under ``--cache``, reads its
+output as it comes (a progress bar redraws with ``\\r``, so the output is read in chunks, not lines) and polls
+``RESULTS/metrics.jsonl`` every 20 ms. Reported, in seconds from the launch: the first output that shows a loss
+(the progress bar), the first line in ``metrics.jsonl``, and the exit. *cold*: the cache folder is new and
+empty; *warm*: the same folder again, so inductor's / AOTAutograd's on-disk caches and functrain's probe memo
+can hit (the Trainer uses inductor's per-process default folder, which the variable sets).
 """
 from __future__ import annotations
 
@@ -31,17 +30,8 @@ import time
 LOSS = re.compile(rb"loss[=: ]+[-+0-9.eE]+")
 
 
-def _clear(results: str, keep: tuple) -> None:
-    if not os.path.isdir(results):
-        return
-    for name in os.listdir(results):
-        if name not in keep:
-            path = os.path.join(results, name)
-            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
-
-
-def one_run(results: str, cache: str, steps: int, nproc: int, timeout: float, warm: bool = True) -> dict:
-    _clear(results, ("compile_cache",) if warm else ())
+def one_run(results: str, cache: str, steps: int, nproc: int, timeout: float) -> dict:
+    shutil.rmtree(results, ignore_errors=True)
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, FUNCTRAIN_CACHE_DIR=os.path.join(cache, "functrain"),
                PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "functrain.launch", "--nproc", str(nproc), "examples/diffusion.py",
@@ -99,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = args.cache or tempfile.mkdtemp(prefix="ft-mainjob-inductor-")
     out = {}
     for name in [r.strip() for r in args.runs.split(",") if r.strip()]:
-        r = one_run(args.results, cache, args.steps, args.nproc, args.timeout, warm=name != "cold")
+        r = one_run(args.results, cache, args.steps, args.nproc, args.timeout)
         out[name] = r
         print(f"{name}: rc {r['rc']}, first loss on the bar {r['first_loss_on_bar_s']}, first metrics.jsonl line "
               f"{r['first_metrics_line_s']} ({r['first_metrics_line']}), total {r['total_s']:.1f} s", flush=True)

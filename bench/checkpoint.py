@@ -119,7 +119,7 @@ def main() -> int:
     import torch
 
     from functrain import checkpoint as ck  # ft.save / ft.load
-    from functrain.tree import tree_equal
+    from functrain.core.tree import tree_equal
 
     state = build_state(args.state, args.device, args.scale)
     leaves = optree.tree_leaves(state)

@@ -56,7 +56,7 @@ def main() -> int:
 
     import functrain as ft
     from bench import variants, workloads
-    from functrain.step import check_inputs, with_rng
+    from functrain.core.step import check_inputs, with_rng
 
     torch.set_num_threads(1)
     wl = workloads.build(workloads.WORKLOADS[args.workload.upper()], torch.device("cpu"))

@@ -21,20 +21,20 @@ Example::
     cstep = ft.compile(step)
     state, metrics = cstep(state, (torch.randn(32, 8), torch.randn(32, 1)))
 """
-from . import checkpoint, distributed, optim, tree
-from .checkpoint import (CheckpointError, CheckpointManager, Restored, export_state_dict, export_weights, load,
-                         load_extra, register_checkpoint_type, save)
-from .compile import CompiledStep, GraphBreakError, compile
-from .distributed import ShardedLoader, data_parallel, gather_for_eval, gather_state, launch, shard
-from .distributed import data  # noqa: F401 - ``ft.data`` (the sharded loader's module) stays a public name
+from . import checkpoint, distributed, optim
+from .core import tree
+from .checkpoint import CheckpointError, CheckpointManager, Restored, export_state_dict, export_weights, load, load_extra, register_checkpoint_type, save
+from .compiler import CompiledStep, GraphBreakError, compile
+from .data import ShardedLoader, gather_for_eval, shard
+from .distributed import data_parallel, gather_state, launch
+from . import data  # noqa: F401 - ``ft.data``: the data package
 from .driver import run, to_device
-from .module import functionalize, to_module
-from .ravel import FlatParams, flat, unflat
-from .state import TrainState
-from .step import STAGES, Step, StepContext, Transform, train_step
+from .core.module import functionalize, to_module
+from .core.flat import FlatParams, flat, unflat
+from .core.state import TrainState
+from .core.step import STAGES, Step, StepContext, Transform, train_step
 from .trainer import Callback, TrainConfig, Trainer
-from .transforms import (EmaState, LossScaleState, Policy, accumulate, clip, clip_value, ema, mixed_precision,
-                         skip_nonfinite)
+from .transforms import EmaState, LossScaleState, Policy, accumulate, clip, clip_value, ema, mixed_precision, skip_nonfinite
 
 __version__ = "0.1.0"
 

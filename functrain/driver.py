@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable
 import optree
 import torch
 
-from .state import TrainState
+from .core.state import TrainState
 
 __all__ = ["run", "to_device"]
 

@@ -67,12 +67,12 @@ except ImportError as e:  # pragma: no cover - hypothesis is the "test" extra
     raise ImportError("functrain.testing needs hypothesis: pip install 'functrain[test]' "
                       "(or pip install hypothesis)") from e
 
-from . import tree as T
-from ._validate import path_str
-from .ravel import unflat
-from .compile import CompiledStep
-from .compile import compile as ft_compile
-from .step import Step
+from .core import tree as T
+from .core.validate import path_str
+from .core.flat import unflat
+from .compiler.api import CompiledStep
+from .compiler.api import compile as ft_compile
+from .core.step import Step
 
 __all__ = [
     "shapes", "tensors", "pytrees", "batches", "mlp_problems", "token_problems", "Problem",

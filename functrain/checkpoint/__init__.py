@@ -23,7 +23,7 @@ A checkpoint is a folder::
   without a valid mark is never loaded, so killing the process at any moment
   leaves the previous checkpoints intact and loadable.
 * **Bit-exact**: ``load(save(state))`` equals ``state`` bitwise
-  (:func:`functrain.tree.tree_equal`): int64 step counters, RNG states,
+  (:func:`functrain.core.tree.tree_equal`): int64 step counters, RNG states,
   bf16/fp16 tensors, 0-dim and empty tensors, non-contiguous tensors and tensors
   that share storage (each leaf is written on its own; sharing is not restored),
   empty containers, ``None`` and Python scalars (floats exactly, via
@@ -68,18 +68,17 @@ from __future__ import annotations
 # tensorfile: the safetensors file of all tensors, written and read in checksummed chunks (crc32/sha256)
 # folder: the checkpoint folder: completion mark, atomic save, verified load, leftovers of killed saves
 # manager: CheckpointManager (numbered checkpoints, rotation, fallback) and Restored
-# sharded: checkpoints of sharded states (one folder per rank, resharding load); save/load/load_extra
+# per_rank: checkpoints of sharded states (one folder per rank, resharding load); save/load/load_extra
 #          below are its dispatchers, which hand unsharded states and folders to folder.save/load unchanged
 # lock: FolderLock (one writer per folder) and the in-use marks of a save's folders
-# The node-type allow-list lives in functrain.registry (core layer): types register where they are defined.
+# The node-type allow-list lives in functrain.core.registry (core layer): types register where they are defined.
 # The classes below declare ``functrain.checkpoint`` as their ``__module__`` (their public home in reprs).
-from . import folder, format, lock, manager, sharded, tensorfile
-from ..registry import register_checkpoint_type
+from . import folder, format, lock, manager, per_rank, tensorfile
+from ..core.registry import register_checkpoint_type
 from .export import export_state_dict, export_weights  # final weights as plain state_dict files
 from .folder import check_structure
-from .sharded import load, load_extra, save  # sharded states: one folder per rank; others go to folder
-from .format import (EXTRA, FORMAT, MARKER, TENSORS, TREE, VERSION, CheckpointError, CheckpointSpaceError,
-                     StructureMismatch)
+from .per_rank import load, load_extra, save  # sharded states: one folder per rank; others go to folder
+from .format import EXTRA, FORMAT, MARKER, TENSORS, TREE, VERSION, CheckpointError, CheckpointSpaceError, StructureMismatch
 from .lock import FolderLock, FolderLocked
 from .manager import CheckpointManager, Restored
 

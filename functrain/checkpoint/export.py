@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..ravel import unflat
+from ..core.flat import unflat
 from .folder import fsync_dir
 
 __all__ = ["export_state_dict", "export_weights", "flat_state_dict"]

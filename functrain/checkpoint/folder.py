@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from ..ravel import reflat, unflat
-from .format import (EXTRA, FORMAT, MARKER, TENSORS, TREE, VERSION, CheckpointError, CheckpointSpaceError, check_size,
-                     decode, encode, fill, json_bytes, match, tensor_refs)
+from ..core.flat import reflat, unflat
+from .format import EXTRA, FORMAT, MARKER, TENSORS, TREE, VERSION, CheckpointError, CheckpointSpaceError, check_size, decode, encode, fill, json_bytes, match, tensor_refs
 from .lock import hold_dir, try_hold_dir
 from .tensorfile import check_checksum, load_tensors, pwrite_all, write_tensors
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from .._validate import path_str
-from ..registry import type_by_name, type_name
+from ..core.validate import path_str
+from ..core.registry import type_by_name, type_name
 
 FORMAT = "functrain-checkpoint"
 VERSION = 1

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import sharded
+from . import per_rank
 from .folder import check_complete, check_structure, load, tidy, write_checkpoint
 from .format import CheckpointError, StructureMismatch
 from .lock import hold_dir
@@ -45,7 +45,7 @@ class CheckpointManager:
     One process should save into a folder at a time (rank 0 under replicated
     data parallelism). A sharded state (``ft.data_parallel(shard=...)``) is
     saved by every rank of its group calling ``save`` together: each writes its
-    shard into the step's folder (:mod:`functrain.checkpoint.sharded`), the
+    shard into the step's folder (:mod:`functrain.checkpoint.per_rank`), the
     folder appears complete with its ``SHARDED.json`` last, and then rank 0
     alone prunes. ``load_latest`` (on every rank, with each rank's template)
     reads such checkpoints too, into a template of any world size.
@@ -91,8 +91,8 @@ class CheckpointManager:
             p = os.path.join(self.folder, entry)
             step = int((m or a).group(1))
             try:
-                if sharded.is_sharded_checkpoint(p):
-                    sharded.check_complete(p)
+                if per_rank.is_sharded_checkpoint(p):
+                    per_rank.check_complete(p)
                 else:
                     check_complete(p)
             except CheckpointError as e:
@@ -130,7 +130,7 @@ class CheckpointManager:
             raise ValueError(f"step must be an int >= 0; got {step!r}")
         if finite is not None and not isinstance(finite, bool):
             raise TypeError(f"finite must be a bool or None; got {finite!r}")
-        if sharded.is_sharded(state):
+        if per_rank.is_sharded(state):
             return self._save_sharded(step, state, extra, finite)
         os.makedirs(self.folder, exist_ok=True)
         self._tidy()
@@ -143,23 +143,23 @@ class CheckpointManager:
         """Remove what killed saves and removals left (plain and sharded ones)."""
         keep = lambda n: self._NAME.match(n) is not None  # noqa: E731
         tidy(self.folder, keep)
-        sharded.tidy(self.folder, keep)
+        per_rank.tidy(self.folder, keep)
 
     def _save_sharded(self, step: int, state: Any, extra: Any, finite: bool | None) -> str:
         """Every rank: its shard into ``step_*``; rank 0 prunes once the checkpoint is complete."""
-        slot = state.slots[sharded.SLOT]
+        slot = state.slots[per_rank.SLOT]
         world, rank = int(slot.world), int(slot.rank)
         if finite is not None:  # the same mark in every rank's folder: finite only if every shard is
-            finite = sharded.all_ranks_agree(finite, world)
+            finite = per_rank.all_ranks_agree(finite, world)
         if rank == 0:
             try:
                 os.makedirs(self.folder, exist_ok=True)
                 self._tidy()
-            except OSError as e:  # sharded.save reports a folder it cannot use to every rank
+            except OSError as e:  # per_rank.save reports a folder it cannot use to every rank
                 warnings.warn(f"{self.folder}: could not tidy leftovers of killed saves ({e})", RuntimeWarning,
                               stacklevel=3)
         # collective: returns on every rank only after rank 0 has renamed the complete folder into place
-        path = sharded.save(self.path(step), state, extra, checksum=self.checksum, fsync=self.fsync,
+        path = per_rank.save(self.path(step), state, extra, checksum=self.checksum, fsync=self.fsync,
                             marks=None if finite is None else {"finite": finite})
         if rank == 0:
             self._prune(step, finite)
@@ -182,7 +182,7 @@ class CheckpointManager:
         """The step of the newest complete checkpoint not marked ``finite=False`` (``None`` if there is none)."""
         found = self._complete() if found is None else found
         for step in sorted(found, reverse=True):
-            if sharded.read_marks(found[step]).get("finite") is not False:
+            if per_rank.read_marks(found[step]).get("finite") is not False:
                 return step
         return None
 
@@ -223,13 +223,13 @@ class CheckpointManager:
         for step in sorted(found, reverse=True):
             p = found[step]
             try:
-                if sharded.is_sharded_checkpoint(p) or sharded.is_sharded(template):
+                if per_rank.is_sharded_checkpoint(p) or per_rank.is_sharded(template):
                     state = self._load_sharded(p, template, device, mmap)
                 else:
                     if template is not None:
                         check_structure(p, template)
                     state = load(p, template, device=device, mmap=mmap)
-                restored = Restored(state, sharded.load_extra(p), step, p)
+                restored = Restored(state, per_rank.load_extra(p), step, p)
                 break
             except StructureMismatch:
                 raise
@@ -253,29 +253,29 @@ class CheckpointManager:
 
     @staticmethod
     def _load_sharded(path: str, template: Any, device: Any, mmap: bool) -> Any:
-        """A sharded checkpoint, or one into a sharded template (:func:`sharded.load`: reshards to any world).
+        """A sharded checkpoint, or one into a sharded template (:func:`per_rank.load`: reshards to any world).
 
         The same world: the structure is checked against this rank's shard before any tensor is read.
         Otherwise the shards are read, and a checkpoint whose files are sound but that does not fit the
         template is a :class:`StructureMismatch` (another run), not damage.
         """
         early: StructureMismatch | None = None
-        if template is not None and sharded.is_sharded_checkpoint(path) and sharded.is_sharded(template):
-            slot = template.slots[sharded.SLOT]
-            if sharded.check_complete(path) == int(slot.world):
+        if template is not None and per_rank.is_sharded_checkpoint(path) and per_rank.is_sharded(template):
+            slot = template.slots[per_rank.SLOT]
+            if per_rank.check_complete(path) == int(slot.world):
                 try:
-                    check_structure(os.path.join(path, sharded.rank_dir(int(slot.rank))), template)
+                    check_structure(os.path.join(path, per_rank.rank_dir(int(slot.rank))), template)
                 except StructureMismatch as e:
                     early = e  # perhaps only another cut (shard="optimizer" <-> "params"): load decides
         try:
-            return sharded.load(path, template, device=device, mmap=mmap)
+            return per_rank.load(path, template, device=device, mmap=mmap)
         except StructureMismatch:
             raise
         except CheckpointError as e:
             if template is None:
                 raise
             try:
-                sharded.load(path, mmap=mmap)  # damage (fall back) or another structure (refuse)?
+                per_rank.load(path, mmap=mmap)  # damage (fall back) or another structure (refuse)?
             except CheckpointError:
                 raise e from None
             raise (early or StructureMismatch(path, [("<state>", str(e))])) from None

@@ -1,22 +1,19 @@
-"""Many processes: the process group, data parallelism, data sharding, evaluation gathering and launchers.
+"""Many processes: the process group, data parallelism (replicated and sharded state) and launchers.
 
 ``ft.distributed.init()`` forms the process group from torchrun/SLURM/MPI/PMI
 variables (:mod:`.group`); :func:`data_parallel` is the step transform that
-reduces gradients across it (:mod:`.data_parallel`); :func:`shard` gives each
-rank its disjoint part of a dataset (:mod:`.data`); :func:`gather_for_eval`
-collects evaluation outputs once per sample (:mod:`.evaluation`);
-:func:`launch` runs a function on N local processes (:mod:`.spawn`) and
+reduces gradients across it (:mod:`.data_parallel`, sharded state in
+:mod:`.sharding`); the small host-side collectives the other packages use live in
+:mod:`.comm`; :func:`launch` runs a function on N local processes (:mod:`.spawn`) and
 ``python -m functrain.launch`` wraps torchrun (:mod:`.cli`); both blame the
 rank that failed first with one classifier and end their ranks when they die
 (:mod:`.faults`).
 """
-from .data import ShardedLoader, shard
 from .data_parallel import DataParallel, data_parallel
-from .evaluation import gather_for_eval
-from .sharded import ShardedDataParallel, gather_state
+from .sharding import ShardedDataParallel, gather_state
 from .group import ProcessInfo, default_timeout, device, init, is_initialized, process_info, rank, world_size
 from .spawn import LaunchError, free_port, launch
 
 __all__ = ["ProcessInfo", "process_info", "init", "is_initialized", "rank", "world_size", "device",
-           "default_timeout", "data_parallel", "DataParallel", "ShardedDataParallel", "gather_state", "shard", "ShardedLoader", "gather_for_eval",
+           "default_timeout", "data_parallel", "DataParallel", "ShardedDataParallel", "gather_state",
            "launch", "free_port", "LaunchError"]

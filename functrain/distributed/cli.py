@@ -78,7 +78,7 @@ import tempfile
 import time
 import traceback
 
-from .._validate import BadValue, check_int, check_real
+from ..core.validate import BadValue, check_int, check_real
 from .faults import LOST, OWN, TIMEOUT, RankEnd, cause_of, describe_end, die_with_parent, root_cause
 
 __all__ = ["main"]

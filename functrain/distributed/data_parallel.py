@@ -6,12 +6,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import tree as T
-from .._validate import check_choice
+from ..core import tree as T
+from ..core.validate import check_choice
 from . import group as G
-from ..state import TrainState
-from ..step import StepContext, Transform
-from .sharded import MODES, ShardedDataParallel
+from ..core.state import TrainState
+from ..core.step import StepContext, Transform
+from .sharding import MODES, ShardedDataParallel
 
 __all__ = ["data_parallel"]
 
@@ -75,7 +75,7 @@ class DataParallel(Transform):
     every rank takes the same decision (a non-finite gradient on one rank skips
     the update on all). ``post_init`` broadcasts the initial state from rank 0;
     each rank draws its own random numbers (``seed + rank``, see
-    :func:`functrain.rng.with_rng`) while the state stays replicated.
+    :func:`functrain.core.rng.with_rng`) while the state stays replicated.
     With a single process it does nothing.
     """
 
@@ -89,7 +89,7 @@ class DataParallel(Transform):
     def _group(self) -> Any:
         return self.group if self.group is not None else dist.group.WORLD
 
-    def post_init(self, state: TrainState) -> TrainState:
+    def post_init(self, state: TrainState, init: Any = None) -> TrainState:
         self.ensure_group()
         return self.broadcast(state)  # the RNG key too: ranks differ by with_rng's rank offset
 
@@ -160,7 +160,7 @@ def data_parallel(group: Any = None, shard: str = "none") -> DataParallel | Shar
     ``ft.distributed.init()``): the ranks never train alone in silence. On one
     process without launcher variables it does nothing.
 
-    ``shard`` (see :mod:`functrain.distributed.sharded`): ``"none"`` replicates
+    ``shard`` (see :mod:`functrain.distributed.sharding`): ``"none"`` replicates
     the whole state on every rank; ``"optimizer"`` (ZeRO-2) reduce-scatters the
     gradient, so each rank updates its 1/N of the params, optimizer state and
     EMA, and all-gathers the new params; ``"params"`` (ZeRO-3 / FSDP) shards the

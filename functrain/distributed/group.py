@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .._validate import check_real
+from ..core.validate import check_real
 
 __all__ = ["ProcessInfo", "process_info", "init", "is_initialized", "rank", "world_size", "default_timeout"]
 

@@ -12,7 +12,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from .._validate import check_int, check_real, describe
+from ..core.validate import check_int, check_real, describe
 from .faults import RankEnd, cause_of, describe_end, die_with_parent, root_cause
 
 __all__ = ["launch", "free_port", "LaunchError"]

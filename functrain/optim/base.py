@@ -13,11 +13,11 @@ from typing import Any, Callable, NamedTuple
 import optree
 import torch
 
-from .. import _validate
+from ..core import validate as _validate
 # describe / is_real / leaf_path are re-exported for the optimizers (one copy, in _validate).
-from .._validate import describe, is_real  # noqa: F401
-from .._validate import path_str as leaf_path  # noqa: F401
-from .._eager import FlatDict, host_number  # noqa: F401  (the optimizers' eager shortcuts)
+from ..core.validate import describe, is_real  # noqa: F401
+from ..core.validate import path_str as leaf_path  # noqa: F401
+from ..core.eager import FlatDict, host_number  # noqa: F401  (the optimizers' eager shortcuts)
 
 __all__ = ["Optimizer"]
 
@@ -70,7 +70,7 @@ def check_real(
     hi_open: bool = False,
     what: str | None = None,
 ) -> float:
-    """Return ``float(value)`` or raise :class:`~functrain._validate.BadValue` (a TypeError
+    """Return ``float(value)`` or raise :class:`~functrain.core.validate.BadValue` (a TypeError
     and a ValueError) naming ``name``, what is allowed and the value given.
 
     ``what`` describes the allowed values (defaults to a description of the range).
@@ -145,7 +145,7 @@ def init_count(leaves: list[torch.Tensor]) -> torch.Tensor:
 
 def flatten_update(grads: Any, params: Any, *trees: Any,
                    flatten: Callable = optree.tree_flatten) -> tuple[Callable, list, list, list[list]]:
-    """Flatten ``params`` (with ``flatten``: an optimizer passes its :class:`functrain._eager.FlatDict`)
+    """Flatten ``params`` (with ``flatten``: an optimizer passes its :class:`functrain.core.eager.FlatDict`)
     and bring ``grads`` and the state ``trees`` to its leaf order.
 
     0-dim leaves are viewed as shape ``(1,)``: a float64 0-dim scalar tensor would

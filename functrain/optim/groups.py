@@ -24,8 +24,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import optree
 import torch
 
-from .._validate import BadValue, describe, is_real, path_str
-from ..ravel import FlatParams
+from ..core.validate import BadValue, describe, is_real, path_str
+from ..core.flat import FlatParams
 
 __all__ = ["Group", "check_group_args", "decay_mask", "lr_multipliers", "make_groups", "run_groups", "group_lr"]
 

@@ -14,9 +14,9 @@ from typing import Any, Callable, NamedTuple
 import optree
 import torch
 
-from ..registry import register_checkpoint_type
-# check_optimizer lives in the core layer so that functrain.step can call it too.
-from .._optimizer_check import check_optimizer
+from ..core.registry import register_checkpoint_type
+# check_optimizer lives in the core layer so that functrain.core.step can call it too.
+from ..core.optimizer import check_optimizer
 from .base import Optimizer, check_lr, describe, flatten_params, flatten_update, init_count, leaf_path, lr_value
 
 __all__ = ["from_optax_style", "OptaxStyleState", "check_optimizer"]
@@ -28,7 +28,7 @@ class OptaxStyleState(NamedTuple):
     transformation's own state ``inner``.
 
     ``inner`` is saved in checkpoints as any pytree of tensors; a ``NamedTuple`` of your
-    own in it must be registered with :func:`functrain.registry.register_checkpoint_type`.
+    own in it must be registered with :func:`functrain.core.registry.register_checkpoint_type`.
     """
 
     count: torch.Tensor

@@ -6,19 +6,8 @@ from typing import Any, Callable, NamedTuple
 import optree
 import torch
 
-from ..registry import register_checkpoint_type
-from .base import (
-    Optimizer,
-    check_lr,
-    check_real,
-    flatten_params,
-    FlatDict,
-    flatten_update,
-    host_number,
-    init_count,
-    lr_value,
-    make_learning_rate,
-)
+from ..core.registry import register_checkpoint_type
+from .base import Optimizer, check_lr, check_real, flatten_params, FlatDict, flatten_update, host_number, init_count, lr_value, make_learning_rate
 from .groups import Group, check_group_args, group_lr, make_groups, run_groups
 
 __all__ = ["sgd", "SGDState"]

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .._validate import BadValue, check_choice, check_int, check_real, describe, is_real
+from ..core.validate import BadValue, check_choice, check_int, check_real, describe, is_real
 from .trackers import TRACKERS, check_trackers
 
 __all__ = ["TrainConfig"]

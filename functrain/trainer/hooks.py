@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-from .._validate import describe
+from ..core.validate import describe
 
 __all__ = ["Callback", "Hooks"]
 

@@ -16,23 +16,24 @@ from typing import Any, Callable
 import torch
 
 from .. import distributed
-from .. import tree as T
+from ..core import tree as T
 from ..checkpoint.export import export_weights
 from ..checkpoint import CheckpointError, CheckpointManager, FolderLock, FolderLocked, StructureMismatch, load_extra
-from ..checkpoint.sharded import is_sharded
-from ..compile import CompiledStep
-from ..compile import compile as compile_step
-from ..distributed import gather_state, shard
+from ..checkpoint.per_rank import is_sharded
+from ..compiler.api import CompiledStep
+from ..compiler.api import compile as compile_step
+from ..data import shard
+from ..distributed import gather_state
 from ..driver import run
-from ..module import functionalize
-from ..state import TrainState
+from ..core.module import functionalize
+from ..core.state import TrainState
 from .config import TrainConfig
-from .evaluation import Evaluator
+from .evaluator import Evaluator
 from .hooks import Hooks
 from .images import write_sample_grid
 from .plots import MetricHistory, write_metrics_plot
 from .summary import run_summary
-from .steps import build_step, checked_loss, model_loss
+from .build import build_step, checked_loss, model_loss
 from .trackers import check_trackers, make_trackers
 
 __all__ = ["Trainer"]
@@ -66,7 +67,7 @@ class Trainer:
     (state + data position + config + metric history) under
     ``results_folder/checkpoints`` and, with ``sample_fn(ema_params,
     num_samples) -> images in [0, 1]``, a ``sample-{step}.png`` grid; with
-    ``eval_dataset`` it evaluates (see :class:`~functrain.trainer.evaluation.Evaluator`)
+    ``eval_dataset`` it evaluates (see :class:`~functrain.trainer.evaluator.Evaluator`)
     every ``eval_every`` updates (0: at each save) and at the end. Running it
     again resumes from the newest checkpoint, bit-exactly.
 

@@ -27,7 +27,7 @@ import warnings
 from html import escape
 from typing import Any, Iterable, Mapping, Sequence
 
-from .._validate import BadValue, check_choice, describe
+from ..core.validate import BadValue, check_choice, describe
 
 __all__ = ["MetricHistory", "metrics_figure", "metrics_svg", "write_metrics_plot"]
 

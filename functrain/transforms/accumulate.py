@@ -6,9 +6,9 @@ from typing import Any, Callable
 import optree
 import torch
 
-from .. import tree as T
-from .._validate import check_int, path_str
-from ..step import StepContext, Transform
+from ..core import tree as T
+from ..core.validate import check_int, path_str
+from ..core.step import StepContext, Transform
 
 __all__ = ["accumulate"]
 

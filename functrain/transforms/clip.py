@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import tree as T
-from .._validate import BadValue, describe, is_real
-from ..step import StepContext, Transform
+from ..core import tree as T
+from ..core.validate import BadValue, describe, is_real
+from ..core.step import StepContext, Transform
 
 __all__ = ["clip", "clip_value"]
 

@@ -5,11 +5,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import tree as T
-from .._validate import check_int, check_real
-from .._eager import FlatDict, host_number
-from ..step import StepContext, Transform
-from ..registry import register_checkpoint_type
+from ..core import tree as T
+from ..core.validate import check_int, check_real
+from ..core.eager import FlatDict, host_number
+from ..core.step import StepContext, Transform
+from ..core.registry import register_checkpoint_type
 
 __all__ = ["ema", "EmaState"]
 
@@ -36,6 +36,7 @@ class EMA(Transform):
     name = "ema"
     order = 0
     accessors = {"ema": lambda slot: slot.params}  # state.ema: the averaged params (None without ft.ema)
+    params_fields = ("params",)  # shaped like the params: a sharded step holds 1/N of it per rank
 
     def __init__(self, decay: float, every: int = 1, start_step: int = 0):
         self.decay = check_real("ema: decay", decay, lo=0, hi=1, lo_open=True, hi_open=True)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import tree as T
-from ..step import StepContext, Transform
+from ..core import tree as T
+from ..core.step import StepContext, Transform
 
 __all__ = ["skip_nonfinite"]
 

@@ -5,10 +5,10 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .. import tree as T
-from .._validate import check_int, check_real
-from ..step import StepContext, Transform
-from ..registry import register_checkpoint_type
+from ..core import tree as T
+from ..core.validate import check_int, check_real
+from ..core.step import StepContext, Transform
+from ..core.registry import register_checkpoint_type
 
 __all__ = ["Policy", "LossScaleState", "mixed_precision"]
 

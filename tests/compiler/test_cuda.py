@@ -1,0 +1,86 @@
+"""ft.compile on CUDA: mode="reduce-overhead" on the fast path (functrain/cudagraph.py).
+
+The CUDA tests are skipped without a CUDA device. The CPU test checks the stated fallback:
+a step that cannot be a CUDA graph warns why and still equals the eager step.
+"""
+import pytest
+import torch
+
+import functrain as ft
+from functrain import tree as T
+from functrain.compiler.cudagraph import why_not
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def problem(device, autocast=False, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).to(device)
+    apply_fn, params, buffers = ft.functionalize(model)
+
+    def loss_fn(params, buffers, batch):
+        x, y = batch
+        if autocast:
+            with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+                out = apply_fn(params, buffers, x)
+            return torch.nn.functional.mse_loss(out.float(), y)
+        return torch.nn.functional.mse_loss(apply_fn(params, buffers, x), y)
+
+    step = ft.clip(1.0)(ft.train_step(loss_fn, ft.optim.adamw(1e-2)))
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = [(torch.randn(24, 16, generator=g).to(device), torch.randn(24, 1, generator=g).to(device))
+               for _ in range(5)]
+    return step, params, buffers, batches
+
+
+def _compare(step, run, params, buffers, batches, n, rtol, atol):
+    e = step.init({k: v.clone() for k, v in params.items()}, buffers)
+    c = T.tree_map(torch.clone, e)
+    for i in range(n):
+        b = batches[i % len(batches)]
+        e, em = step(e, b)
+        c, cm = run(c, b)
+        assert T.tree_allclose(em, cm, rtol=rtol, atol=atol), f"metrics differ at step {i}"
+    assert T.tree_allclose(e, c, rtol=rtol, atol=atol)
+
+
+@cuda
+def test_donated_reduce_overhead_step_equals_eager_over_20_steps_in_one_graph():
+    step, params, buffers, batches = problem("cuda")
+    cstep = ft.compile(step, mode="reduce-overhead", donate=True)
+    assert cstep._fast is not None, "mode='reduce-overhead' with donation should take the fast path"
+    _compare(step, cstep, params, buffers, batches, 20, rtol=1e-4, atol=1e-5)
+    assert cstep.compiles == 1
+    graphed = cstep._fast.last.graphed
+    assert graphed is not None and graphed.records == 1, "not replayed as one CUDA graph"
+
+
+@cuda
+def test_owned_donation_reduce_overhead_as_ft_run_calls_it():
+    step, params, buffers, batches = problem("cuda")
+    cstep = ft.compile(step, mode="reduce-overhead")
+    assert cstep._fast is None  # undonated: inductor's CUDA graphs on the Dynamo path
+    run = cstep.donating()
+    _compare(step, run, params, buffers, batches, 20, rtol=1e-4, atol=1e-5)
+    assert cstep.compiles == 1
+    assert run._fast.last.graphed is not None and run._fast.last.graphed.records == 1
+
+
+@cuda
+def test_bf16_autocast_step_compiles_as_a_cuda_graph():
+    step, params, buffers, batches = problem("cuda", autocast=True)
+    cstep = ft.compile(step, mode="reduce-overhead", donate=True)
+    _compare(step, cstep, params, buffers, batches, 6, rtol=2e-2, atol=2e-2)
+    assert cstep.compiles == 1 and cstep._fast.last.graphed is not None
+
+
+def test_a_step_that_cannot_be_a_cuda_graph_says_why_and_is_right():
+    cpu = [torch.zeros(2)]
+    assert "not donated" in why_not(cpu, [], donate=False, random=False)
+    assert "random" in why_not(cpu, [], donate=True, random=True)
+    assert "CUDA tensors" in why_not(cpu, [], donate=True, random=False)
+    step, params, buffers, batches = problem("cpu")
+    cstep = ft.compile(step, mode="reduce-overhead", donate=True)
+    with pytest.warns(UserWarning, match="without CUDA graphs: CUDA graphs need CUDA tensors"):
+        _compare(step, cstep, params, buffers, batches, 3, rtol=1e-5, atol=1e-6)
+    assert cstep.compiles == 1 and cstep._fast.last.graphed is None

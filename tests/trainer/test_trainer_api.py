@@ -1,0 +1,469 @@
+"""ft.Trainer as a general trainer on ft.run: optimizer=, lr schedules, transforms=, step=, model outputs
+(dict, ModelOutput, a real transformers GPT-2), evaluation (1 and 2 processes, each sample once), hooks,
+throughput after the compile, and no host sync per step.
+
+In-process runs are eager (compile=False) unless the test is about compiling; the 2-process run uses
+ft.launch with a timeout.
+"""
+import json
+import math
+import os
+import warnings
+
+import pytest
+import torch
+from test_driver import CountHostPulls
+
+import functrain as ft
+from functrain import tree as T
+
+pytest.importorskip("safetensors")
+
+
+class Linear(torch.nn.Module):
+    def __init__(self, d=4):
+        super().__init__()
+        self.fc = torch.nn.Linear(d, 1)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.fc(x), y)
+
+
+def _data(n=64, d=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    return torch.utils.data.TensorDataset(x, x[:, :1] * 0.7 - 0.2 + 0.1 * torch.randn(n, 1, generator=g))
+
+
+def _config(folder, **kw):
+    base = dict(train_batch_size=8, train_num_steps=12, save_and_sample_every=6, results_folder=str(folder),
+                compile=False, log_every=1, ema_update_every=1, ema_decay=0.9, trackers=("jsonl",), train_lr=1e-2)
+    return ft.TrainConfig(**{**base, **kw})
+
+
+def _log(folder):
+    return [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+
+
+def _train(make, data, config, **kw):
+    """Train a model made by ``make()`` under seed 0 (a module is passed as is)."""
+    torch.manual_seed(0)
+    model = make if isinstance(make, torch.nn.Module) else make()
+    return ft.Trainer(model, data, config, **kw).train()
+
+
+def _reference(step, params, buffers, data, config):
+    """The same training by hand: ft.run over ft.shard with the trainer's batch, seed and drop_last."""
+    loader = ft.shard(data, batch_size=config.train_batch_size * config.gradient_accumulate_every, shuffle=True,
+                      seed=config.seed, drop_last=True)
+    state = step.init(params, buffers, seed=config.seed)
+    return ft.run(step, state, loader, num_steps=config.train_num_steps, progress=False)
+
+
+def _module_loss(model):
+    apply_fn, params, buffers = ft.functionalize(model)
+
+    def loss_fn(params, buffers, batch):
+        return apply_fn(params, buffers, *batch)
+
+    return loss_fn, params, buffers
+
+
+# ------------------------------------------------------------------------------------------ optimizers
+def test_a_torch_optim_optimizer_is_explained_before_training(tmp_path):
+    model = Linear()
+    with pytest.raises(TypeError, match=r"stateful torch.optim optimizer.*ft\.optim\.adamw\(lr=0\.01"):
+        ft.Trainer(model, _data(), _config(tmp_path), optimizer=torch.optim.AdamW(model.parameters(), lr=0.01))
+    assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_optimizer_argument_is_the_optimizer_used(tmp_path):
+    """A lion optimizer through the trainer equals ft.run of the hand-built step (clip, EMA, skip_nonfinite)."""
+    data, config = _data(), _config(tmp_path)
+    opt = ft.optim.lion(3e-3, weight_decay=0.1, weight_decay_mask=ft.optim.masks.no_decay_bias_and_norm)
+    torch.manual_seed(0)
+    model = Linear()
+    loss_fn, params, buffers = _module_loss(model)
+    params = T.tree_map(torch.clone, params)
+    step = ft.skip_nonfinite()(ft.ema(0.9, every=1)(ft.clip(config.max_grad_norm)(ft.train_step(loss_fn, opt))))
+    expected = _reference(step, params, buffers, data, config)
+    got = _train(Linear, data, config, optimizer=opt)
+    assert isinstance(got.opt_state, ft.optim.LionState)
+    assert T.tree_equal(got, expected), "the trainer's run differs from ft.run of the same step"
+
+
+def test_optimizer_fields_of_the_config_that_go_unused_are_named(tmp_path):
+    with pytest.warns(UserWarning, match=r"train_lr.*not used: Trainer\(optimizer=...\) brings its own lr"):
+        ft.Trainer(Linear(), _data(), _config(tmp_path, train_lr=5e-3), optimizer=ft.optim.sgd(0.1))
+
+
+# ------------------------------------------------------------------------------------------ schedules
+@pytest.mark.parametrize("kind", ["warmup_cosine", "warmup_linear", "constant"])
+def test_the_schedules_lr_is_in_the_logs(tmp_path, kind):
+    extra = {} if kind == "constant" else {"min_lr": 1e-3}
+    config = _config(tmp_path, lr_schedule=kind, warmup_steps=3, **extra)
+    _train(Linear, _data(), config)
+    if kind == "warmup_cosine":
+        s = ft.optim.schedules.warmup_cosine(1e-2, warmup_steps=3, total_steps=12, final=1e-3)
+    elif kind == "warmup_linear":
+        s = ft.optim.schedules.warmup_linear_decay(1e-2, warmup_steps=3, total_steps=12, final=1e-3)
+    else:
+        s = ft.optim.schedules.linear_warmup(1e-2, warmup_steps=3)
+    log = [r for r in _log(tmp_path) if "lr" in r]
+    assert [r["step"] for r in log] == list(range(1, 13))
+    for r in log:  # update k (1-based) is taken with the schedule at count k - 1 (no update was skipped)
+        assert r["lr"] == pytest.approx(float(s(r["step"] - 1)), rel=1e-12, abs=1e-15), r
+    assert log[0]["lr"] == 0.0 and log[3]["lr"] == pytest.approx(1e-2)
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"lr_schedule": "cosine"}, r"lr_schedule must be one of \('constant', 'warmup_cosine', 'warmup_linear'\)"),
+    ({"lr_schedule": "warmup_cosine", "warmup_steps": 12}, r"warmup_steps must be < train_num_steps=12"),
+    ({"lr_schedule": "warmup_cosine", "min_lr": 0.5}, r"min_lr must be a number in \[0, train_lr=0.01\]"),
+    ({"min_lr": 1e-3}, r"min_lr is the final lr of a decaying lr_schedule"),
+    ({"warmup_steps": -1}, r"warmup_steps must be an int >= 0"),
+    ({"eval_every": -1}, r"eval_every must be an int >= 0"),
+    ({"eval_batch_size": 0}, r"eval_batch_size must be a positive int or None"),
+])
+def test_bad_schedule_and_eval_fields_are_named(tmp_path, fields, match):
+    with pytest.raises(ValueError, match=match):
+        _config(tmp_path, **fields)
+
+
+def test_a_schedule_shorter_than_the_run_is_refused_before_training(tmp_path):
+    short = ft.optim.adamw(ft.optim.schedules.warmup_cosine(1e-3, warmup_steps=2, total_steps=8))
+    with pytest.raises(ValueError, match=r"built for 8 updates .* the run takes 12"):
+        ft.Trainer(Linear(), _data(), _config(tmp_path), optimizer=short)
+
+
+# ------------------------------------------------------------------------------------------ transforms=, step=
+def test_transforms_are_added_to_the_composed_step(tmp_path):
+    data, config = _data(), _config(tmp_path)
+    torch.manual_seed(0)
+    loss_fn, params, buffers = _module_loss(Linear())
+    params = T.tree_map(torch.clone, params)
+    step = ft.clip_value(1e-3)(ft.skip_nonfinite()(ft.ema(0.9, every=1)(ft.clip(1.0)(
+        ft.train_step(loss_fn, ft.optim.adamw(1e-2, betas=(0.9, 0.99), weight_decay=0.0))))))
+    expected = _reference(step, params, buffers, data, config)
+    got = _train(Linear, data, config, transforms=[ft.clip_value(1e-3)])
+    assert T.tree_equal(got, expected)
+    plain = _train(Linear, data, config.replace(results_folder=str(tmp_path / "plain")))
+    assert not T.tree_equal(got.params, plain.params)  # the transform changed the training
+    with pytest.raises(ValueError, match=r"already has 'clip' from the config"):
+        ft.Trainer(Linear(), data, config, transforms=[ft.clip(0.5)])
+    with pytest.raises(TypeError, match=r"transforms=...\)\[0\] must be a functrain Transform"):
+        ft.Trainer(Linear(), data, config, transforms=[lambda s: s])
+
+
+def test_a_ready_step_is_used_as_is(tmp_path):
+    data, config = _data(), _config(tmp_path, trackers=())
+    torch.manual_seed(0)
+    model = Linear()
+    loss_fn, params, buffers = _module_loss(model)
+    step = ft.clip(0.5)(ft.train_step(loss_fn, ft.optim.sgd(0.05, momentum=0.9)))
+    expected = _reference(step, T.tree_map(torch.clone, params), buffers, data, config)
+    got = ft.Trainer(model, data, config, step=step).train()
+    assert T.tree_equal(got, expected)
+    assert got.ema is None and "clip" not in got.slots  # nothing added on one process
+    with pytest.raises(TypeError, match="uses the step as is"):
+        ft.Trainer(model, data, config, step=step, optimizer=ft.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=r"accumulates 2 micro-batches but TrainConfig.gradient_accumulate_every=1"):
+        ft.Trainer(model, data, config, step=ft.accumulate(2)(step))
+    with pytest.raises(TypeError, match="takes a functrain Step"):
+        ft.Trainer(model, data, config, step=lambda state, batch: (state, {}))
+
+
+# ------------------------------------------------------------------------------------------ model outputs
+class DictModel(Linear):
+    def forward(self, x, y):
+        pred = self.fc(x)
+        return {"loss": torch.nn.functional.mse_loss(pred, y), "mae": (pred - y).abs().mean(), "pred": pred}
+
+
+def test_a_dict_output_gives_the_loss_and_aux_metrics(tmp_path):
+    _train(DictModel, _data(), _config(tmp_path))
+    log = [r for r in _log(tmp_path) if "loss" in r]
+    assert len(log) == 12 and all("mae" in r and "pred" not in r for r in log)
+    assert all(math.isfinite(r["mae"]) and r["mae"] > 0 for r in log)
+
+
+def test_a_model_output_object_with_loss(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from dataclasses import dataclass
+
+    @dataclass
+    class Out(transformers.utils.ModelOutput):
+        loss: torch.Tensor | None = None
+        logits: torch.Tensor | None = None
+
+    class M(Linear):
+        def forward(self, x, y):
+            pred = self.fc(x)
+            return Out(loss=torch.nn.functional.mse_loss(pred, y), logits=pred)
+
+    state = _train(M, _data(), _config(tmp_path))
+    ref = _train(Linear, _data(), _config(tmp_path / "ref"))
+    assert T.tree_equal(state, ref)  # the same loss, so the same training
+
+    class NoLoss(Linear):
+        def forward(self, x, y):
+            return Out(logits=self.fc(x))
+
+    with pytest.raises(TypeError, match=r"returned a Out with keys \['logits'\] and no 'loss'"):
+        _train(NoLoss, _data(), _config(tmp_path / "noloss"))
+
+    class Pred(Linear):
+        def forward(self, x, y):
+            return [self.fc(x)]
+
+    with pytest.raises(TypeError, match=r"returned a list of 1 \(a tensor of shape \(8, 1\)\): the trainer needs"):
+        _train(Pred, _data(), _config(tmp_path / "pred"))
+
+
+def test_a_transformers_gpt2_trains(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    g = torch.Generator().manual_seed(0)
+    ids = (torch.arange(12)[None] + torch.randint(0, 32, (48, 1), generator=g)) % 32  # learnable: counting
+    data = {"input_ids": ids, "labels": ids}
+    config = _config(tmp_path, train_num_steps=20, train_lr=3e-3, save_and_sample_every=20, log_every=5)
+    ft.Trainer(model, data, config).train()
+    log = _log(tmp_path)
+    assert [r["step"] for r in log] == [5, 10, 15, 20]
+    assert log[-1]["loss"] < log[0]["loss"] < math.log(32) + 0.5, log
+    with pytest.raises(TypeError, match=r"no 'loss'.*labels="):
+        _train(model, {"input_ids": ids}, config.replace(results_folder=str(tmp_path / "nolabels")))
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+def _per_sample_mse(params, data):
+    x, y = data.tensors
+    pred = x @ params["fc.weight"].T + params["fc.bias"]
+    return ((pred - y) ** 2).mean(1).double().mean().item()
+
+
+def test_eval_loss_with_params_and_ema_each_sample_once(tmp_path):
+    data, held_out = _data(), _data(13, seed=1)
+    config = _config(tmp_path, eval_every=4, eval_batch_size=4)
+    seen = []
+    state = _train(Linear, data, config, eval_dataset=held_out, on_eval=lambda step, m: seen.append((step, m)))
+    evals = [r for r in _log(tmp_path) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [4, 8, 12] == [s for s, _ in seen]
+    last = evals[-1]
+    assert last["eval_samples"] == 13
+    assert last["eval_loss"] == pytest.approx(_per_sample_mse(state.params, held_out), rel=1e-6)
+    assert last["eval_loss_ema"] == pytest.approx(_per_sample_mse(state.ema, held_out), rel=1e-6)
+    assert last["eval_loss"] != last["eval_loss_ema"]
+    # the history of evaluations is kept in the checkpoint (and plotted)
+    history = ft.load_extra(ft.CheckpointManager(tmp_path / "checkpoints").path(12))["history"]
+    assert [s for s, _ in history["eval_loss"]] == [4, 8, 12] == [s for s, _ in history["eval_loss_ema"]]
+    assert [v for _, v in history["eval_loss"]] == [r["eval_loss"] for r in evals]
+
+
+def test_eval_mistakes_are_errors_before_training(tmp_path):
+    with pytest.raises(ValueError, match=r"eval dataset has 3 samples, fewer than one batch of 4 on each of 1 "
+                                         r"process\(es\).*eval_batch_size \(now 4\)"):
+        ft.Trainer(Linear(), _data(), _config(tmp_path, eval_batch_size=4), eval_dataset=_data(3))
+    with pytest.raises(ValueError, match=r"eval_every=5 but the Trainer has no eval_dataset"):
+        ft.Trainer(Linear(), _data(), _config(tmp_path, eval_every=5))
+    assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def _eval_worker(folder):
+    import torch.distributed as dist
+
+    data, held_out = _data(), _data(13, seed=1)
+    torch.manual_seed(0)
+    config = _config(folder, eval_every=6, eval_batch_size=4, train_batch_size=4)
+    ft.Trainer(Linear(), data, config, eval_dataset=held_out).train()
+    return dist.get_rank()
+
+
+def test_eval_on_two_processes_equals_one_process(tmp_path):
+    """13 samples in batches of 4 on 2 ranks: 3 padding rows; each sample still counts once."""
+    assert ft.launch(_eval_worker, nprocs=2, args=(str(tmp_path),), timeout=300) == [0, 1]
+    evals = [r for r in _log(tmp_path) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [6, 12] and all(r["eval_samples"] == 13 for r in evals)
+    state = ft.load(ft.CheckpointManager(tmp_path / "checkpoints").path(12))
+    held_out = _data(13, seed=1)
+    assert evals[-1]["eval_loss"] == pytest.approx(_per_sample_mse(state.params, held_out), rel=1e-6)
+    assert evals[-1]["eval_loss_ema"] == pytest.approx(_per_sample_mse(state.ema, held_out), rel=1e-6)
+    # the one-process evaluation of the same params (what the trainer's Evaluator computes alone)
+    from functrain.trainer.evaluator import Evaluator
+    from functrain.trainer.build import model_loss
+
+    apply_fn, _, _ = ft.functionalize(Linear())
+    one = Evaluator(model_loss(apply_fn), held_out, 4)(state)
+    assert one["eval_samples"] == 13
+    assert one["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], rel=1e-6)
+    assert one["eval_loss_ema"] == pytest.approx(evals[-1]["eval_loss_ema"], rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ hooks
+class Recorder(ft.trainer.Callback):
+    def __init__(self, stop_at=None):
+        self.logs, self.saves, self.stop_at = [], [], stop_at
+
+    def on_log(self, step, metrics):
+        self.logs.append((step, metrics["loss"]))
+
+    def on_save(self, step, path):
+        self.saves.append((step, os.path.exists(os.path.join(path, "COMPLETE.json"))))
+
+    def should_stop(self, step, metrics):
+        return self.stop_at is not None and step >= self.stop_at
+
+
+def test_hooks_see_logs_saves_and_can_stop(tmp_path):
+    rec = Recorder(stop_at=5)
+    logged = []
+    state = _train(Linear, _data(), _config(tmp_path, log_every=2, save_and_sample_every=4), callbacks=[rec],
+                   on_log=lambda step, m: logged.append(step))
+    assert int(state.step) == 6  # asked at the log step 6 (the first >= 5): stops there, saving first
+    assert logged == [2, 4, 6] and [s for s, _ in rec.logs] == [2, 4, 6]
+    assert rec.saves == [(4, True), (6, True)]
+    assert ft.CheckpointManager(tmp_path / "checkpoints").steps() == [4, 6]
+    with pytest.raises(TypeError, match=r"on_log=...\) must be callable"):
+        ft.Trainer(Linear(), _data(), _config(tmp_path), on_log=3)
+    with pytest.raises(TypeError, match=r"callbacks=...\)\[0\] has none of the hook methods"):
+        ft.Trainer(Linear(), _data(), _config(tmp_path), callbacks=[object()])
+
+
+# ------------------------------------------------------------------------------------------ the loop's cost
+def test_no_host_sync_per_step(tmp_path):
+    """30 steps cost the host reads of 10 steps: the same log, save and final reads, none per step."""
+    pulls = []
+    for steps in (10, 30):
+        config = _config(tmp_path / str(steps), train_num_steps=steps, log_every=1000, save_and_sample_every=1000,
+                         max_consecutive_nonfinite=1000, trackers=())
+        torch.manual_seed(0)
+        trainer = ft.Trainer(Linear(), _data(), config)
+        with CountHostPulls() as mode:
+            trainer.train()
+        pulls.append(mode.pulls)
+    assert pulls[0] == pulls[1], pulls
+
+
+class SlowToCompile(Linear):
+    """A model whose capture takes at least a second (it sleeps while being traced), whatever the compile caches
+    hold: the test must not depend on how long inductor takes on this machine."""
+
+    def forward(self, x, y):
+        if torch.compiler.is_compiling():
+            import time
+
+            time.sleep(1.0)
+        return super().forward(x, y)
+
+
+def test_throughput_excludes_the_compile(tmp_path):
+    config = _config(tmp_path, compile=True, train_num_steps=6, save_and_sample_every=6, log_every=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _train(SlowToCompile, _data(), config)
+    log = _log(tmp_path)
+    assert [r["step"] for r in log] == list(range(1, 7))
+    assert "compile_s" in log[0] and sum("compile_s" in r for r in log) == 1  # logged once, as such
+    assert "steps_per_s" not in log[0]  # the first step is the compile: no throughput from it
+    rates = [r["steps_per_s"] for r in log[1:]]
+    # the compile takes seconds; the steps after it take milliseconds: a rate that included it would be < 1/s
+    assert log[0]["compile_s"] >= 1.0 and min(rates) > 5 * (1 / log[0]["compile_s"]), (log[0], rates)
+
+
+# ------------------------------------------------------------------------------------------ outputs
+class Normed(torch.nn.Module):
+    """Params, a persistent buffer set (BatchNorm: running stats and an int counter) and a tied weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.BatchNorm1d(4)
+        self.head = torch.nn.Linear(4, 4, bias=False)
+        self.head.weight = self.fc.weight  # tied
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.head(self.norm(self.fc(x)))[:, :1], y)
+
+
+def test_final_weights_load_strictly_and_equal_params_and_ema(tmp_path, capsys):
+    safetensors = pytest.importorskip("safetensors.torch")
+    state = _train(Normed, _data(), _config(tmp_path))
+    for name, tree in (("model", state.params), ("ema", state.ema)):
+        fresh = Normed()
+        fresh.load_state_dict(safetensors.load_file(str(tmp_path / f"{name}.safetensors")), strict=True)
+        for key, value in tree.items():
+            assert torch.equal(dict(fresh.named_parameters())[key], value), (name, key)
+        for key, value in state.buffers.items():
+            assert torch.equal(dict(fresh.named_buffers())[key], value), (name, key)
+    assert int(state.buffers["norm.num_batches_tracked"]) == 12  # the buffers trained too
+    assert not T.tree_equal(state.params, state.ema)
+    out = capsys.readouterr().out
+    assert "finished step 12/12: loss" in out and str(tmp_path / "model.safetensors") in out, out[-2000:]
+    assert str(tmp_path / "metrics.png") in out
+
+
+def test_metrics_plot_is_written_at_every_save_with_labelled_step_axes(tmp_path):
+    pytest.importorskip("matplotlib")
+    from functrain.trainer.plots import MetricHistory, metrics_figure
+
+    seen = {}
+
+    def on_save(step, path):
+        plot = tmp_path / "metrics.png"
+        seen[step] = plot.read_bytes() if plot.exists() else None
+
+    _train(Linear, _data(), _config(tmp_path, eval_every=6), eval_dataset=_data(16, seed=1), on_save=on_save)
+    assert seen[6] is not None and seen[6][:8] == b"\x89PNG\r\n\x1a\n"  # written at the first save already
+    assert seen[12] is not None and seen[12] != seen[6]  # and redrawn at the last
+    history = ft.load_extra(ft.CheckpointManager(tmp_path / "checkpoints").path(12))["history"]
+    assert [s for s, _ in history["loss"]] == list(range(1, 13))
+    fig = metrics_figure(MetricHistory.from_json(history),
+                         metrics=["loss", "eval_loss", "eval_loss_ema", "grad_norm", "lr"])
+    for ax, name in zip(fig.axes, ["loss", "eval_loss", "eval_loss_ema", "grad_norm", "lr"]):
+        assert ax.get_xlabel() == "step" and ax.get_ylabel().startswith(name)
+        assert ax.get_xlim()[1] >= 12 - 1e-9  # the x axis is the step, not the index of the log
+
+
+def test_trackers_user_object_and_mlflow_resume_continue_one_run(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
+        monkeypatch.delenv(var, raising=False)
+
+    class Mine:
+        def __init__(self):
+            self.steps = []
+
+        def log(self, step, metrics):
+            self.steps.append((step, "eval_loss" in metrics))
+
+    mine = Mine()
+    config = _config(tmp_path, train_num_steps=6, trackers=("jsonl", "mlflow"), save_and_sample_every=3)
+    _train(Linear, _data(), config, trackers=[mine], eval_dataset=_data(16, seed=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the config change (train_num_steps) is reported; not the point here
+        _train(Linear, _data(), config.replace(train_num_steps=12), trackers=[mine], eval_dataset=_data(16, seed=1))
+    assert [s for s, _ in mine.steps] == list(range(1, 13))  # one record per step: the evaluation in its step's
+    assert [s for s, e in mine.steps if e] == [3, 6, 9, 12]
+    client = MlflowClient("sqlite:///" + str(tmp_path / "mlflow.db"))
+    runs = client.search_runs([client.get_experiment_by_name("functrain").experiment_id])
+    assert len(runs) == 1  # the resumed session continued the same MLflow run
+    losses = sorted(client.get_metric_history(runs[0].info.run_id, "loss"), key=lambda m: m.step)
+    assert [m.step for m in losses] == list(range(1, 13))
+    jsonl = [r["loss"] for r in _log(tmp_path) if "loss" in r]
+    assert [m.value for m in losses] == pytest.approx(jsonl, rel=1e-6)
+    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "eval_loss")] == [3, 6, 9, 12]
+    assert mlflow.get_tracking_uri() != "sqlite:///" + str(tmp_path / "mlflow.db")  # global state untouched
+
+
+def test_bad_trackers_are_refused_before_training(tmp_path):
+    with pytest.raises(ValueError, match=r"TrainConfig.trackers: unknown tracker 'comet'; the known trackers"):
+        _config(tmp_path, trackers=("jsonl", "comet"))
+    with pytest.raises(TypeError, match=r"holds tracker names only.*Trainer\(trackers=\[...\]\)"):
+        _config(tmp_path, trackers=(object(),))
+    with pytest.raises(TypeError, match=r"a tracker must be one of .* or an object with log"):
+        ft.Trainer(Linear(), _data(), _config(tmp_path), trackers=[object()])

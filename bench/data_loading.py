@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, TensorDataset  # noqa: E402
 
-from functrain.distributed import shard  # noqa: E402
+from functrain.data import shard  # noqa: E402
 
 
 class Rows(Dataset):

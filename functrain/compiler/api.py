@@ -130,7 +130,7 @@ class CompiledStep:
         self.step = step
         self.donate = bool(donate)
         self.fullgraph = fullgraph
-        # The fast path (functrain/capture.py): trace once over flat leaves, call the compiled code
+        # The fast path (functrain/compiler/capture.py): trace once over flat leaves, call the compiled code
         # directly with functrain's own signature check. Dynamo's per-call frame remains for what
         # only it can do: graph breaks (fullgraph=False), dynamic shapes, CUDA graphs, extra options.
         self._fast: FastPath | None = None
@@ -140,7 +140,7 @@ class CompiledStep:
                             capture=capture, cache_dir=cache_dir, package=package, **kwargs)
         check_choice("capture", capture, ("auto", "flat", "dynamo"))
         # CUDA graphs on the fast path replay the compiled code on the donated state's own buffers
-        # (functrain/cudagraph.py); an undonated state takes inductor's CUDA graphs on the Dynamo path
+        # (functrain/compiler/cudagraph.py); an undonated state takes inductor's CUDA graphs on the Dynamo path
         self._graphs = mode == "reduce-overhead"
         fast_ok = fullgraph and not dynamic and (self.donate or not self._graphs) and not kwargs
         if capture == "flat" and not fast_ok:

@@ -57,7 +57,7 @@ class Optimizer(NamedTuple):
 
 
 # ----------------------------------------------------------------- validation
-# The generic checks live in functrain/_validate.py (they raise BadValue, both a
+# The generic checks live in functrain/core/validate.py (they raise BadValue, both a
 # TypeError and a ValueError); these wrappers keep the optimizers' wording.
 
 

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 import functrain as ft
 from functrain import checkpoint as ck
-from functrain import registry
+from functrain.core import registry
 from functrain.optim import AdamState, SGDState
 from functrain.core.tree import tree_equal
 

@@ -1,4 +1,4 @@
-"""ft.compile's compile reuse (functrain/compile_cache.py): the cache folder, the per-graph lock, the probe memo.
+"""ft.compile's compile reuse (functrain/compiler/cache.py): the cache folder, the per-graph lock, the probe memo.
 
 Real processes share a ``cache_dir``: two started together compile the graph once (the other
 waits on the lock and loads it), a later one loads it, a changed loss misses and is right.
@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from functrain import compile_cache
+from functrain.compiler import cache as compile_cache
 
 # what both child scripts start with: a tiny MLP step whose loss is scaled by argv[1]
 SETUP = r"""

@@ -1,4 +1,4 @@
-"""ft.compile on CUDA: mode="reduce-overhead" on the fast path (functrain/cudagraph.py).
+"""ft.compile on CUDA: mode="reduce-overhead" on the fast path (functrain/compiler/cudagraph.py).
 
 The CUDA tests are skipped without a CUDA device. The CPU test checks the stated fallback:
 a step that cannot be a CUDA graph warns why and still equals the eager step.

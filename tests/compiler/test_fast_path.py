@@ -1,4 +1,4 @@
-"""ft.compile's fast path (functrain/capture.py): one capture, a direct call on flat leaves.
+"""ft.compile's fast path (functrain/compiler/capture.py): one capture, a direct call on flat leaves.
 
 The guard (structure / shape / stride / dtype / device / baked values -> a counted
 recompile or a clear error, never a wrong result), donation (explicit and ft.run's

@@ -1,4 +1,4 @@
-"""The eager step's shortcuts (functrain/_eager.py): host scalars and the cached flat-dict treespec.
+"""The eager step's shortcuts (functrain/core/eager.py): host scalars and the cached flat-dict treespec.
 
 Each shortcut must give what the general path gives, and must switch itself off wherever
 reading a value would be wrong (a trace would bake it in, a dispatch mode watches the ops).

@@ -6,7 +6,7 @@ import torch
 
 import functrain as ft
 import functrain.testing as ftt
-from functrain import step as S
+from functrain.core import step as S
 from functrain.core.rng import with_rng
 from conftest import fixed_problem, with_value
 

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import functrain as ft
-from functrain.distributed import ShardedLoader, gather_for_eval, shard
+from functrain.data import ShardedLoader, gather_for_eval, shard
 
 
 # ---- datasets -----------------------------------------------------------------------------------------------------
@@ -417,7 +417,7 @@ def test_gather_for_eval_without_process_group():
 def _eval_worker(sizes):
     import torch.distributed as dist
 
-    from functrain.distributed import gather_for_eval, shard
+    from functrain.data import gather_for_eval, shard
 
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {}

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import functrain as ft
-from functrain.distributed import gather_for_eval, shard
+from functrain.data import gather_for_eval, shard
 
 
 class Rows(Dataset):

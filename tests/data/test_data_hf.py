@@ -12,7 +12,7 @@ from datasets import Dataset  # noqa: E402
 from datasets.distributed import split_dataset_by_node  # noqa: E402
 
 import functrain as ft  # noqa: E402
-from functrain.distributed import gather_for_eval, shard  # noqa: E402
+from functrain.data import gather_for_eval, shard  # noqa: E402
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -150,7 +150,7 @@ def test_a_foreign_shard_method_is_not_called():
 def _hf_worker(n):
     import torch.distributed as dist
 
-    from functrain.distributed import gather_for_eval, shard
+    from functrain.data import gather_for_eval, shard
 
     rank = dist.get_rank()
     report = {}

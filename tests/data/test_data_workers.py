@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from functrain.distributed import shard
+from functrain.data import shard
 
 
 def record_init(path, worker_id):

@@ -1,9 +1,12 @@
-"""``ft.compile``: the whole step compiled as one graph (see docs/compiling.md).
+"""``ft.compile``: the whole step compiled as one graph, split by phase.
 
-:mod:`.api` is the entry (:func:`compile`, :class:`CompiledStep`); :mod:`.capture` traces the
-step once over flat leaves and calls the compiled code directly; :mod:`.cache` and
-:mod:`.package` keep compiled code between processes; :mod:`.cudagraph` and :mod:`.recycle`
-are the memory-side modes.
+:mod:`.api` is the entry (:func:`compile`, :class:`CompiledStep`); :mod:`.options` checks the
+choices once (one table of what combines); :mod:`.capture` traces the step over flat leaves;
+:mod:`.backend` compiles a capture (inductor by default) and holds the Dynamo path;
+:mod:`.runtime` is the per-call direct path; :mod:`.memory` is where the new state lives
+(fresh, recycled buffers, donation); :mod:`.cudagraph` replays a donated step as a CUDA
+graph; :mod:`.cache` and :mod:`.package` keep compiled code between processes;
+:mod:`.errors` explains a failed capture.
 """
 from .api import CompiledStep, GraphBreakError, compile
 

@@ -43,24 +43,27 @@ def why_not(tensors: list, constants: list, *, donate: bool, random: bool) -> st
 class GraphedCall:
     """The compiled code ``fn(*state, *batch, *constants)`` of a donated step, replayed as a CUDA graph.
 
-    ``n_state``: how many of the call's tensors are the (donated) state's. Calls take the
-    same arguments as ``fn`` (split into ``tensors`` and ``constants``) and return its
-    outputs (cloned out of the graph's pool).
+    A wrapper with ``fn``'s calling convention: ``n_state`` of its arguments are the (donated)
+    state's tensors, the last ``n_constants`` the tensors the step closes over, the batch's in
+    between; it returns ``fn``'s outputs (cloned out of the graph's pool).
 
     Attributes:
         records: how many graphs it has recorded (1 unless the state moved to new addresses).
     """
 
-    def __init__(self, fn: Callable, n_state: int):
+    def __init__(self, fn: Callable, n_state: int, n_constants: int):
         self.fn = fn
         self.n_state = n_state
+        self.n_constants = n_constants
         self.graph: torch.cuda.CUDAGraph | None = None
         self.ptrs: tuple = ()
         self.batch: list = []   # the graph's copies of the batch tensors
         self.outputs: list = []
         self.records = 0
 
-    def __call__(self, tensors: list, constants: list) -> list:
+    def __call__(self, *args: torch.Tensor) -> list:
+        split = len(args) - self.n_constants
+        tensors, constants = args[:split], args[split:]
         state, batch = tensors[:self.n_state], tensors[self.n_state:]
         ptrs = tuple(t.data_ptr() for t in state) + tuple(t.data_ptr() for t in constants)
         if self.graph is None or ptrs != self.ptrs:

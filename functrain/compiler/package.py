@@ -141,7 +141,7 @@ def _material(gm: torch.fx.GraphModule, inputs: list) -> str:
 def _calling_convention() -> str:
     """A hash of the code that decides how a package is called (the capture's input order, the loader)."""
     h = hashlib.sha256()
-    for path in (__file__, os.path.join(os.path.dirname(__file__), "capture.py")):
+    for path in (__file__, *(os.path.join(os.path.dirname(__file__), m) for m in ("capture.py", "memory.py"))):
         with open(path, "rb") as f:
             h.update(f.read())
     return h.hexdigest()

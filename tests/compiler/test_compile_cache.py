@@ -246,10 +246,10 @@ def test_a_package_is_loaded_by_a_later_process_and_rebuilt_when_corrupt_or_for_
     assert len([p for p in packages.iterdir() if p.suffix == ".pt2"]) == 2
 
 
-def test_package_needs_a_cache_dir_and_the_flat_capture():
+def test_package_needs_a_cache_dir_and_the_direct_capture():
     import functrain as ft
     step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1))
     with pytest.raises(ValueError, match="needs cache_dir"):
         ft.compile(step, package=True)
-    with pytest.raises(ValueError, match="flat capture"):
+    with pytest.raises(ValueError, match="direct capture"):
         ft.compile(step, package=True, capture="dynamo")

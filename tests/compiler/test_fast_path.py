@@ -50,10 +50,12 @@ def test_the_fast_path_is_taken(mlp):
     _, cstep, *_ = mlp
     assert cstep._fast is not None and cstep._fast.last is not None
     assert ft.compile(mlp[0], backend="aot_eager", capture="dynamo")._fast is None
-    with pytest.raises(ValueError, match="capture='flat'"):
-        ft.compile(mlp[0], capture="flat", fullgraph=False)
+    with pytest.raises(ValueError, match="capture='direct'"):
+        ft.compile(mlp[0], capture="direct", fullgraph=False)
     with pytest.raises(ValueError, match="capture must be one of"):
         ft.compile(mlp[0], capture="fast")
+    with pytest.warns(DeprecationWarning, match="capture='direct'"):  # the old name still means the direct path
+        assert ft.compile(mlp[0], capture="flat")._fast is not None
 
 
 @settings(max_examples=5, deadline=None)

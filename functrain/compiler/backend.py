@@ -1,0 +1,191 @@
+"""Backends: compile a captured graph (inductor by default), and the Dynamo path (``torch.compile`` per call).
+
+:class:`CountingBackend` wraps any ``torch.compile`` backend and counts the graphs it
+compiles (``CompiledStep.compiles``); inductor's graphs compile under a machine-wide lock
+per graph with inductor's CPU probes memoized (:mod:`functrain.compiler.cache`).
+:func:`compile_captured` turns a :class:`~functrain.compiler.capture.Captured` into code:
+a package when asked for (:mod:`functrain.compiler.package`), else the backend, wrapped as
+a CUDA graph when the options ask and the capture allows (:mod:`functrain.compiler.cudagraph`).
+:class:`DynamoCall` is the other path: ``torch.compile`` of the step itself, with its
+guards and frame on every call, for what only Dynamo does (graph breaks, dynamic shapes,
+inductor's own CUDA graphs, extra ``torch.compile`` arguments).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import types
+import warnings
+from typing import Any, Callable
+
+import optree
+import torch
+
+from . import cache
+from .memory import release, write_inputs
+from .options import Options
+
+__all__ = ["CountingBackend", "make_backend", "compile_captured", "DynamoCall"]
+
+
+class CountingBackend:
+    """A ``torch.compile`` backend that counts the graphs it compiles, then defers to the real one.
+
+    ``shared``: the real backend keeps an on-disk cache other processes read (inductor): each graph
+    is compiled under its machine-wide lock, with inductor's CPU probes memoized."""
+
+    def __init__(self, backend: Any, shared: bool = False):
+        self._backend = backend  # the backend, or a partial that makes it (inductor's: on first use, so
+        self.count = 0           # that a process that only loads packages never imports inductor)
+        self.shared = shared
+
+    @property
+    def backend(self) -> Any:
+        if isinstance(self._backend, functools.partial):
+            self._backend = self._backend()
+        return self._backend
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        self.count += 1
+        if not self.shared:
+            return self.backend(gm, example_inputs)
+        key = cache.graph_key(gm, [t for t in example_inputs if torch.is_tensor(t)])
+        with cache.probe_memo(), cache.compile_lock(key):
+            return self.backend(gm, example_inputs)
+
+    def __getattr__(self, name: str) -> Any:  # get_compiler_config, reset, ... of the inductor wrapper
+        if name.startswith("__") or "_backend" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.backend, name)
+
+
+def make_backend(options: Options) -> CountingBackend:
+    """The counting backend for ``options`` (inductor made lazily; on the direct path without its per-call
+    size asserts, which the runtime's signature check makes redundant; CUDA graphs there are functrain's)."""
+    backend, mode, extra = options.backend, options.mode, options.options
+    direct = options.path == "direct"
+    if backend in (None, "inductor"):
+        if direct:
+            extra = {"size_asserts": False, **(extra or {})}
+            mode = None if options.cuda_graphs else mode
+        wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
+        if wrapper is None:  # pragma: no cover - older torch: count through the registry's inductor
+            from torch._dynamo.backends.registry import lookup_backend
+            return CountingBackend(lookup_backend("inductor"), shared=True)
+        return CountingBackend(functools.partial(wrapper, mode, extra, options.dynamic), shared=True)
+    if isinstance(backend, str):
+        from torch._dynamo.backends.registry import lookup_backend
+        backend = lookup_backend(backend)
+    return CountingBackend(backend)
+
+
+def compile_captured(cap: Any, backend: CountingBackend, *, packages: Any = None, cuda_graphs: bool = False) -> None:
+    """Compile ``cap`` (a traced :class:`~functrain.compiler.capture.Captured`) in place: set ``cap.fn``."""
+    fn = None
+    if packages is not None:
+        def count() -> None:
+            backend.count += 1
+        fn = packages(cap.gm, cap.inputs, count)
+    if fn is None:
+        fn = compile_graph(backend, cap.gm, cap.inputs)
+    if cuda_graphs:
+        from .cudagraph import GraphedCall, why_not
+        reason = why_not(cap.inputs[:cap.signature.n_state], cap.constants, donate=cap.memory.donates,
+                         random=cap.random)
+        if reason is None:
+            fn = GraphedCall(fn, cap.signature.n_state, len(cap.constants))
+        else:
+            warnings.warn(f"ft.compile(mode='reduce-overhead'): this step runs without CUDA graphs: {reason}",
+                          stacklevel=6)
+    cap.fn = fn
+    cap.gm = cap.inputs = None  # the example inputs are the first state's tensors: do not keep them alive
+
+
+def compile_graph(backend: Callable, gm: torch.fx.GraphModule, inputs: list) -> Callable:
+    """``backend(gm, inputs)`` inside a tracing context with a shape environment, as Dynamo
+    calls backends: without one, AOTAutograd's and inductor's FX-graph caches bypass the
+    graph ("No shape env") and every process compiles it from scratch."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # A graph that reads a scalar out of a tensor (``.item()`` of a constant, traced as
+    # ``_local_scalar_dense``) trips AOTAutograd's scalar pass under a shape environment
+    # (torch 2.13): compile it without one (no cross-process cache for that graph).
+    scalar_reads = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+    if any(n.op == "call_function" and n.target in scalar_reads for n in gm.graph.nodes):
+        return backend(gm, inputs)
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    # static shapes, as captured: the signature check guarantees them at every call
+    fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in inputs]
+    with tracing(TracingContext(fake_mode)):
+        return backend(gm, fakes)
+
+
+# -- the Dynamo path ------------------------------------------------------------------------------
+_ids = itertools.count()
+
+
+def _own_code(fn: Any) -> Any:
+    """A copy of ``fn`` with its own code object and name.
+
+    Dynamo keeps its compiled graphs, recompile limit and automatic-dynamic memory per code
+    object, and its profile-guided state per (file, line, name): a fresh code object with a
+    unique name per compiled step keeps steps from sharing, evicting, or turning dynamic each
+    other's graphs (two steps whose optimizers differ in a float, say).
+    """
+    name = f"{fn.__name__}_{next(_ids)}"
+    code = fn.__code__.replace(co_name=name)
+    if hasattr(code, "co_qualname"):
+        code = code.replace(co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def _leaves(tree: Any) -> list:
+    """The tensor leaves of a state in a fixed order, traceable by Dynamo (its optree polyfill fails on the
+    empty dicts states have whenever a model has no buffers; a state's containers are few and plain)."""
+    if torch.is_tensor(tree):
+        return [tree]
+    if isinstance(tree, dict):
+        return [x for k in tree for x in _leaves(tree[k])]
+    if isinstance(tree, (list, tuple)):
+        return [x for item in tree for x in _leaves(item)]
+    return []
+
+
+def _apply(state: Any, batch: Any, step: Any = None) -> tuple[Any, dict]:
+    return step.apply(state, batch)
+
+
+def _donating(state: Any, batch: Any, step: Any = None) -> tuple[Any, dict]:
+    new, metrics = step.apply(state, batch)
+    write_inputs(_leaves(state), _leaves(new))  # inductor writes each result straight into the donated buffer
+    return state, metrics
+
+
+class DynamoCall:
+    """``torch.compile`` of ``step.apply`` (its own code object), called through the step's host work.
+
+    With ``donate`` the compiled function writes the new state into the input's tensors and the
+    call then releases the old ones (:func:`functrain.compiler.memory.release`)."""
+
+    def __init__(self, step: Any, options: Options, backend: CountingBackend):
+        self.step = step
+        self.donate = options.donate
+        fn = _own_code(_donating if options.donate else _apply)
+        fn.__defaults__ = (step,)
+        self.compiled = torch.compile(fn, fullgraph=options.fullgraph, backend=backend, dynamic=options.dynamic,
+                                      **options.extra)
+
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, dict]:
+        from .errors import explain
+        try:
+            new, metrics = self.step.host_call(self.compiled, state, batch)
+        except torch._dynamo.exc.TorchDynamoException as error:
+            explain(self.step, error, state, batch, tracer="Dynamo", graph_break=False)
+            raise
+        if self.donate:
+            leaves, spec = optree.tree_flatten(new)
+            new = optree.tree_unflatten(spec, [t.detach() if torch.is_tensor(t) else t for t in leaves])
+            release(optree.tree_leaves(state))
+        return new, metrics

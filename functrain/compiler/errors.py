@@ -1,0 +1,63 @@
+"""What a failed capture means: the user's own error, an empty batch, or a step that is not one graph.
+
+A tracer (make_fx on the direct path, Dynamo on the other) reports an exception raised by
+the user's code while tracing (a bad loss, a batch of the wrong shape) wrapped in pages of
+its own logs. :func:`explain` runs the step eagerly once: if that raises, the user's error
+is raised instead (without the tracer's chain); if it runs, the step cannot be captured as
+one graph and :class:`GraphBreakError` says so, quoting the tracer.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from ..core.step import Step
+from ..core.validate import path_str
+
+__all__ = ["GraphBreakError", "explain"]
+
+
+class GraphBreakError(RuntimeError):
+    """The step cannot be captured as one graph under ``fullgraph=True``."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
+
+
+def explain(step: Step, error: BaseException, state: Any, batch: Any, *, tracer: str,
+            graph_break: bool = True) -> None:
+    """Raise what ``error``, the tracer's report of a failed capture of ``step`` on ``(state, batch)``, means.
+
+    ``tracer`` names the tracer for the note (``"make_fx"``, ``"Dynamo"``). Returns only when
+    ``graph_break`` is false and the eager step runs (the caller re-raises the tracer's error).
+    """
+    try:
+        step.host_call(step.apply, state, batch)
+    except Exception as real:  # noqa: BLE001 - surface whatever the step itself raises
+        if hasattr(real, "add_note"):  # Python >= 3.11
+            real.add_note(f"(raised by the step run eagerly after ft.compile's {tracer} trace of it failed with "
+                          f"{type(error).__name__}: {_first_line(error)})")
+        raise real from None
+    empty = _empty_leaf(batch)
+    if empty is not None:
+        raise ValueError(f"ft.compile: batch leaf {empty[0]!r} is empty (shape {empty[1]}): the compiled step "
+                         f"cannot trace a batch without rows (the eager step's loss over it is NaN). Skip empty "
+                         f"batches (a data loader with drop_last=True never yields one)") from error
+    if graph_break or isinstance(error, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
+        raise GraphBreakError(
+            f"the step cannot be compiled as one graph (fullgraph=True): {_first_line(error)}. "
+            f"A step must have no host sync (.item(), print, Python branches on tensor values) and call "
+            f"only traceable code; fix the loss function, or pass fullgraph=False to ft.compile to allow "
+            f"graph breaks (slower). The tracer ({tracer}) said:\n{error}") from error
+
+
+def _empty_leaf(batch: Any) -> tuple[str, tuple] | None:
+    paths, leaves, _ = optree.tree_flatten_with_path(batch)
+    for path, leaf in zip(paths, leaves):
+        if torch.is_tensor(leaf) and leaf.dim() > 0 and leaf.shape[0] == 0:
+            return path_str(path), tuple(leaf.shape)
+    return None

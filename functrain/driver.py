@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from typing import Any, Callable, Iterable
 
 import optree
 import torch
 
+from .compiler.api import CompiledStep
+from .compiler.runtime import DirectCall
 from .core.state import TrainState
 
-__all__ = ["run", "to_device"]
+__all__ = ["run", "to_device", "PhaseRates"]
 
 
 def to_device(batch: Any, device: torch.device | str) -> Any:
@@ -58,6 +61,12 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
     is copied once first and is never written; the returned state is yours.
     ``donate=False`` calls the step as given. Eager steps are always called as given.
 
+    A compiled step compiles in the background here (unless ``ft.compile(step,
+    background=False)`` said otherwise; see :mod:`functrain.compiler.background`): the
+    first steps run eagerly while the compile runs, the compiled code takes over when
+    it is ready. The progress bar says so and shows the eager rate, then the compiled
+    one; no step that waited for compile work counts in its rate or ETA.
+
     Hooks (what :class:`functrain.Trainer` is built on):
 
     * ``start``: the index of the step before the first one run here (a
@@ -97,21 +106,26 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
     if donating is not None:
         # one copy of the caller's state, then every state is run's own and is donated to the next step
         state = optree.tree_map(lambda x: x.clone() if torch.is_tensor(x) else x, state)
-        step = donating()
+        step = donating(background=True) if isinstance(step, CompiledStep) else donating()
     batches = _batches(data, num_steps)
     count = num_steps if num_steps is not None else _len(data)
     total = None if count is None else start + count
     bar = _progress(total, start) if progress else None
+    rates = PhaseRates(step) if bar is not None and isinstance(step, DirectCall) else None
     metrics: dict | None = None
     i = logged = start
     try:
         for i, batch in enumerate(batches, start=start + 1):
             state, metrics = step(state, to_device(batch, device))
+            if rates is not None:
+                rates.tick(i)
             if i % log_every == 0 or i == total:
                 _log(i, metrics, bar, on_log)
                 logged = i
             stop = on_step is not None and on_step(i, state, metrics)
             if bar is not None:
+                if rates is not None:
+                    rates.show(bar)
                 bar.update(1)
             if stop:
                 break
@@ -130,6 +144,95 @@ def _log(i: int, metrics: dict, bar: Any, on_log: Callable | None) -> None:
                         refresh=False)
     if on_log is not None:
         on_log(i, host)
+
+
+class PhaseRates:
+    """Steps per second on each path of a compiled call (``"eager"`` while it compiles in the background,
+    ``"compiled"``), from host timers: a call that did compile work on the training thread (a blocking compile,
+    a background compile's trace, load or wait) counts on neither, so no rate or ETA comes from it.
+
+    ``runner``: the :class:`~functrain.compiler.runtime.DirectCall` the loop calls (``CompiledStep.donating()``).
+    Call :meth:`tick` after every step with its index.
+
+    Attributes:
+        steps, seconds: ``{path: count}``, ``{path: seconds}`` of the timed calls.
+        switched_at: the index of the first call that ran compiled after eager ones (``None`` before, or when no
+            call ran eagerly).
+        paused: whether the last call did compile work.
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> from functrain.driver import PhaseRates
+        >>> step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1))
+        >>> cstep = ft.compile(step, backend="eager")
+        >>> run, rates = cstep.donating(), None
+        >>> rates = PhaseRates(run)
+        >>> state = ft.tree.tree_map(torch.clone, step.init({"w": torch.ones(2)}))
+        >>> for i in range(1, 4):
+        ...     state, _ = run(state, torch.ones(2))
+        ...     rates.tick(i)
+        >>> rates.steps["compiled"], rates.paused   # the first call compiled: not timed
+        (2, False)
+    """
+
+    def __init__(self, runner: DirectCall):
+        self.runner = runner
+        self.steps = {"eager": 0, "compiled": 0}
+        self.seconds = {"eager": 0.0, "compiled": 0.0}
+        self.switched_at: int | None = None
+        self.paused = False
+        self.path: str | None = None
+        self._pauses = runner.pauses
+        self._eager = 0 if runner.progress is None else runner.progress.eager_calls
+        self._t = time.perf_counter()
+        self._shown = 0.0
+
+    def tick(self, index: int) -> None:
+        """Account the call that just returned (step ``index``)."""
+        now = time.perf_counter()
+        dt, self._t = now - self._t, now
+        progress = self.runner.progress
+        eager = 0 if progress is None else progress.eager_calls
+        path = "eager" if eager != self._eager else "compiled"
+        self._eager = eager
+        if path == "compiled" and self.path == "eager" and self.switched_at is None:
+            self.switched_at = index
+        self.path = path
+        self.paused = self.runner.pauses != self._pauses
+        self._pauses = self.runner.pauses
+        if not self.paused:
+            self.steps[path] += 1
+            self.seconds[path] += dt
+
+    def rate(self, path: str) -> float | None:
+        """Steps per second on ``path`` so far (``None`` before two timed calls on it)."""
+        n = self.steps[path]
+        return n / self.seconds[path] if n >= 2 and self.seconds[path] > 0 else None
+
+    def describe(self) -> str:
+        """``"compiling in the background · eager 85.1 it/s"``, then ``"compiled 301 it/s (eager 85.1 it/s)"``."""
+        progress = self.runner.progress
+        eager, compiled = self.rate("eager"), self.rate("compiled")
+        e = f"eager {eager:.3g} it/s" if eager is not None else "eager"
+        if progress is not None and progress.phase == "compiling" and self.path != "compiled":
+            return f"compiling in the background · {e}"
+        if progress is not None and progress.phase == "failed":
+            return f"{e} (the compile failed)"
+        if self.path == "compiled" and self.steps["eager"]:
+            c = f"compiled {compiled:.3g} it/s" if compiled is not None else "compiled"
+            return f"{c} ({e})"
+        return ""
+
+    def show(self, bar: Any) -> None:
+        """Leave a paused call out of the bar's rate and ETA; refresh its description (at most twice a second)."""
+        if self.paused:
+            bar.unpause()  # tqdm: the time since its last print is not counted
+        if self._t - self._shown >= 0.5 or self.paused:
+            self._shown = self._t
+            text = self.describe()
+            if text or bar.desc:
+                bar.set_description_str(text, refresh=False)
 
 
 def _batches(data: Iterable, num_steps: int | None) -> Iterable:

@@ -15,6 +15,7 @@ from typing import Any
 from ..core.state import TrainState
 from ..core.step import Step
 from . import cache
+from .background import Background, Progress
 from .backend import CountingBackend, DynamoCall, make_backend
 from .errors import GraphBreakError
 from .options import Options
@@ -50,22 +51,50 @@ class CompiledStep:
             self._packages = Packages(os.fspath(options.cache_dir))
         self._fast: DirectCall | None = None  # the direct path (None on the Dynamo path)
         self._dynamo: DynamoCall | None = None
-        self._owned: Any = None  # the owner's donating form, made on first use (see donating())
+        self._owned: Any = None  # the Dynamo path's donating twin, made on first use (see donating())
+        self._forms: dict = {}  # (memory kind, background) -> DirectCall: the direct path's call forms
+        self._used: DirectCall | None = None  # the form handed out last (its progress is `progress`)
         if options.path == "direct":
-            self._fast = self._direct("donate" if options.donate else "fresh")
+            self._fast = self._direct("donate" if options.donate else "fresh", options.in_background(False))
         else:
             self._dynamo = DynamoCall(step, options, self._backend)
 
-    def _direct(self, memory: str) -> DirectCall:
-        return DirectCall(self.step, self._backend, memory=memory, packages=self._packages,
-                          cuda_graphs=self.options.cuda_graphs)
+    def _direct(self, memory: str, background: bool) -> DirectCall:
+        form = self._forms.get((memory, background))
+        if form is None:
+            form = DirectCall(self.step, self._backend, memory=memory, packages=self._packages,
+                              cuda_graphs=self.options.cuda_graphs)
+            if background:
+                Background(form, self.options)  # installs itself as the form's fallback
+            self._forms[(memory, background)] = form
+        self._used = form
+        return form
+
+    @property
+    def background(self) -> bool:
+        """Whether direct calls of this step compile in the background (``ft.compile(background=True)`` or
+        ``switch_at=``); :meth:`donating` may choose otherwise for its caller."""
+        return self.options.in_background(False)
+
+    @property
+    def progress(self) -> Progress | None:
+        """Where the compile of the call form handed out last stands (a
+        :class:`~functrain.compiler.background.Progress` when it compiles in the background, else ``None``)."""
+        return None if self._used is None else self._used.progress
+
+    def close(self) -> None:
+        """Stop this step's background compiles that still run (their workers are killed); their signatures
+        then run eagerly."""
+        for form in self._forms.values():
+            if isinstance(form.fallback, Background):
+                form.fallback.close()
 
     @property
     def compiles(self) -> int:
         twin = self._owned.compiles if isinstance(self._owned, CompiledStep) else 0  # the Dynamo path's twin
         return self._backend.count + twin
 
-    def donating(self) -> Any:
+    def donating(self, background: bool | None = None) -> Any:
         """This step as a call that donates its input state: what :func:`functrain.run` uses.
 
         For a caller that owns the state it passes from step to step and keeps no other
@@ -75,6 +104,10 @@ class CompiledStep:
         leaves of the input state are not emptied: they *are* the new state's. Graphs it
         compiles count in :attr:`compiles`.
 
+        ``background``: what the caller prefers where ``ft.compile`` left it open (``background=None``):
+        ``ft.run`` passes ``True`` (train eagerly until the compiled code is ready); ``None``: as the step
+        was compiled (a direct call waits). A step compiled with ``background=`` given keeps its choice.
+
         Example::
 
             state = ft.tree.tree_map(torch.clone, state)   # own it
@@ -82,13 +115,13 @@ class CompiledStep:
             for batch in loader:
                 state, metrics = run(state, batch)
         """
+        if self._fast is not None:
+            bg = self.options.in_background(False if background is None else background)
+            return self._direct("donate" if self.donate else "owned", bg)
         if self.donate:
             return self
         if self._owned is None:
-            if self._fast is not None:
-                self._owned = self._direct("owned")
-            else:
-                self._owned = CompiledStep(self.step, self.options.replace(donate=True))
+            self._owned = CompiledStep(self.step, self.options.replace(donate=True))
         return self._owned
 
     def init(self, params: Any, buffers: Any = None, **kwargs: Any) -> TrainState:
@@ -105,8 +138,8 @@ class CompiledStep:
 
 
 def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture: str = "auto",
-            cache_dir: str | os.PathLike | None = None, package: bool = False,
-            **torch_compile_kwargs: Any) -> CompiledStep:
+            cache_dir: str | os.PathLike | None = None, package: bool = False, background: bool | None = None,
+            switch_at: int | None = None, **torch_compile_kwargs: Any) -> CompiledStep:
     """Compile the whole step with ``torch.compile`` (``fullgraph=True`` by default).
 
     The result is called like the step and gives the same results (to float
@@ -145,6 +178,19 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture
     instead (AOTInductor: a slower first compile), which a later process tracing the same
     graph loads in milliseconds (:mod:`functrain.compiler.package`).
 
+    **Background compilation** (:mod:`functrain.compiler.background`): with ``background=True``
+    the first call returns the eager step's result at once while the graph compiles in a worker
+    process; calls run eagerly (the same math: compiled == eager to float rounding) until the
+    compiled code is ready, then switch at a call boundary, and every later call runs compiled.
+    Data-parallel ranks switch at the same call. When that happens depends on the machine, so the
+    last bits of a run do too; ``switch_at=N`` is the reproducible form: calls whose input state
+    has taken fewer than ``N`` steps run eagerly, the call at ``N`` waits for the compile if it is
+    late (a resumed run replays the same switch). A step that will not compile trains on eagerly
+    after one warning. ``background=False`` compiles in the first call, which waits for it.
+    The default (``None``) leaves it to the caller: a direct call of the compiled step waits
+    (what a benchmark or a timed loop expects), while :func:`functrain.run` and
+    :class:`functrain.Trainer` compile in the background.
+
     Args:
         step: the :class:`~functrain.Step` to compile.
         donate: write the new state into the input state's buffers (the input is invalid after).
@@ -152,6 +198,8 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture
         capture: ``"auto"``, ``"direct"`` or ``"dynamo"`` (see above).
         cache_dir: a folder for the compile caches and packages.
         package: compile ahead of time into packages in ``cache_dir``.
+        background: compile off the training thread, eager calls meanwhile (``None``: the caller decides).
+        switch_at: with background compilation, switch at this step count (waiting for the compile there).
         **torch_compile_kwargs: ``backend``, ``mode``, ``options``, ``dynamic`` and any other
             ``torch.compile`` argument.
 
@@ -165,9 +213,10 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture
         state, metrics = cstep(state, batch)
         cstep.compiles                      # 1
         cstep = ft.compile(step, cache_dir="runs/a/compile_cache")   # a resumed run loads, not compiles
+        cstep = ft.compile(step, background=True)   # eager calls until the compiled code is ready
     """
     named = {k: torch_compile_kwargs.pop(k) for k in ("backend", "mode", "options", "dynamic")
              if k in torch_compile_kwargs}
     options = Options(donate=donate, fullgraph=fullgraph, capture=capture, cache_dir=cache_dir, package=package,
-                      extra=torch_compile_kwargs, **named)
+                      background=background, switch_at=switch_at, extra=torch_compile_kwargs, **named)
     return CompiledStep(step, options)

@@ -22,10 +22,12 @@ import optree
 import torch
 
 from . import cache
+from .capture import tensor_metas  # noqa: F401 - re-exported: what a graph is compiled for
 from .memory import release, write_inputs
 from .options import Options
 
-__all__ = ["CountingBackend", "make_backend", "compile_captured", "DynamoCall"]
+__all__ = ["CountingBackend", "make_backend", "compile_captured", "compile_graph", "fake_inputs",
+           "DynamoCall"]
 
 
 class CountingBackend:
@@ -53,6 +55,15 @@ class CountingBackend:
         with cache.probe_memo(), cache.compile_lock(key):
             return self.backend(gm, example_inputs)
 
+    def load(self, gm: torch.fx.GraphModule, metas: tuple) -> Callable:
+        """The code another process (a background worker) compiled for ``gm`` into the shared caches, loaded
+        here without generating any: raises :class:`~functrain.compiler.cache.NotCached` (or the caches' own
+        error) where inductor would have to compile. No lock: the entry is there, or this fails at once."""
+        with cache.probe_memo(), cache.refuse_codegen():
+            fn = compile_graph(self.backend, gm, metas)
+        self.count += 1
+        return fn
+
     def __getattr__(self, name: str) -> Any:  # get_compiler_config, reset, ... of the inductor wrapper
         if name.startswith("__") or "_backend" not in self.__dict__:
             raise AttributeError(name)
@@ -79,19 +90,22 @@ def make_backend(options: Options) -> CountingBackend:
     return CountingBackend(backend)
 
 
-def compile_captured(cap: Any, backend: CountingBackend, *, packages: Any = None, cuda_graphs: bool = False) -> None:
-    """Compile ``cap`` (a traced :class:`~functrain.compiler.capture.Captured`) in place: set ``cap.fn``."""
-    fn = None
-    if packages is not None:
+def compile_captured(cap: Any, backend: CountingBackend, *, packages: Any = None, cuda_graphs: bool = False,
+                     fn: Callable | None = None) -> None:
+    """Compile ``cap`` (a traced :class:`~functrain.compiler.capture.Captured`) in place: set ``cap.fn``.
+
+    ``fn``: the graph's code already compiled (or loaded) elsewhere (background compilation); only the
+    mode wrappers are added then."""
+    if fn is None and packages is not None:
         def count() -> None:
             backend.count += 1
         fn = packages(cap.gm, cap.inputs, count)
     if fn is None:
-        fn = compile_graph(backend, cap.gm, cap.inputs)
+        fn = compile_graph(backend, cap.gm, cap.metas)
     if cuda_graphs:
         from .cudagraph import GraphedCall, why_not
-        reason = why_not(cap.inputs[:cap.signature.n_state], cap.constants, donate=cap.memory.donates,
-                         random=cap.random)
+        reason = why_not(fake_inputs(cap.metas[:cap.signature.n_state]), cap.constants,
+                         donate=cap.memory.donates, random=cap.random)
         if reason is None:
             fn = GraphedCall(fn, cap.signature.n_state, len(cap.constants))
         else:
@@ -101,10 +115,23 @@ def compile_captured(cap: Any, backend: CountingBackend, *, packages: Any = None
     cap.gm = cap.inputs = None  # the example inputs are the first state's tensors: do not keep them alive
 
 
-def compile_graph(backend: Callable, gm: torch.fx.GraphModule, inputs: list) -> Callable:
-    """``backend(gm, inputs)`` inside a tracing context with a shape environment, as Dynamo
-    calls backends: without one, AOTAutograd's and inductor's FX-graph caches bypass the
-    graph ("No shape env") and every process compiles it from scratch."""
+def fake_inputs(metas: tuple, fake_mode: Any = None) -> list:
+    """Fake tensors of ``metas`` (fresh storage, offset 0) in ``fake_mode`` (default: a new one without a shape
+    environment): the example inputs every process builds alike, so that they key the caches alike."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode() if fake_mode is None else fake_mode
+    with fake_mode:
+        return [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                for shape, stride, dtype, device in metas]
+
+
+def compile_graph(backend: Callable, gm: torch.fx.GraphModule, metas: tuple) -> Callable:
+    """``backend(gm, inputs)`` for fake inputs of ``metas`` inside a tracing context with a shape
+    environment, as Dynamo calls backends: without one, AOTAutograd's and inductor's FX-graph caches
+    bypass the graph ("No shape env") and every process compiles it from scratch. The inputs are made
+    from metadata alone (shape, stride, dtype, device), so a worker process that has no tensor of the
+    step builds the same ones, and its compile keys the caches as this process's would."""
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -114,10 +141,9 @@ def compile_graph(backend: Callable, gm: torch.fx.GraphModule, inputs: list) -> 
     # (torch 2.13): compile it without one (no cross-process cache for that graph).
     scalar_reads = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
     if any(n.op == "call_function" and n.target in scalar_reads for n in gm.graph.nodes):
-        return backend(gm, inputs)
+        return backend(gm, fake_inputs(metas))
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-    # static shapes, as captured: the signature check guarantees them at every call
-    fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in inputs]
+    fakes = fake_inputs(metas, fake_mode)  # static shapes, as captured: the signature check guarantees them
     with tracing(TracingContext(fake_mode)):
         return backend(gm, fakes)
 

@@ -18,6 +18,11 @@ different key, compiled afresh, never a stale entry. functrain adds three things
   by the traced graph's hash; the others wait (bounded: after
   ``FUNCTRAIN_COMPILE_LOCK_TIMEOUT`` seconds, 600 by default, they compile themselves
   with a warning), then find the entry the first one wrote.
+* **loading what another process compiled** (:func:`refuse_codegen`): a background
+  compile worker (:mod:`functrain.compiler.background`) writes the graph's entries into
+  these caches; the training process then loads them with inductor's code generation
+  refused, so a miss (a corrupt or missing entry, a key that differs) is an error it can
+  act on, never a compile that blocks training without saying so.
 * **a memo of inductor's CPU probes** (:func:`probe_memo`): before its first CPU
   kernel, inductor compiles a test program per vector ISA the CPU reports and loads
   each in a child process (~7 s cold, ~1.3 s with the probes' builds cached: most of a
@@ -46,7 +51,8 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["use_cache_dir", "compile_lock", "probe_memo", "graph_key", "check_private_folder", "machine"]
+__all__ = ["use_cache_dir", "compile_lock", "probe_memo", "graph_key", "check_private_folder", "machine",
+           "NotCached", "refuse_codegen"]
 
 _MEMO_FORMAT = 1
 _LOCK_TIMEOUT = 600.0
@@ -296,3 +302,39 @@ def probe_memo() -> Iterator[None]:
         yield
     finally:
         cpu_vec_isa.VecISA.check_build = original
+
+
+# -- loading without compiling ---------------------------------------------------------------------
+class NotCached(RuntimeError):
+    """Inductor would have had to generate code for a graph that was to be loaded from the caches."""
+
+
+@contextlib.contextmanager
+def refuse_codegen() -> Iterator[None]:
+    """While loading a graph from the caches: compiling it raises :class:`NotCached` instead.
+
+    AOTAutograd's and inductor's caches hit as usual (reading an entry traces nothing and generates
+    no code); a miss reaches AOTAutograd's ``create_aot_state`` (the trace of the graph) or inductor's
+    ``fx_codegen_and_compile``, which are replaced for the duration. (Process-wide: only the training
+    thread loads, and nothing else compiles in this process then.)
+    """
+    patched = []
+    for module_name, attr in (("torch._functorch.aot_autograd", "create_aot_state"),
+                              ("torch._inductor.compile_fx", "fx_codegen_and_compile")):
+        try:
+            import importlib
+            module = importlib.import_module(module_name)
+            patched.append((module, attr, getattr(module, attr)))
+        except (ImportError, AttributeError):  # pragma: no cover - another torch layout: that part unguarded
+            continue
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise NotCached("the compile caches hold no usable entry for this graph (it would be compiled here)")
+
+    for module, attr, _ in patched:
+        setattr(module, attr, refuse)
+    try:
+        yield
+    finally:
+        for module, attr, original in patched:
+            setattr(module, attr, original)

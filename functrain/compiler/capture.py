@@ -25,7 +25,7 @@ import torch
 
 from .memory import Memory, Written
 
-__all__ = ["Captured", "Signature", "CaptureError", "trace", "draws_random", "flatten"]
+__all__ = ["Captured", "Signature", "CaptureError", "trace", "draws_random", "flatten", "tensor_metas"]
 
 
 class CaptureError(RuntimeError):
@@ -85,6 +85,12 @@ def _meta(x: torch.Tensor) -> tuple:
     return (x.shape, x.stride(), x.dtype, x.device)
 
 
+def tensor_metas(tensors: list) -> tuple:
+    """``(shape, stride, dtype, device)`` of each tensor: what a graph is compiled for, and all that a process
+    without the tensors (a background worker) needs to compile it."""
+    return tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in tensors)
+
+
 def _hashable(v: Any) -> Any:
     try:
         hash(v)
@@ -127,7 +133,8 @@ class Captured:
     Attributes:
         signature:  what it was built for.
         gm:         the traced aten graph (constants lifted to trailing inputs).
-        inputs:     its example inputs (``tensors + recycled buffers + constants``), for the backend.
+        inputs:     its example inputs (``tensors + recycled buffers + constants``), for packages.
+        metas:      their ``(shape, stride, dtype, device)``: what the backend compiles the graph for.
         fn:         the compiled callable over ``tensors + buffers + constants`` (``None`` until compiled;
                     a mode such as CUDA graphs wraps it, keeping its calling convention).
         constants:  tensors the step closes over (lifted from the trace to graph inputs).
@@ -139,7 +146,7 @@ class Captured:
         stable:     ``None`` until the first call, then whether the outputs have the inputs' signature.
     """
 
-    __slots__ = ("signature", "gm", "inputs", "fn", "constants", "memory", "out_spec", "out_plan", "random",
+    __slots__ = ("signature", "gm", "inputs", "metas", "fn", "constants", "memory", "out_spec", "out_plan", "random",
                  "n_state", "state_spec", "trivial_out", "stable", "step_index")
 
     def __init__(self, **kw: Any):
@@ -210,7 +217,8 @@ def trace(apply: Callable, state: Any, batch: Any, memory_kind: str) -> Captured
     plan = record["plan"]
     step_t = getattr(state, "step", None)  # a TrainState's step counter (an owned donation re-homes only it)
     step_index = next((k for k, i in enumerate(sig.tensor_pos) if leaves[i] is step_t), None)
-    return Captured(signature=sig, gm=gm, inputs=example + constants, fn=None, constants=constants, memory=memory,
+    return Captured(signature=sig, gm=gm, inputs=example + constants, metas=tensor_metas(example + constants),
+                    fn=None, constants=constants, memory=memory,
                     out_spec=record["spec"], out_plan=plan, random=draws_random(gm), n_state=n_state,
                     state_spec=state_spec, trivial_out=all(p is None for p in plan), stable=None,
                     step_index=step_index)

@@ -22,7 +22,7 @@ import dataclasses
 import warnings
 from typing import Any, Callable, NamedTuple
 
-from ..core.validate import check_choice
+from ..core.validate import check_choice, check_int
 
 __all__ = ["Options", "RULES", "CAPTURES"]
 
@@ -44,6 +44,11 @@ class Options:
         cache_dir: the folder of the compile caches and packages, or ``None``.
         package: compile each graph ahead of time into a package kept in ``cache_dir``.
         extra: any other ``torch.compile`` keyword arguments (they need the Dynamo path).
+        background: ``True``: compile off the training thread, run eagerly until the compiled code is ready
+            (:mod:`functrain.compiler.background`); ``False``: the first call compiles and waits; ``None``
+            (the default): the caller decides (``ft.run`` and ``ft.Trainer``: background; a direct call: waits).
+        switch_at: switch to the compiled code at the call whose input state has taken this many steps (waiting
+            there if the compile is late): the reproducible form of ``background``, which it implies.
     """
 
     donate: bool = False
@@ -56,13 +61,19 @@ class Options:
     cache_dir: Any = None
     package: bool = False
     extra: Any = dataclasses.field(default_factory=dict)
+    background: bool | None = None
+    switch_at: int | None = None
 
     def __post_init__(self) -> None:
         if self.capture == "flat":  # the old name of "direct" ("flat" is the flat *state*, ft.flat)
             warnings.warn("ft.compile(capture='flat') is now capture='direct'", DeprecationWarning, stacklevel=4)
             object.__setattr__(self, "capture", "direct")
         check_choice("capture", self.capture, CAPTURES)
+        check_choice("background", self.background, (None, True, False))
         object.__setattr__(self, "donate", bool(self.donate))
+        if self.switch_at is not None:
+            check_int("ft.compile: switch_at", self.switch_at, minimum=0,
+                      what="an int >= 0 (the step count at which the compiled code takes over) or None")
         self.check()
 
     # -- derived --------------------------------------------------------------------------------
@@ -81,6 +92,15 @@ class Options:
     def path(self) -> str:
         """``"direct"`` (trace once, call the compiled code on flat leaves) or ``"dynamo"``."""
         return "direct" if self.direct_ok and self.capture != "dynamo" else "dynamo"
+
+    def in_background(self, default: bool = False) -> bool:
+        """Whether a call path compiles in the background: ``background``, else (``None``) ``default``
+        (what the caller prefers: ``ft.run`` passes ``True``); never on the Dynamo path."""
+        if self.path != "direct":
+            return False
+        if self.switch_at is not None:
+            return True
+        return default if self.background is None else self.background
 
     def replace(self, **changes: Any) -> "Options":
         """A copy with ``changes`` (checked again)."""
@@ -115,6 +135,15 @@ RULES: tuple[Rule, ...] = (
          lambda o: o.direct_ok,
          lambda o: "ft.compile: capture='direct' needs fullgraph=True, static shapes, donate=True with mode="
                    f"'reduce-overhead', and no extra torch.compile arguments; got {_given(o)}"),
+    Rule(lambda o: o.background or o.switch_at is not None,
+         lambda o: o.path == "direct",
+         lambda o: "ft.compile(background=True / switch_at=) compiles the direct capture off the training thread; "
+                   "it needs fullgraph=True, static shapes, no extra torch.compile arguments, capture='auto' or "
+                   f"'direct' (with mode='reduce-overhead', donate=True); got {_given(o)}"),
+    Rule(lambda o: o.switch_at is not None,
+         lambda o: o.background is not False,
+         lambda o: f"ft.compile(switch_at={o.switch_at}) is when a background compile takes over; background=False "
+                   f"compiles before the first step: drop one of them"),
     Rule(lambda o: o.package,
          lambda o: o.path == "direct",
          lambda o: "ft.compile(package=True) needs the direct capture (fullgraph=True, static shapes, no extra "

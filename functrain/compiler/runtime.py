@@ -12,7 +12,9 @@ captures of one step (:mod:`functrain.compiler.capture`) by input signature and,
    of every non-tensor leaf (baked into the graph): when the state's tensors are the very
    objects the previous call returned, only the batch's are checked;
 2. on a mismatch, checks the inputs as the eager step does (a bad input raises its clear error
-   here), then finds or captures the graph for the new signature (``compiles`` + 1);
+   here), then finds or captures the graph for the new signature (``compiles`` + 1); with
+   background compilation (:mod:`functrain.compiler.background`, the ``fallback``) a signature
+   whose graph is not compiled yet runs the eager step instead, while the graph compiles elsewhere;
 3. calls it through the capture's memory policy (:mod:`functrain.compiler.memory`), with the
    RNG hand-over only when the graph draws random numbers (otherwise the state's RNG counter
    just advances).
@@ -58,6 +60,11 @@ class DirectCall:
     Attributes:
         captures: ``{signature key: Captured}``.
         last: the capture the last call used.
+        fallback: ``None`` (a new signature is captured and compiled in the call), or what runs a call whose
+            graph is not compiled yet, ``fallback(state, batch, s, key)``: background compilation.
+        pauses: how many calls did compile work on the caller's thread (a capture; with a fallback, its trace,
+            load or wait): a progress bar leaves such a call out of its rate.
+        progress: the fallback's :class:`~functrain.compiler.background.Progress` (``None`` without one).
     """
 
     def __init__(self, step: Step, backend: CountingBackend, *, memory: str, packages: Any = None,
@@ -70,6 +77,9 @@ class DirectCall:
         self.captures: dict = {}
         self.last: Captured | None = None
         self.trusted: list | None = None  # the tensors of the state the last call returned
+        self.fallback: Any = None
+        self.pauses = 0
+        self.progress: Any = None
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, dict]:
         rng = getattr(state, "rng", None)
@@ -83,7 +93,14 @@ class DirectCall:
         if tensors is None:
             self.step.check_state(state)  # a bad input or a donated state raises its clear error here
             check_batch(batch)
-            cap, leaves = self._find(s, state, batch)
+            leaves, spec = optree.tree_flatten((s, batch))
+            key = Signature(spec, leaves, len(optree.tree_leaves(s))).key
+            cap = self.captures.get(key)
+            if cap is None:
+                if self.fallback is not None:  # background compilation: eager until this graph is compiled
+                    return self.fallback(state, batch, s, key)
+                cap = self.captures[key] = self.capture(s, state, batch)
+                self.pauses += 1
             tensors = cap.signature.tensors(leaves)
             self.last, self.trusted = cap, None
         if cap.random and rng is not None:
@@ -105,23 +122,19 @@ class DirectCall:
         self.trusted = new_tensors if cap.stable else None
         return new, metrics
 
-    def _find(self, s: Any, state: Any, batch: Any) -> tuple[Captured, list]:
-        leaves, spec = optree.tree_flatten((s, batch))
-        key = Signature(spec, leaves, len(optree.tree_leaves(s))).key
-        cap = self.captures.get(key)
-        if cap is None:
-            cap = self.capture(s, state, batch)
-            self.captures[key] = cap
-        return cap, leaves
-
     def capture(self, s: Any, state: Any, batch: Any) -> Captured:
         """Trace and compile the graph for ``(s, batch)`` (``s``: the state without its RNG key)."""
-        try:
-            cap = trace(self.step.apply, s, batch, self.memory)
-        except CaptureError as e:
-            raise explain(self.step, e.__cause__ or e, state, batch, tracer="make_fx") from e
+        cap = self.trace(s, state, batch)
         compile_captured(cap, self.backend, packages=self.packages, cuda_graphs=self.cuda_graphs)
         return cap
+
+    def trace(self, s: Any, state: Any, batch: Any) -> Captured:
+        """Trace the graph for ``(s, batch)`` (not compiled: ``fn`` is ``None``); a step that is not one graph
+        raises :class:`~functrain.compiler.errors.GraphBreakError` (a user error raises itself)."""
+        try:
+            return trace(self.step.apply, s, batch, self.memory)
+        except CaptureError as e:
+            raise explain(self.step, e.__cause__ or e, state, batch, tracer="make_fx") from e
 
     @property
     def compiles(self) -> int:

@@ -85,6 +85,7 @@ class DataParallel(Transform):
     def __init__(self, group: Any = None):
         self.group = group
         self._env_checked = False  # the launcher's variables were looked at (see _ensure_group)
+        self._gloo: Any = None  # a gloo group of the ranks, for agree() when the group is not gloo
 
     def _group(self) -> Any:
         return self.group if self.group is not None else dist.group.WORLD
@@ -116,6 +117,25 @@ class DataParallel(Transform):
     def rng_offset(self) -> int:
         """This process's rank in the group: each step seeds its random draws with ``seed + rank``."""
         return dist.get_rank(self._group()) if _world(self.group) > 1 else 0
+
+    def agree(self, value: int) -> int:
+        """The least ``value`` over the ranks of the group: one all-reduce (MIN) of a CPU int on a gloo group
+        (the group itself if it is gloo, else a gloo group of its ranks made on first use), bounded by
+        ``FUNCTRAIN_DIST_TIMEOUT``: no device sync, whatever the training backend. ``value`` on one process."""
+        if _world(self.group) == 1:
+            return int(value)
+        t = torch.tensor([int(value)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._host_group())
+        return int(t[0])
+
+    def _host_group(self) -> Any:
+        group = self._group()
+        if dist.get_backend(group) == "gloo":
+            return group
+        if self._gloo is None:  # every rank of the group reaches its first agree() at the same step
+            self._gloo = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                        timeout=G.default_timeout(), use_local_synchronization=True)
+        return self._gloo
 
     def reduce(self, ctx: StepContext) -> None:
         self.reduce_counts(ctx, with_grads=True)

@@ -167,6 +167,10 @@ class ShardedDataParallel(Transform):
         """The replicated data_parallel's per-rank seed offset (each rank draws its own dropout)."""
         return self.replicated.rng_offset()
 
+    def agree(self, value: int) -> int:
+        """The replicated data_parallel's :meth:`~functrain.Transform.agree` (a MIN over the group's ranks)."""
+        return self.replicated.agree(value)
+
     # -- init: broadcast, then cut -----------------------------------------------------------------
     def post_init(self, state: TrainState, init: InitContext) -> TrainState:
         # Rank 0's initial state, cut. The params-like trees (the optimizer's moments, the slots' declared

@@ -1,0 +1,584 @@
+"""Background compilation: the eager step from the first call, the compiled step once it is ready.
+
+A compiled step equals its eager step by law, so a state made by one is a valid input
+to the other, and a run need not wait for a compile. :class:`Background` is the
+``fallback`` of a :class:`~functrain.compiler.runtime.DirectCall`: it runs every call whose
+graph is not compiled yet, so the per-call path itself is unchanged. For a new input
+signature it
+
+1. runs the eager step (``step.host_call(step.apply, ...)``, the same host work as ``Step.__call__``);
+2. traces the graph on the training thread (``make_fx``, as a blocking compile would: the
+   trace sets ``torch.compiler.is_compiling()``, a process-wide flag, and patches ``nn.Module``
+   while it runs, so it must not overlap an eager step; it is the short part of a compile);
+3. hands the graph to a **worker process** (:mod:`functrain.compiler.worker`) that compiles it
+   at a lower priority into AOTAutograd's and inductor's on-disk caches, under the machine-wide
+   per-graph lock (one process per machine compiles a graph; the others wait, then hit);
+4. keeps running the eager step, call after call, until the switch: then loads the worker's
+   entries on the training thread with code generation refused
+   (:meth:`~functrain.compiler.backend.CountingBackend.load`: a miss, a corrupt or foreign entry
+   is an error, never a silent compile), installs the capture, and from that call on every call
+   of that signature runs the compiled code.
+
+Why a process and not a thread: torch's compiler is not safe to run beside eager code in
+one process. AOTAutograd and inductor save and restore the global random generator around
+their work (``preserve_rng_state``: an eager step drawing dropout masks meanwhile would have
+its generator rewound in the middle), their traces set the process-wide ``is_compiling``
+flag and patch ``torch.nn.Module.__call__``, and their Python work holds the GIL against the
+eager step's. A worker shares none of it; its cost is its start (importing torch) and one
+cache load (a second or so) on the training thread at the switch. ``FUNCTRAIN_COMPILE_WORKER=
+thread`` compiles in a thread instead, for comparison (it warns once: see above).
+
+When to switch (the ``switch_at`` option of :func:`functrain.compile`):
+
+* ``None`` (switch when ready): at every call until the switch, the processes that run the
+  step agree on whether every one of them has its compiled code (:meth:`functrain.Step.agree`:
+  one MIN all-reduce of a host int for a data-parallel step, nothing on one process), so
+  replicated ranks switch at the same step and their collectives stay matched. The last bits of
+  the run depend on when that was (eager and compiled agree to float rounding, not bitwise).
+* ``switch_at=N``: calls whose input state has taken fewer than ``N`` steps run eagerly; the
+  call at ``N`` waits for the compile if it is late, and the ranks agree once. ``state.step``
+  is in every checkpoint, so a resumed run replays the same switch: bit-exact resume holds.
+
+Faults: a step that is not one graph (a graph break) warns once with ``GraphBreakError``'s
+text and trains on eagerly; so does a worker that fails (its error and the tail of its log), dies
+(the signal) or runs past ``FUNCTRAIN_COMPILE_TIMEOUT`` seconds (default 3600; it is killed).
+A worker is its own process group, killed with its compiler children when its job ends early,
+when the step is garbage-collected and at exit, and it dies with the training process if that
+is killed. Backends other than inductor, whose code cannot travel between processes, compile
+on the training thread right after the first eager call.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+import weakref
+from typing import Any, Callable
+
+import optree
+import torch
+
+from ..core.state import TrainState
+from .backend import compile_captured, compile_graph
+from .capture import Captured
+
+__all__ = ["Background", "Progress", "WORKER_ENV", "TIMEOUT_ENV", "RUNNING", "READY", "FAILED"]
+
+WORKER_ENV = "FUNCTRAIN_COMPILE_WORKER"
+TIMEOUT_ENV = "FUNCTRAIN_COMPILE_TIMEOUT"
+_TIMEOUT = 3600.0
+RUNNING, READY, FAILED = 0, 1, -1  # a job's status, and what the ranks agree on (their MIN)
+
+
+class Progress:
+    """Where a background-compiled call path stands (host values, read by ``ft.run``'s bar and the Trainer).
+
+    Attributes:
+        phase:       ``"eager"`` (nothing compiling yet), ``"compiling"``, ``"compiled"`` (a compiled graph
+                     runs) or ``"failed"`` (the compile failed: eager for good; ``reason`` says why).
+        eager_calls: calls that ran the eager step.
+        compile_s:   seconds from the start of the first graph's trace to its code being loaded here.
+        worker_s:    of which the worker's own compile (``None`` without a worker).
+        worker_pid:  the running worker's process id, or ``None``.
+        reason:      why the compile failed, or ``None``.
+    """
+
+    __slots__ = ("phase", "eager_calls", "compile_s", "worker_s", "worker_pid", "reason")
+
+    def __init__(self) -> None:
+        self.phase = "eager"
+        self.eager_calls = 0
+        self.compile_s: float | None = None
+        self.worker_s: float | None = None
+        self.worker_pid: int | None = None
+        self.reason: str | None = None
+
+    def __repr__(self) -> str:
+        return (f"Progress(phase={self.phase!r}, eager_calls={self.eager_calls}, compile_s={self.compile_s}, "
+                f"reason={self.reason!r})")
+
+
+def _timeout() -> float:
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return _TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0; got {raw!r}")
+    return value
+
+
+_preloading: threading.Thread | None = None
+
+
+def _importing() -> bool:
+    """Whether :func:`_preload`'s thread is still importing."""
+    return _preloading is not None and _preloading.is_alive()
+
+
+def _preload() -> None:
+    """Import what the trace needs (Dynamo and inductor's config: seconds on a small CPU) in a daemon thread,
+    once per process, so that the first call's trace does not wait for it."""
+    global _preloading
+    if _preloading is None:
+        import importlib
+
+        def run() -> None:
+            for name in ("torch._dynamo", "torch._inductor.config", "torch._inductor.compile_fx"):
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - the trace imports it again and reports what fails
+                    return
+
+        _preloading = threading.Thread(target=run, name="functrain-compile-import", daemon=True)
+        _preloading.start()
+
+
+# -- jobs: one graph being compiled -----------------------------------------------------------------
+class Job:
+    """One graph compiling somewhere; :meth:`poll` says ``RUNNING``, ``READY`` or ``FAILED``."""
+
+    status = RUNNING
+    reason: str | None = None
+    seconds: float | None = None  # the compile itself, where it is known
+    said = False  # its failure was warned about
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+
+    def poll(self) -> int:
+        return self.status
+
+    def wait(self) -> int:
+        """Block until the job ends (bounded by its timeout); its status."""
+        while self.poll() == RUNNING:
+            time.sleep(0.02)
+        return self.status
+
+    def code(self) -> Callable | None:
+        """The compiled callable if it was made in this process, else ``None`` (load it from the caches)."""
+        return None
+
+    def close(self) -> None:
+        """Stop the job if it still runs."""
+
+    def _fail(self, reason: str) -> int:
+        self.status, self.reason = FAILED, reason
+        return FAILED
+
+
+class FailedJob(Job):
+    """A graph that will not compile (its trace failed)."""
+
+    def __init__(self, reason: str):
+        super().__init__()
+        self._fail(reason)
+
+
+class InlineJob(Job):
+    """Compiled on the training thread (a backend whose code cannot travel between processes): at once, or
+    (``now=False``: packages, which AOTInductor builds from the real inputs) by the switch itself."""
+
+    def __init__(self, cap: Captured, backend: Any, now: bool = True):
+        super().__init__()
+        self.fn = None
+        try:
+            if now:
+                self.fn = compile_graph(backend, cap.gm, cap.metas)
+        except Exception as e:  # noqa: BLE001 - a failed compile: train on eagerly, say why
+            self._fail(f"the backend failed to compile the step: {type(e).__name__}: {_first(e)}")
+        else:
+            self.status, self.seconds = READY, time.perf_counter() - self.started
+
+    def code(self) -> Callable | None:
+        return self.fn
+
+
+class LoadedJob(Job):
+    """Loaded from the caches on the training thread (an earlier process compiled the graph)."""
+
+    def __init__(self, fn: Callable):
+        super().__init__()
+        self.fn, self.status, self.seconds = fn, READY, 0.0
+
+    def code(self) -> Callable | None:
+        return self.fn
+
+
+class ThreadJob(Job):
+    """Compiled in a daemon thread of this process (``FUNCTRAIN_COMPILE_WORKER=thread``: for comparison only)."""
+
+    def __init__(self, cap: Captured, backend: Any, nice: int, timeout: float):
+        super().__init__()
+        self.fn: Callable | None = None
+        self.timeout = timeout
+        gm, metas = cap.gm, cap.metas
+
+        def run() -> None:
+            try:
+                if hasattr(os, "setpriority"):
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+            except OSError:
+                pass
+            try:
+                fn = compile_graph(backend, gm, metas)
+            except Exception as e:  # noqa: BLE001
+                self._fail(f"the compile thread failed: {type(e).__name__}: {_first(e)}")
+            else:
+                self.fn, self.seconds, self.status = fn, time.perf_counter() - self.started, READY
+
+        threading.Thread(target=run, name="functrain-compile", daemon=True).start()
+
+    def poll(self) -> int:
+        if self.status == RUNNING and time.perf_counter() - self.started > self.timeout:
+            return self._fail(f"the compile thread did not finish within {self.timeout:g} s ({TIMEOUT_ENV})")
+        return self.status
+
+    def code(self) -> Callable | None:
+        return self.fn
+
+
+_LIVE: "weakref.WeakSet[WorkerJob]" = weakref.WeakSet()
+_atexit_registered = False
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the worker and its compiler children (its own group)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # pragma: no cover - a process that ignores SIGKILL (D state)
+        pass
+
+
+def _kill_all() -> None:
+    for job in list(_LIVE):
+        job.close()
+
+
+class WorkerJob(Job):
+    """Compiled by a worker process (:mod:`functrain.compiler.worker`) into the shared caches.
+
+    The process starts with the job object (it imports torch and inductor while this process traces the
+    graph); :meth:`send` gives it the graph. A job never sent is closed, and the worker exits or is killed."""
+
+    def __init__(self, timeout: float):
+        global _atexit_registered
+        super().__init__()
+        self.timeout = timeout
+        self.log = tempfile.TemporaryFile()  # the worker's stderr (no file left behind)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        self.proc = subprocess.Popen([sys.executable, "-m", "functrain.compiler.worker", str(os.getpid())],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
+                                     start_new_session=True)
+        self.pid = self.proc.pid
+        _LIVE.add(self)
+        if not _atexit_registered:
+            atexit.register(_kill_all)
+            _atexit_registered = True
+        weakref.finalize(self, _kill_tree, self.proc)
+
+    def send(self, payload: bytes) -> None:
+        """Give the worker its job (from a thread: a pipe write blocks until the worker reads it)."""
+
+        def feed(stdin: Any = self.proc.stdin) -> None:
+            try:
+                stdin.write(payload)
+                stdin.close()
+            except (BrokenPipeError, OSError):
+                pass  # the worker died: poll() says how
+
+        threading.Thread(target=feed, name="functrain-compile-feed", daemon=True).start()
+
+    def poll(self) -> int:
+        if self.status != RUNNING:
+            return self.status
+        code = self.proc.poll()
+        if code is None:
+            if time.perf_counter() - self.started > self.timeout:
+                self.close()
+                return self._fail(f"the compile worker (pid {self.pid}) did not finish within {self.timeout:g} s "
+                                  f"({TIMEOUT_ENV}); it was stopped")
+            return RUNNING
+        answer = self.proc.stdout.read().decode(errors="replace").strip().splitlines()
+        self.proc.stdout.close()
+        _LIVE.discard(self)
+        result = None
+        if answer:
+            import json
+            try:
+                result = json.loads(answer[-1])
+            except ValueError:
+                result = None
+        if code == 0 and isinstance(result, dict) and result.get("ok"):
+            self.seconds = float(result.get("seconds") or 0.0)
+            self.status = READY
+            return READY
+        if code < 0:
+            why = f"was killed by signal {signal.Signals(-code).name}"
+        elif isinstance(result, dict) and result.get("error"):
+            why = f"failed: {result['error']}"
+        else:
+            why = f"exited with status {code} without an answer"
+        return self._fail(f"the compile worker (pid {self.pid}) {why}{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        try:
+            self.log.seek(0)
+            text = self.log.read().decode(errors="replace").strip()
+        except (OSError, ValueError):
+            return ""
+        return f"; its log ends:\n{text[-1500:]}" if text else ""
+
+    def close(self) -> None:
+        _kill_tree(self.proc)
+        _LIVE.discard(self)
+
+
+def _first(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:500] if text else type(error).__name__
+
+
+def _unaliased(state: Any) -> Any:
+    """``state`` with no two tensor leaves sharing storage (a duplicate is cloned): what a donating graph, which
+    writes every leaf in place, needs of the state it takes over from the eager step."""
+    leaves, spec = optree.tree_flatten(state)
+    seen: set = set()
+    changed = False
+    for i, x in enumerate(leaves):
+        if torch.is_tensor(x) and x.numel():
+            ptr = (x.device, x.untyped_storage().data_ptr())
+            if ptr in seen:
+                leaves[i] = x.clone()
+                changed = True
+            else:
+                seen.add(ptr)
+    return optree.tree_unflatten(spec, leaves) if changed else state
+
+
+# -- the fallback of a DirectCall -------------------------------------------------------------------
+class Background:
+    """Runs the calls of ``direct`` (a :class:`~functrain.compiler.runtime.DirectCall`) whose graph is not
+    compiled yet, and compiles each such graph off the training thread (see the module docstring).
+
+    ``options``: the compiled step's :class:`~functrain.compiler.options.Options` (``switch_at``, the inductor
+    arguments). Installs itself as ``direct.fallback`` and its :class:`Progress` as ``direct.progress``.
+    """
+
+    def __init__(self, direct: Any, options: Any):
+        self.direct = direct
+        self.step = direct.step
+        self.switch_at: int | None = options.switch_at
+        self.inductor = {"mode": options.mode, "options": options.options, "donate": options.donate}
+        self.jobs: dict = {}  # signature key -> (Captured, Job)
+        self.failed: set = set()
+        self.progress = Progress()
+        self._known: tuple | None = None  # (the step tensor the last eager call returned, its host count)
+        self._spare: WorkerJob | None = None  # a worker started before the trace, waiting for its job
+        self._worker = os.environ.get(WORKER_ENV, "process")
+        if self._worker not in ("process", "thread"):
+            raise ValueError(f"{WORKER_ENV} must be 'process' or 'thread'; got {self._worker!r}")
+        if self._worker == "thread":
+            warnings.warn(f"{WORKER_ENV}=thread: compiling in a thread of the training process, for comparison "
+                          f"only: torch's compiler saves and restores the global random generator and patches "
+                          f"nn.Module while it works, so eager steps that run meanwhile may draw other random "
+                          f"numbers than the state's key gives", RuntimeWarning, stacklevel=4)
+        direct.fallback = self
+        direct.progress = self.progress
+        _preload()
+
+    # -- the call -------------------------------------------------------------------------------
+    def __call__(self, state: TrainState, batch: Any, s: Any, key: Any) -> tuple[TrainState, dict]:
+        if key in self.failed:
+            return self._eager(state, batch)
+        entry = self.jobs.get(key)
+        at = self.switch_at
+        if entry is None:
+            self._prepare()
+            if at is None or self._steps(state) < at:
+                # the trace starts once the compiler's modules are imported (a thread imports them: seconds
+                # that the eager steps do not wait for)
+                start = None if _importing() else (lambda: self._start(s, state, batch, key))
+                return self._eager(state, batch, start=start)
+            self._start(s, state, batch, key)  # a run resumed past the switch: compile now, and wait
+            entry = self.jobs[key]
+        cap, job = entry
+        if at is None:
+            status = self.step.agree(job.poll())  # every rank has its compiled code? (MIN over the ranks)
+        elif self._steps(state) < at:
+            return self._eager(state, batch)
+        else:
+            if job.poll() == RUNNING:
+                self.direct.pauses += 1
+            status = self.step.agree(job.wait())
+        if status == READY:
+            self._install(key, cap, job)
+            if self.direct.memory != "fresh":
+                state = _unaliased(state)
+            return self.direct(state, batch)
+        if status == FAILED:
+            self._give_up(key, job)
+        return self._eager(state, batch)
+
+    def _eager(self, state: TrainState, batch: Any, start: Callable[[], None] | None = None) -> tuple:
+        new, metrics = self.step.host_call(self.step.apply, state, batch)
+        if start is not None:
+            start()  # traced on the input state, before a donating path retires it
+        if self.direct.memory != "fresh":
+            # a donated state cannot be stepped again, eager or compiled: its step counter is emptied (the new
+            # state never shares it: the step makes step + 1)
+            state.step.set_()
+        self.progress.eager_calls += 1
+        if self.switch_at is not None:
+            known = self._known
+            n = known[1] if known is not None and known[0] is state.step else None
+            if n is not None:
+                self._known = (new.step, n + 1)
+        return new, metrics
+
+    def _steps(self, state: TrainState) -> int:
+        """The state's step count on the host: known without a read when it is the state the last eager call
+        returned, else read once (a device sync on a GPU; only with ``switch_at``)."""
+        known = self._known
+        if known is not None and known[0] is state.step:
+            return known[1]
+        n = int(state.step)
+        self._known = (state.step, n)
+        return n
+
+    # -- compiling --------------------------------------------------------------------------------
+    def _start(self, s: Any, state: TrainState, batch: Any, key: Any) -> None:
+        """Trace the graph here, then start compiling it where the code can be made."""
+        self.direct.pauses += 1
+        t0 = time.perf_counter()
+        if _preloading is not None:
+            _preloading.join()  # (the trace would import the same modules: wait for them here instead)
+        try:
+            cap = self.direct.trace(s, state, batch)
+        except Exception as e:  # noqa: BLE001 - GraphBreakError (or what the step raises): train on eagerly
+            if self._spare is not None:
+                self._spare.close()
+                self._spare = None
+            job = FailedJob(f"{type(e).__name__}: {e}")
+            self.jobs[key] = (None, job)
+            self.progress.phase = "compiling"
+            self._say(job.reason)  # now: the ranks agree on it at the next call
+            job.said = True
+            return
+        if self.direct.packages is None:
+            cap.inputs = None  # the first state's tensors: a worker needs only their metadata
+        job = self._cached(cap) or self._job(cap)
+        job.started = t0  # the compile time counts from the trace
+        self.jobs[key] = (cap, job)
+        self.progress.phase = "compiling"
+        self.progress.worker_pid = getattr(job, "pid", None)
+
+    def _job(self, cap: Captured) -> Job:
+        backend = self.direct.backend
+        if self.direct.packages is not None:  # AOTInductor builds a package from the real inputs: at the switch
+            return InlineJob(cap, backend, now=False)
+        if not backend.shared:  # a backend other than inductor: its code cannot travel between processes
+            return InlineJob(cap, backend)
+        if self._worker == "thread":
+            return ThreadJob(cap, backend, int(os.environ.get("FUNCTRAIN_COMPILE_NICE", "10")), _timeout())
+        from .worker import job_payload
+        worker, self._spare = self._spare, None
+        try:
+            payload = job_payload(cap.gm, cap.metas, self.inductor)
+        except Exception as e:  # noqa: BLE001 - a graph torch cannot serialize: compile it here instead
+            if worker is not None:
+                worker.close()
+            warnings.warn(f"ft.compile: this step's graph cannot be sent to a compile worker ({type(e).__name__}: "
+                          f"{_first(e)}); compiling it on the training thread", RuntimeWarning, stacklevel=5)
+            return InlineJob(cap, backend)
+        worker = worker if worker is not None else WorkerJob(_timeout())
+        worker.send(payload)
+        return worker
+
+    def _cached(self, cap: Captured) -> Job | None:
+        """The graph's code loaded from the caches if an earlier process compiled it (a second run, a resume, a
+        rank that another rank's worker served): ready at once, no worker. ``None`` on a miss (which costs the
+        cache keys' hashing: nothing is traced or compiled here)."""
+        backend = self.direct.backend
+        if not backend.shared or self.direct.packages is not None or self._worker != "process":
+            return None
+        try:
+            fn = backend.load(cap.gm, cap.metas)
+        except Exception:  # noqa: BLE001 - not cached (or not loadable): the worker compiles it
+            return None
+        if self._spare is not None:
+            self._spare.close()
+            self._spare = None
+        return LoadedJob(fn)
+
+    def _prepare(self) -> None:
+        """Before the eager calls that lead to a compile: the worker process starts (importing torch and
+        inductor while this process runs the step and traces it)."""
+        if self._spare is None and self._worker == "process" and self.direct.backend.shared \
+                and self.direct.packages is None:
+            self._spare = WorkerJob(_timeout())
+            self.progress.worker_pid = self._spare.pid
+        if self.progress.phase == "eager":
+            self.progress.phase = "compiling"
+
+    def _install(self, key: Any, cap: Captured, job: Job) -> None:
+        """The switch: the graph's code (loaded from the caches a worker filled) becomes the capture's."""
+        del self.jobs[key]
+        self.direct.pauses += 1
+        d = self.direct
+        fn = job.code()
+        if fn is None and d.packages is None:
+            try:
+                fn = d.backend.load(cap.gm, cap.metas)
+            except Exception as e:  # noqa: BLE001 - a missing, corrupt or foreign entry: never used; rebuilt
+                warnings.warn(f"ft.compile: the background compile's code did not load here ({type(e).__name__}: "
+                              f"{_first(e)}); compiling the step on the training thread (the steps wait)",
+                              RuntimeWarning, stacklevel=4)
+                fn = None
+        compile_captured(cap, d.backend, packages=d.packages, cuda_graphs=d.cuda_graphs, fn=fn)
+        d.captures[key] = cap
+        p = self.progress
+        if p.compile_s is None:
+            p.compile_s = time.perf_counter() - job.started
+            p.worker_s = job.seconds
+        p.worker_pid = None
+        p.phase = "compiling" if self.jobs else "compiled"
+
+    def _give_up(self, key: Any, job: Job) -> None:
+        """The ranks agreed that a graph will not compile: eager for good for that signature, said once."""
+        del self.jobs[key]
+        self.failed.add(key)
+        job.close()
+        reason = job.reason if job.status == FAILED else "another process's compile of this step failed"
+        p = self.progress
+        p.reason, p.worker_pid = reason, None
+        p.phase = "compiling" if self.jobs else ("compiled" if self.direct.captures else "failed")
+        if not job.said:
+            self._say(reason)
+
+    def _say(self, reason: str) -> None:
+        warnings.warn(f"ft.compile: training on with the eager step; the background compile failed: {reason}",
+                      RuntimeWarning, stacklevel=5)
+
+    def close(self) -> None:
+        """Stop every compile still running."""
+        for _, job in self.jobs.values():
+            job.close()
+        if self._spare is not None:
+            self._spare.close()
+            self._spare = None

@@ -1,0 +1,180 @@
+"""The compile worker: a child process that compiles one traced graph into the shared caches.
+
+    python -m functrain.compiler.worker PARENT_PID < job
+
+:mod:`functrain.compiler.background` starts it for each graph it compiles in the background,
+before tracing the graph (the worker imports torch and inductor meanwhile), and then writes
+the job to its stdin: a pickle made by :func:`job_payload` (the worker trusts only
+its parent, through a pipe; no file is read). The job holds the traced graph (``torch.fx``'s
+``GraphPickler``: nodes, names and metadata as they are, so the graph's cache key is the one
+the parent computes), the ``(shape, stride, dtype, device)`` of its inputs, the inductor
+arguments (``mode``, ``options``) and the settings that enter the generated code or the cache
+keys (:func:`settings`: the intra-op thread count, matmul precision, deterministic algorithms,
+the TF32 / reduced-precision flags, and inductor's, AOTAutograd's and Dynamo's configs). The
+worker compiles the graph exactly as the training process would (the same counting backend:
+the per-graph machine-wide lock, the probe memo, a tracing context with a shape environment),
+so its entries land in AOTAutograd's and inductor's on-disk caches under the keys the parent
+then loads (:meth:`~functrain.compiler.backend.CountingBackend.load`), and a later run finds.
+
+It answers one JSON line on stdout, ``{"ok": true, "seconds": s}`` or ``{"ok": false, "error":
+"..."}``, and exits. It runs at a lower priority (``nice`` + ``FUNCTRAIN_COMPILE_NICE``, 10 by
+default: its compiler subprocesses inherit it), ignores Ctrl-C (its parent decides) and dies
+with its parent (``PR_SET_PDEATHSIG``; :func:`functrain.core.procs.die_with_parent`).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["job_payload", "settings", "apply_settings", "main", "FORMAT", "NICE_ENV"]
+
+FORMAT = 1
+NICE_ENV = "FUNCTRAIN_COMPILE_NICE"
+_CONFIGS = ("torch._inductor.config", "torch._functorch.config", "torch._dynamo.config")
+_FLAGS = ("cuda.matmul.allow_tf32", "cuda.matmul.allow_fp16_reduced_precision_reduction",
+          "cuda.matmul.allow_bf16_reduced_precision_reduction", "cudnn.allow_tf32", "cudnn.deterministic",
+          "cudnn.benchmark", "cudnn.enabled", "fp32_precision", "cuda.matmul.fp32_precision", "cudnn.fp32_precision",
+          "cudnn.conv.fp32_precision", "cudnn.rnn.fp32_precision", "mkldnn.fp32_precision",
+          "mkldnn.matmul.fp32_precision", "mkldnn.conv.fp32_precision", "mkldnn.rnn.fp32_precision")
+
+
+def _owner(path: str) -> tuple[Any, str]:
+    where, name = path.rsplit(".", 1) if "." in path else ("", path)
+    obj: Any = torch.backends
+    for part in filter(None, where.split(".")):
+        obj = getattr(obj, part, None)
+    return obj, name
+
+
+def _flags() -> dict:
+    out = {}
+    for path in _FLAGS:
+        obj, name = _owner(path)
+        try:
+            out[path] = getattr(obj, name)
+        except (AttributeError, RuntimeError):  # not in this torch build
+            pass
+    return out
+
+
+def settings() -> dict:
+    """This process's settings that change a compiled graph or its cache key (for :func:`apply_settings`):
+    the intra-op thread count, deterministic algorithms, the TF32 / fp32-precision / reduced-precision flags
+    (``torch.set_float32_matmul_precision`` sets the precision flags) and the compiler's configs.
+
+    Example::
+
+        >>> from functrain.compiler.worker import settings
+        >>> sorted(settings())
+        ['configs', 'deterministic', 'flags', 'threads']
+    """
+    import importlib
+
+    configs = {}
+    for name in _CONFIGS:
+        module = importlib.import_module(name)
+        configs[name] = module.save_config_portable()
+    return {"threads": torch.get_num_threads(),
+            "deterministic": [torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled()],
+            "flags": _flags(), "configs": configs}
+
+
+def apply_settings(s: dict, stack: contextlib.ExitStack) -> None:
+    """Make this (worker) process's settings ``s``; config changes are entered on ``stack``. Only what differs
+    is set: setting a flag to its default can itself change a cache key (a precision flag set explicitly is
+    not the same as one left at its default)."""
+    import importlib
+
+    if torch.get_num_threads() != int(s["threads"]):
+        torch.set_num_threads(int(s["threads"]))
+    det = [torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()]
+    if det != list(s["deterministic"]):
+        torch.use_deterministic_algorithms(bool(s["deterministic"][0]), warn_only=bool(s["deterministic"][1]))
+    mine = _flags()
+    for path, value in s["flags"].items():
+        if path in mine and mine[path] != value:
+            obj, name = _owner(path)
+            setattr(obj, name, value)
+    for name, wanted in s["configs"].items():
+        module = importlib.import_module(name)
+        current = module.save_config_portable()
+        changed = {k: v for k, v in wanted.items() if k in current and current[k] != v}
+        if changed:
+            stack.enter_context(module.patch(changed))
+
+
+def job_payload(gm: torch.fx.GraphModule, metas: tuple, inductor: dict) -> bytes:
+    """The job for a worker: ``gm`` (traced, constants lifted), its inputs' ``metas``, the inductor
+    arguments (``{"mode", "options", "donate"}`` of :class:`~functrain.compiler.options.Options`)."""
+    from torch.fx._graph_pickler import GraphPickler
+
+    return pickle.dumps({"format": FORMAT, "graph": GraphPickler.dumps(gm), "metas": metas, "inductor": inductor,
+                         "settings": settings()}, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _prepare() -> None:
+    """What every compile needs, imported before the job arrives (the parent traces meanwhile)."""
+    import torch._higher_order_ops.triton_kernel_wrap  # noqa: F401 - make_fx's node hook needs it imported
+    import torch._inductor.compile_fx  # noqa: F401
+    from torch.fx._graph_pickler import GraphPickler  # noqa: F401
+
+    from . import backend  # noqa: F401
+
+
+def _run(data: bytes) -> dict:
+    job = pickle.loads(data)  # from the parent, through a pipe
+    if not isinstance(job, dict) or job.get("format") != FORMAT:
+        return {"ok": False, "error": f"not a functrain compile job of format {FORMAT}"}
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+
+    from .backend import compile_graph, make_backend
+    from .options import Options
+
+    with contextlib.ExitStack() as stack:
+        apply_settings(job["settings"], stack)
+        gm = GraphPickler.loads(job["graph"], FakeTensorMode())
+        backend = make_backend(Options(**job["inductor"]))
+        t0 = time.perf_counter()
+        compile_graph(backend, gm, tuple(job["metas"]))
+    return {"ok": True, "seconds": time.perf_counter() - t0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The worker's entry point: read the job from stdin, compile, answer one JSON line."""
+    from ..core.procs import die_with_parent
+
+    argv = sys.argv[1:] if argv is None else argv
+    die_with_parent(int(argv[0]) if argv and argv[0].isdigit() else None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
+    try:
+        os.nice(int(os.environ.get(NICE_ENV, "10")))
+    except (OSError, ValueError):
+        pass
+    out = sys.stdout
+    sys.stdout = sys.stderr  # whatever the compiler prints goes to the log, not into the answer
+    try:
+        _prepare()
+        data = sys.stdin.buffer.read()
+        if not data:  # the parent closed the pipe without a job: its trace failed, or it is gone
+            return 0
+        result = _run(data)
+    except BaseException as e:  # noqa: BLE001 - every failure becomes the answer
+        text = f"{type(e).__name__}: {e}".strip()
+        result = {"ok": False, "error": text[:4000]}
+    out.write(json.dumps(result) + "\n")
+    out.flush()
+    return 0 if result.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

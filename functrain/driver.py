@@ -155,7 +155,8 @@ class PhaseRates:
     Call :meth:`tick` after every step with its index.
 
     Attributes:
-        steps, seconds: ``{path: count}``, ``{path: seconds}`` of the timed calls.
+        calls: ``{path: count}`` of every call; steps, seconds: ``{path: count}``, ``{path: seconds}`` of the
+            timed ones.
         switched_at: the index of the first call that ran compiled after eager ones (``None`` before, or when no
             call ran eagerly).
         paused: whether the last call did compile work.
@@ -178,6 +179,7 @@ class PhaseRates:
 
     def __init__(self, runner: DirectCall):
         self.runner = runner
+        self.calls = {"eager": 0, "compiled": 0}
         self.steps = {"eager": 0, "compiled": 0}
         self.seconds = {"eager": 0.0, "compiled": 0.0}
         self.switched_at: int | None = None
@@ -187,9 +189,13 @@ class PhaseRates:
         self._eager = 0 if runner.progress is None else runner.progress.eager_calls
         self._t = time.perf_counter()
         self._shown = 0.0
+        self._index: int | None = None
 
     def tick(self, index: int) -> None:
-        """Account the call that just returned (step ``index``)."""
+        """Account the call that just returned (step ``index``; a second tick of one index is ignored)."""
+        if index == self._index:
+            return
+        self._index = index
         now = time.perf_counter()
         dt, self._t = now - self._t, now
         progress = self.runner.progress
@@ -201,6 +207,7 @@ class PhaseRates:
         self.path = path
         self.paused = self.runner.pauses != self._pauses
         self._pauses = self.runner.pauses
+        self.calls[path] += 1
         if not self.paused:
             self.steps[path] += 1
             self.seconds[path] += dt
@@ -217,9 +224,12 @@ class PhaseRates:
         e = f"eager {eager:.3g} it/s" if eager is not None else "eager"
         if progress is not None and progress.phase == "compiling" and self.path != "compiled":
             return f"compiling in the background · {e}"
+        if progress is not None and progress.phase == "ready" and self.path != "compiled":
+            when = f"at step {progress.switch_at}" if progress.switch_at is not None else "with the other processes"
+            return f"compiled, switching {when} · {e}"
         if progress is not None and progress.phase == "failed":
             return f"{e} (the compile failed)"
-        if self.path == "compiled" and self.steps["eager"]:
+        if self.path == "compiled" and self.calls["eager"]:
             c = f"compiled {compiled:.3g} it/s" if compiled is not None else "compiled"
             return f"{c} ({e})"
         return ""

@@ -80,24 +80,32 @@ class Progress:
     """Where a background-compiled call path stands (host values, read by ``ft.run``'s bar and the Trainer).
 
     Attributes:
-        phase:       ``"eager"`` (nothing compiling yet), ``"compiling"``, ``"compiled"`` (a compiled graph
-                     runs) or ``"failed"`` (the compile failed: eager for good; ``reason`` says why).
+        phase:       ``"eager"`` (nothing compiling yet), ``"compiling"``, ``"ready"`` (this process's compiled
+                     code is ready: the switch waits for ``switch_at`` or for the other processes), ``"compiled"``
+                     (a compiled graph runs) or ``"failed"`` (the compile failed: eager for good; ``reason``).
         eager_calls: calls that ran the eager step.
         compile_s:   seconds from the start of the first graph's trace to its code being loaded here.
         worker_s:    of which the worker's own compile (``None`` without a worker).
         worker_pid:  the running worker's process id, or ``None``.
+        source:      where the first graph's code came from: ``"worker"`` (a worker process compiled it),
+                     ``"cache"`` (an earlier process had: loaded at the first trace), ``"thread"``, ``"here"``
+                     (compiled on the training thread: another backend, a package, or a failed load); ``None``
+                     before.
+        switch_at:   the step count at which the compiled code takes over (``None``: when it is ready).
         reason:      why the compile failed, or ``None``.
     """
 
-    __slots__ = ("phase", "eager_calls", "compile_s", "worker_s", "worker_pid", "reason")
+    __slots__ = ("phase", "eager_calls", "compile_s", "worker_s", "worker_pid", "reason", "switch_at", "source")
 
-    def __init__(self) -> None:
+    def __init__(self, switch_at: int | None = None) -> None:
+        self.switch_at = switch_at
         self.phase = "eager"
         self.eager_calls = 0
         self.compile_s: float | None = None
         self.worker_s: float | None = None
         self.worker_pid: int | None = None
         self.reason: str | None = None
+        self.source: str | None = None
 
     def __repr__(self) -> str:
         return (f"Progress(phase={self.phase!r}, eager_calls={self.eager_calls}, compile_s={self.compile_s}, "
@@ -148,12 +156,20 @@ class Job:
     """One graph compiling somewhere; :meth:`poll` says ``RUNNING``, ``READY`` or ``FAILED``."""
 
     status = RUNNING
+    source = "here"  # where the code is made (Progress.source)
     reason: str | None = None
     seconds: float | None = None  # the compile itself, where it is known
     said = False  # its failure was warned about
+    finished: float | None = None  # when the code was ready
 
     def __init__(self) -> None:
         self.started = time.perf_counter()
+
+    def _ready(self, seconds: float | None) -> int:
+        self.finished = time.perf_counter()
+        self.seconds = seconds
+        self.status = READY
+        return READY
 
     def poll(self) -> int:
         return self.status
@@ -197,7 +213,7 @@ class InlineJob(Job):
         except Exception as e:  # noqa: BLE001 - a failed compile: train on eagerly, say why
             self._fail(f"the backend failed to compile the step: {type(e).__name__}: {_first(e)}")
         else:
-            self.status, self.seconds = READY, time.perf_counter() - self.started
+            self._ready(time.perf_counter() - self.started)
 
     def code(self) -> Callable | None:
         return self.fn
@@ -206,9 +222,12 @@ class InlineJob(Job):
 class LoadedJob(Job):
     """Loaded from the caches on the training thread (an earlier process compiled the graph)."""
 
+    source = "cache"
+
     def __init__(self, fn: Callable):
         super().__init__()
-        self.fn, self.status, self.seconds = fn, READY, 0.0
+        self.fn = fn
+        self._ready(0.0)
 
     def code(self) -> Callable | None:
         return self.fn
@@ -216,6 +235,8 @@ class LoadedJob(Job):
 
 class ThreadJob(Job):
     """Compiled in a daemon thread of this process (``FUNCTRAIN_COMPILE_WORKER=thread``: for comparison only)."""
+
+    source = "thread"
 
     def __init__(self, cap: Captured, backend: Any, nice: int, timeout: float):
         super().__init__()
@@ -234,7 +255,8 @@ class ThreadJob(Job):
             except Exception as e:  # noqa: BLE001
                 self._fail(f"the compile thread failed: {type(e).__name__}: {_first(e)}")
             else:
-                self.fn, self.seconds, self.status = fn, time.perf_counter() - self.started, READY
+                self.fn = fn
+                self._ready(time.perf_counter() - self.started)
 
         threading.Thread(target=run, name="functrain-compile", daemon=True).start()
 
@@ -273,6 +295,8 @@ class WorkerJob(Job):
 
     The process starts with the job object (it imports torch and inductor while this process traces the
     graph); :meth:`send` gives it the graph. A job never sent is closed, and the worker exits or is killed."""
+
+    source = "worker"
 
     def __init__(self, timeout: float):
         global _atexit_registered
@@ -325,9 +349,7 @@ class WorkerJob(Job):
             except ValueError:
                 result = None
         if code == 0 and isinstance(result, dict) and result.get("ok"):
-            self.seconds = float(result.get("seconds") or 0.0)
-            self.status = READY
-            return READY
+            return self._ready(float(result.get("seconds") or 0.0))
         if code < 0:
             why = f"was killed by signal {signal.Signals(-code).name}"
         elif isinstance(result, dict) and result.get("error"):
@@ -387,7 +409,7 @@ class Background:
         self.inductor = {"mode": options.mode, "options": options.options, "donate": options.donate}
         self.jobs: dict = {}  # signature key -> (Captured, Job)
         self.failed: set = set()
-        self.progress = Progress()
+        self.progress = Progress(options.switch_at)
         self._known: tuple | None = None  # (the step tensor the last eager call returned, its host count)
         self._spare: WorkerJob | None = None  # a worker started before the trace, waiting for its job
         self._worker = os.environ.get(WORKER_ENV, "process")
@@ -418,12 +440,15 @@ class Background:
             self._start(s, state, batch, key)  # a run resumed past the switch: compile now, and wait
             entry = self.jobs[key]
         cap, job = entry
+        local = job.poll()
+        if local == READY and self.progress.phase == "compiling":
+            self.progress.phase = "ready"
         if at is None:
-            status = self.step.agree(job.poll())  # every rank has its compiled code? (MIN over the ranks)
+            status = self.step.agree(local)  # every rank has its compiled code? (MIN over the ranks)
         elif self._steps(state) < at:
             return self._eager(state, batch)
         else:
-            if job.poll() == RUNNING:
+            if local == RUNNING:
                 self.direct.pauses += 1
             status = self.step.agree(job.wait())
         if status == READY:
@@ -541,6 +566,7 @@ class Background:
         del self.jobs[key]
         self.direct.pauses += 1
         d = self.direct
+        t0 = time.perf_counter()
         fn = job.code()
         if fn is None and d.packages is None:
             try:
@@ -550,12 +576,14 @@ class Background:
                               f"{_first(e)}); compiling the step on the training thread (the steps wait)",
                               RuntimeWarning, stacklevel=4)
                 fn = None
+        source = job.source if fn is not None else "here"
         compile_captured(cap, d.backend, packages=d.packages, cuda_graphs=d.cuda_graphs, fn=fn)
         d.captures[key] = cap
         p = self.progress
-        if p.compile_s is None:
-            p.compile_s = time.perf_counter() - job.started
-            p.worker_s = job.seconds
+        if p.compile_s is None:  # the compile's own time: to its code being ready, plus loading it here
+            p.compile_s = ((job.finished or t0) - job.started) + (time.perf_counter() - t0)
+            p.worker_s = job.seconds if source == "worker" else None
+            p.source = source
         p.worker_pid = None
         p.phase = "compiling" if self.jobs else "compiled"
 
@@ -576,9 +604,16 @@ class Background:
                       RuntimeWarning, stacklevel=5)
 
     def close(self) -> None:
-        """Stop every compile still running."""
-        for _, job in self.jobs.values():
+        """Stop every compile still running; their signatures run eagerly from now on (said by no warning:
+        the caller asked for it)."""
+        for key, (_, job) in list(self.jobs.items()):
             job.close()
+            self.failed.add(key)
+        self.jobs.clear()
         if self._spare is not None:
             self._spare.close()
             self._spare = None
+        p = self.progress
+        p.worker_pid = None
+        if p.phase in ("compiling", "ready"):
+            p.phase, p.reason = ("compiled" if self.direct.captures else "failed"), "stopped by close()"

@@ -49,6 +49,15 @@ class TrainConfig:
     EMA params (``eval_loss_ema``), in batches of ``eval_batch_size`` per
     process (``None``: ``train_batch_size``).
 
+    Compiling (``compile``, default on): the step is compiled whole (:func:`functrain.compile`).
+    With ``compile_background`` (default on) the first steps run eagerly while it compiles in a
+    worker process, and the compiled step takes over when it is ready (on several processes, at the
+    same step on every rank): training starts at once, and the last bits of the run depend on the
+    step at which the switch happened. ``compile_switch_at=N`` makes that step fixed, for a run that
+    must be reproducible bit for bit (its resume included): steps up to ``N`` run eagerly, step
+    ``N + 1`` on waits for the compiled code. ``compile_background=False``: the first step compiles
+    and training waits for it.
+
     Example::
 
         >>> from functrain import TrainConfig
@@ -88,6 +97,8 @@ class TrainConfig:
     eval_every: int = 0
     eval_batch_size: int | None = None
     shard: str = "none"
+    compile_background: bool = True
+    compile_switch_at: int | None = None
 
     def __post_init__(self) -> None:
         def name(n: str) -> str:
@@ -121,8 +132,16 @@ class TrainConfig:
             raise BadValue(f"TrainConfig.results_folder must be a non-empty path (str or os.PathLike); got "
                            f"{describe(folder)}")
         object.__setattr__(self, "results_folder", os.fspath(folder))
-        for n in ("compile", "skip_nonfinite"):
+        for n in ("compile", "skip_nonfinite", "compile_background"):
             check_choice(name(n), getattr(self, n), (True, False))
+        if self.compile_switch_at is not None:
+            object.__setattr__(self, "compile_switch_at", check_int(
+                name("compile_switch_at"), self.compile_switch_at, minimum=0,
+                what="an int >= 0 (the updates run eagerly before the compiled step takes over) or None"))
+            if not (self.compile and self.compile_background):
+                raise BadValue(f"TrainConfig.compile_switch_at={self.compile_switch_at} is when a background compile "
+                               f"takes over; it needs compile=True and compile_background=True (got compile="
+                               f"{self.compile}, compile_background={self.compile_background})")
         check_choice(name("lr_schedule"), self.lr_schedule, _SCHEDULES)
         check_choice(name("shard"), self.shard, _SHARDS)
         object.__setattr__(self, "warmup_steps", check_int(name("warmup_steps"), self.warmup_steps, minimum=0,

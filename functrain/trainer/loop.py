@@ -24,7 +24,7 @@ from ..compiler.api import CompiledStep
 from ..compiler.api import compile as compile_step
 from ..data import shard
 from ..distributed import gather_state
-from ..driver import run
+from ..driver import PhaseRates, run
 from ..core.module import functionalize
 from ..core.state import TrainState
 from .config import TrainConfig
@@ -34,6 +34,7 @@ from .images import write_sample_grid
 from .plots import MetricHistory, write_metrics_plot
 from .summary import run_summary
 from .build import build_step, checked_loss, model_loss
+from .compiling import compile_log, compile_notes, watch_compile
 from .trackers import check_trackers, make_trackers
 
 __all__ = ["Trainer"]
@@ -161,8 +162,11 @@ class Trainer:
                                          step=step)
         if compiled is not None:
             self.run_step = compiled
+        elif config.compile:
+            self.run_step = compile_step(self.step, background=config.compile_background,
+                                         switch_at=config.compile_switch_at)
         else:
-            self.run_step = compile_step(self.step) if config.compile else self.step
+            self.run_step = self.step
         self.loader = shard(dataset, batch_size=config.train_batch_size * config.gradient_accumulate_every,
                             shuffle=True, seed=config.seed, drop_last=True, device=self.device)
         self.loader.check_nonempty("train dataset")
@@ -320,6 +324,7 @@ class Trainer:
             start = int(state.step)  # the only read of the device counter: the loop's index mirrors it on the host
             trackers = make_trackers(self.tracker_items, self.folder, c.to_dict(), start) if self.rank == 0 else []
             self._run = run_state = _RunState(start, trackers, compiled=isinstance(self.run_step, CompiledStep))
+            watch_compile(self.run_step, run_state)
             previous = signal.signal(signal.SIGTERM, self._on_sigterm)
             state = run(self.run_step, state, self.loader, num_steps=max(c.train_num_steps - start, 0),
                         log_every=c.log_every, device=self.device, progress=self.rank == 0, on_log=self._on_log,
@@ -367,7 +372,7 @@ class Trainer:
                                   final_metrics={k: v for k, v in r.last.items() if k in _SUMMARY},
                                   wall_time_s=time.perf_counter() - r.t0,
                                   compile_time_s=r.compile_s if r.compiled else None, steps_run=r.n - r.start,
-                                  outputs=outputs, trackers=r.trackers)
+                                  outputs=outputs, trackers=r.trackers, notes=compile_notes(r))
 
     def _plot(self, force: bool = False) -> None:
         """Rewrite the metrics plot (rank 0, at every save): one panel per metric, the step on x.
@@ -398,6 +403,7 @@ class Trainer:
             r.in_a_row = self._count_skipped(n, flags, r.in_a_row)  # (a stop it calls for is made in _on_step)
         now = time.perf_counter()
         r.first_done(now)
+        compile_log(r, n, host)
         if r.compiled and r.first_at is not None and "compile_s" not in r.reported:
             host["compile_s"] = r.compile_s
             r.reported.add("compile_s")
@@ -431,6 +437,8 @@ class Trainer:
 
     def _step_done(self, n: int, state: TrainState, metrics: dict) -> bool:
         c, r = self.config, self._run
+        if r.rates is not None:
+            r.rates.tick(n)
         r.n = n
         r.first_done(time.perf_counter())
         if "skipped" in metrics and r.logged_at != n:
@@ -527,7 +535,8 @@ class Trainer:
 
 
 # bookkeeping, not curves: kept in metrics.jsonl and the history, left out of the plot and the summary line
-_NOT_PLOTTED = ("steps_per_s", "compile_s", "skipped", "skipped_updates", "eval_samples")
+_NOT_PLOTTED = ("steps_per_s", "compile_s", "skipped", "skipped_updates", "eval_samples", "switched_at",
+                "steps_per_s_eager", "steps_per_s_compiled")
 _SUMMARY = ("loss", "eval_loss", "eval_loss_ema", "grad_norm", "lr", "skipped_updates")
 
 
@@ -549,6 +558,8 @@ class _RunState:
         self.pending_until = start  # the step of the newest pending flag
         self.in_a_row = 0  # skipped updates in a row, as of the last read
         self.agree_at, self.agree_n, self.agree_t = start + 1, start, time.monotonic()
+        self.rates: PhaseRates | None = None  # a background compile: each path's throughput
+        self.progress: Any = None  # and its Progress
 
     def emit(self, step: int, metrics: dict) -> None:
         """Send one record to every tracker."""

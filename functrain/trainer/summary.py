@@ -37,7 +37,8 @@ def _value(v: Any) -> str:
 def run_summary(*, results_folder: str, step: int, total_steps: int | None = None,
                 final_metrics: Mapping[str, Any] | None = None, wall_time_s: float | None = None,
                 compile_time_s: float | None = None, steps_run: int | None = None,
-                outputs: Mapping[str, str] | None = None, trackers: Iterable[Any] = ()) -> str:
+                outputs: Mapping[str, str] | None = None, trackers: Iterable[Any] = (),
+                notes: Iterable[str] = ()) -> str:
     """A few lines for the end of ``train()``: final metrics, time (and compile time), where the results are.
 
     ``final_metrics`` are the last logged values (``loss`` first); ``wall_time_s`` the
@@ -45,7 +46,8 @@ def run_summary(*, results_folder: str, step: int, total_steps: int | None = Non
     throughput line excludes it; ``steps_run`` the steps this session ran (differs from
     ``step`` after a resume); ``outputs`` ``{label: path}`` (paths that do not exist are
     left out, so the summary never points at a missing file); ``trackers`` the objects of
-    :func:`functrain.trainer.trackers.make_trackers` (their ``where()`` lines).
+    :func:`functrain.trainer.trackers.make_trackers` (their ``where()`` lines); ``notes`` more lines
+    after the time (a background compile: when it took over, the rate of each path).
 
     Example::
 
@@ -69,6 +71,7 @@ def run_summary(*, results_folder: str, step: int, total_steps: int | None = Non
         if steps_run and run_time > 0:
             line += f", {steps_run / run_time:.1f} steps/s" + (" after compiling" if compile_time_s else "")
         lines.append(line)
+    lines.extend(notes)
     lines.append(f"results in {os.path.abspath(results_folder)}")
     for label, path in (outputs or {}).items():
         if path and os.path.exists(path):

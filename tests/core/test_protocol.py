@@ -183,3 +183,24 @@ def test_skip_unless_finite_is_one_rule():
         assert bool(ma["skipped"]) == bool(mb["skipped"]) == bool(i % 2)
         ftt.assert_same_state((a.params, a.opt_state, a.ema), (b.params, b.opt_state, b.ema))
     assert int(a.slots["skip_if_bad"]["n"]) == int(b.slots["skip_nonfinite"]["skipped"]) == 2
+
+
+class Votes(ft.Transform):
+    """agree(): a process-local stand-in for a group's MIN (what data_parallel does over its ranks)."""
+
+    def __init__(self, name, floor, log):
+        self.name, self.floor, self.log = name, floor, log
+
+    def agree(self, value):
+        self.log.append((self.name, value))
+        return min(value, self.floor)
+
+
+def test_agree_is_declared_and_folds_over_the_transforms():
+    assert callable(ft.Transform.agree) and ft.Transform().agree(3) == 3  # one process alone: the value itself
+    plain = ft.train_step(ftt.mlp_loss, ft.optim.sgd(0.1))
+    assert plain.agree(1) == 1 and plain.agree(-1) == -1
+    log = []
+    step = Votes("b", 0, log)(Votes("a", 5, log)(plain))
+    assert step.agree(1) == 0 and log == [("a", 1), ("b", 1)]  # every transform asked, (order, name) order
+    assert ft.data_parallel().agree(1) == 1  # one process: no collective

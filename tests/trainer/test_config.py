@@ -145,3 +145,16 @@ def test_valid_edge_values_are_kept():
     assert (cfg.seed, cfg.weight_decay, cfg.results_folder, cfg.trackers, cfg.adam_betas) == \
         (2**63 - 1, 0.0, "r", ("jsonl",), (0.0, 0.5))
     assert ft.TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_background_compile_fields():
+    assert ft.TrainConfig().compile_background is True and ft.TrainConfig().compile_switch_at is None
+    cfg = ft.TrainConfig(compile_switch_at=0)
+    assert ft.TrainConfig.from_dict(cfg.to_dict()) == cfg  # saved beside checkpoints: a resume replays it
+    with pytest.raises(ValueError, match=r"compile_background must be one of \(True, False\); got 'no'"):
+        ft.TrainConfig(compile_background="no")
+    with pytest.raises(ValueError, match=r"compile_switch_at must be an int >= 0 .*; got -1"):
+        ft.TrainConfig(compile_switch_at=-1)
+    for off in ({"compile": False}, {"compile_background": False}):
+        with pytest.raises(ValueError, match=r"compile_switch_at=5 is when a background compile takes over"):
+            ft.TrainConfig(compile_switch_at=5, **off)

@@ -1,6 +1,8 @@
 """ft.Trainer: bit-exact resume after SIGKILL (1 and 2 processes), SIGTERM, trackers, samples, config checks.
 
 Every subprocess runs with a timeout; runs share the inductor cache, so only the first compiles cold.
+The compiled runs are reproducible ones (``--switch-at``, ``TrainConfig.compile_switch_at``): the
+background compile takes over at a fixed step (6 of 12), so resumes before and after it both replay it.
 """
 import json
 import os
@@ -31,6 +33,9 @@ def _cmd(results, nproc=1, *args):
 
 def _env():
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "FUNCTRAIN_DIST_TIMEOUT": "60"}
+
+
+REPRODUCIBLE = ("--switch-at", 6)  # eager for 6 steps, compiled from step 7 on, whenever the compile is done
 
 
 def _run(results, nproc=1, *args, timeout=300):
@@ -81,17 +86,17 @@ def _drop_after(results, step):
 def reference(tmp_path_factory):
     """The uninterrupted 12-step run, one process."""
     results = tmp_path_factory.mktemp("ref")
-    _run(results, 1)
+    _run(results, 1, *REPRODUCIBLE, timeout=900)  # (the first, cold compile)
     return results, _final(results, 12)
 
 
 @pytest.mark.parametrize("resume_at", [4, 9])  # 4.5 updates per epoch: 9 is an epoch boundary, 4 mid-epoch
 def test_resume_after_sigkill_is_bit_exact(tmp_path, reference, resume_at):
     ref_results, expected = reference
-    code, out = _kill_after_checkpoint(tmp_path, 1, resume_at, args=("--save-every", 1))
+    code, out = _kill_after_checkpoint(tmp_path, 1, resume_at, args=("--save-every", 1, *REPRODUCIBLE))
     assert code == -signal.SIGKILL, out[-2000:]
     _drop_after(tmp_path, resume_at)
-    out = _run(tmp_path, 1, "--save-every", 1)
+    out = _run(tmp_path, 1, "--save-every", 1, *REPRODUCIBLE)
     assert "resumed from" in out.stdout and f"at step {resume_at}" in out.stdout, out.stdout[-2000:]
     got = _final(tmp_path, 12)
     assert T.tree_equal(got, expected), "the resumed run differs from the uninterrupted one"
@@ -105,14 +110,14 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path, reference, resume_at):
 def test_resume_two_processes_and_change_of_world(tmp_path, reference):
     ref_results, expected = reference
     # two processes, each half the batch of the one-process run: the same updates (fp16: same micro-batches)
-    code, out = _kill_after_checkpoint(tmp_path, 2, 5, args=("--save-every", 1))
+    code, out = _kill_after_checkpoint(tmp_path, 2, 5, args=("--save-every", 1, *REPRODUCIBLE))
     assert code != 0
     _drop_after(tmp_path, 5)
-    _run(tmp_path, 2, "--save-every", 1)
+    _run(tmp_path, 2, "--save-every", 1, *REPRODUCIBLE)
     two = _final(tmp_path, 12)
     assert int(two.step) == 12
     uninterrupted = tmp_path / "uninterrupted"
-    _run(uninterrupted, 2)
+    _run(uninterrupted, 2, *REPRODUCIBLE)
     assert T.tree_equal(two, _final(uninterrupted, 12)), "2-process resume is not bit-exact"
     # the state is replicated, so a 2-process checkpoint resumes on 1 process, from the same global sample
     one = tmp_path / "one"
@@ -125,11 +130,11 @@ def test_resume_two_processes_and_change_of_world(tmp_path, reference):
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path, reference):
     _, expected = reference
-    code, out = _kill_after_checkpoint(tmp_path, 1, 2, args=("--slow", 0.3), sig=signal.SIGTERM)
+    code, out = _kill_after_checkpoint(tmp_path, 1, 2, args=("--slow", 0.3, *REPRODUCIBLE), sig=signal.SIGTERM)
     assert code == 0, out[-2000:]
     steps = ft.CheckpointManager(os.path.join(tmp_path, "checkpoints")).steps()
     assert steps and steps[-1] < 12  # it stopped early, with a checkpoint of the step it was on
-    _run(tmp_path, 1)
+    _run(tmp_path, 1, *REPRODUCIBLE)
     assert T.tree_equal(_final(tmp_path, 12), expected)
 
 
@@ -200,3 +205,50 @@ def test_sigterm_on_two_processes_saves_the_same_step(tmp_path):
     assert step < 40
     assert ft.CheckpointManager(os.path.join(tmp_path, "checkpoints")).steps()[-1] == step  # ... with it saved
     assert code == 128 + signal.SIGTERM  # the launcher itself reports that it was stopped
+
+
+def _compile_workers_of(pid):
+    """Compile workers started by process ``pid`` that are still alive (their command line names ``pid``)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+        except OSError:
+            continue
+        if b"functrain.compiler.worker" in argv and str(pid).encode() in argv:
+            found.append(int(entry))
+    return found
+
+
+def test_sigterm_while_compiling_in_the_background_saves_at_once(tmp_path):
+    """A cold compile runs in its worker when SIGTERM comes: the trainer saves the step it is on and exits
+    within seconds (the launcher's grace period is 30 s); the worker does not hold it up and does not outlive it."""
+    env = {**_env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # cold: the compile takes long
+    proc = subprocess.Popen(_cmd(tmp_path / "run", 1, "--steps", 100000, "--save-every", 2, "--precision", "no"),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    target = tmp_path / "run" / "checkpoints" / "step_00000002" / "COMPLETE.json"
+    try:
+        deadline = time.monotonic() + 240
+        while not (target.exists() and _compile_workers_of(proc.pid)):
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint / worker in time"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, out[-3000:]
+    assert took < 30, f"{took:.1f} s from SIGTERM to exit"
+    done = re.findall(r"DONE step=(\d+)", out)
+    assert done and ft.CheckpointManager(tmp_path / "run" / "checkpoints").steps()[-1] == int(done[0])
+    deadline = time.monotonic() + 15
+    while _compile_workers_of(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _compile_workers_of(proc.pid), "the compile worker outlived the trainer"

@@ -360,7 +360,9 @@ class SlowToCompile(Linear):
 
 
 def test_throughput_excludes_the_compile(tmp_path):
-    config = _config(tmp_path, compile=True, train_num_steps=6, save_and_sample_every=6, log_every=1)
+    # a blocking compile (compile_background=False): the first step is the compile
+    config = _config(tmp_path, compile=True, compile_background=False, train_num_steps=6, save_and_sample_every=6,
+                     log_every=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _train(SlowToCompile, _data(), config)
@@ -467,3 +469,25 @@ def test_bad_trackers_are_refused_before_training(tmp_path):
         _config(tmp_path, trackers=(object(),))
     with pytest.raises(TypeError, match=r"a tracker must be one of .* or an object with log"):
         ft.Trainer(Linear(), _data(), _config(tmp_path), trackers=[object()])
+
+
+def test_a_background_compile_is_logged_once_with_each_paths_throughput(tmp_path, capsys):
+    """metrics.jsonl says when the compiled step took over (switched_at), how long the compile took (compile_s,
+    once) and the steps per second on each path; the summary says it too."""
+    data, config = _data(), _config(tmp_path, train_num_steps=12, log_every=1, trackers=("jsonl",))
+    torch.manual_seed(0)
+    model = Linear()
+    loss_fn, params, buffers = _module_loss(model)
+    step = ft.train_step(loss_fn, ft.optim.sgd(0.05))
+    cstep = ft.compile(step, backend="aot_eager", switch_at=5)  # compiled on the training thread: quick
+    expected = _reference(step, T.tree_map(torch.clone, params), buffers, data, config)
+    got = ft.Trainer(model, data, config, step=cstep).train()
+    assert T.tree_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    log = _log(tmp_path)
+    assert [r["step"] for r in log] == list(range(1, 13))
+    assert [r["step"] for r in log if "switched_at" in r] == [6] and log[5]["switched_at"] == 6
+    assert sum("compile_s" in r for r in log) == 1 and [r for r in log if "compile_s" in r][0]["step"] >= 6
+    assert "steps_per_s_eager" in log[4] and "steps_per_s_compiled" not in log[4]  # eager up to step 5
+    assert "steps_per_s_compiled" in log[-1] and log[-1]["steps_per_s_compiled"] > 0
+    out = capsys.readouterr().out
+    assert "compiled in the background in " in out and "the compiled step took over at step 6" in out, out

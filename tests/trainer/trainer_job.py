@@ -2,6 +2,7 @@
 
     python tests/trainer_job.py RESULTS [--steps N] [--save-every K] [--precision fp16] [--no-compile]
                                         [--log-every L] [--step-sleep S] [--slow S] [--shard MODE]
+                                        [--switch-at N] [--no-background]
 """
 import argparse
 import sys
@@ -39,6 +40,9 @@ def main():
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--shard", default="none", help="TrainConfig.shard: none, optimizer or params")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (needs --no-compile)")
+    p.add_argument("--switch-at", type=int, default=None,
+                   help="TrainConfig.compile_switch_at: the compiled step takes over after this many (eager) steps")
+    p.add_argument("--no-background", action="store_true", help="TrainConfig.compile_background=False")
     a = p.parse_args()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(72, 6, generator=g)
@@ -48,7 +52,7 @@ def main():
                             ema_update_every=2, ema_decay=0.9, save_and_sample_every=a.save_every, num_samples=4,
                             mixed_precision=a.precision, results_folder=a.results, seed=3, log_every=a.log_every,
                             keep_checkpoints=100, compile=not a.no_compile, trackers=tuple(a.trackers.split(",")),
-                            shard=a.shard)
+                            shard=a.shard, compile_background=not a.no_background, compile_switch_at=a.switch_at)
 
     def sample_fn(ema_params, n):
         if a.slow:

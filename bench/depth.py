@@ -1,0 +1,126 @@
+"""Compile time against depth: the transformer LM at 2, 4, 8, 16, 32 layers (d 128) and a GPT-2-small config.
+
+    python bench/depth.py                          # T2 T4 T8 T16 T32 gpt2, each in a fresh process, cold cache
+    python bench/depth.py --depths 2,32 --no-gpt2  # a subset
+    python bench/depth.py --regions off            # the whole step traced flat (no block regions)
+
+Each configuration runs in a new process with an empty inductor cache folder (the probe memo of the
+machine is kept: ``FUNCTRAIN_CACHE_DIR`` is left as it is, so a first compile on the machine is not
+what is measured). Reported, in seconds: the trace alone (``make_fx`` of the step, in the same process
+before the compile: the trace repeats inside the first call), the first call of ``ft.compile(step)``
+(blocking: trace, AOTAutograd, inductor, C++ compile, one step), the graph's node count, and the
+median of 5 steady calls. The GPT-2-small configuration is ``transformers.GPT2Config()`` (12 layers, d 768,
+12 heads, vocabulary 50257) built without any download, trained on random tokens (batch 2, 64 tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+CHILD = r"""
+import json, os, statistics, sys, time
+t0 = time.perf_counter()
+import torch
+import functrain as ft
+torch.set_num_threads(1)
+sys.path.insert(0, sys.argv[2])
+what = sys.argv[1]
+if what == "gpt2":
+    import transformers
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config())
+    model.config.use_cache = False
+    apply_fn, params, buffers = ft.functionalize(model)
+    def loss_fn(p, b, batch):
+        return apply_fn(p, b, input_ids=batch[0], labels=batch[0]).loss
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randint(0, 50257, (2, 64), generator=g),)
+else:
+    from bench.workloads import WORKLOADS, Workload, build, functrain_step
+    depth = int(what)
+    wl = Workload(f"T{depth}", f"transformer {depth} layers", (), 16, "lm", kind="lm", layers=depth,
+                  steps_per_round=2, n_batches=2)
+    build(wl, torch.device("cpu"))
+    step, params, buffers = functrain_step(wl)
+    batch = wl.batches[0]
+if what == "gpt2":
+    step = ft.train_step(loss_fn, ft.optim.adamw(1e-4))
+state = step.init(params, buffers)
+from functrain.compiler.capture import trace
+t = time.perf_counter()
+cap = trace(step.apply, state._replace(rng=None), batch, "fresh")
+trace_s = time.perf_counter() - t
+nodes = len(cap.gm.graph.nodes)
+del cap
+cstep = ft.compile(step)
+t = time.perf_counter()
+s, m = cstep(state, batch)
+first = time.perf_counter() - t
+times = []
+for _ in range(6):
+    t = time.perf_counter(); s, m = cstep(s, batch); float(m["loss"]); times.append(time.perf_counter() - t)
+print("RESULT " + json.dumps({"trace_s": trace_s, "first_call_s": first, "nodes": nodes,
+                              "step_s": statistics.median(times[1:]), "compiles": cstep.compiles}))
+"""
+
+
+def run_one(what: str, root: str, timeout: float, env_extra: dict) -> dict:
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cache = tempfile.mkdtemp(prefix=f"depth-{what}-", dir=root)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]), **env_extra}
+    t = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", CHILD, what, repo], env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    wall = time.perf_counter() - t
+    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    if out.returncode or not lines:
+        return {"what": what, "error": (out.stdout + out.stderr)[-1500:]}
+    return {"what": what, "process_s": wall, **json.loads(lines[-1][7:])}
+
+
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--depths", default="2,4,8,16,32")
+    p.add_argument("--no-gpt2", action="store_true")
+    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--regions", default=None, help="FUNCTRAIN_BLOCK_REGIONS for the children (on/off)")
+    p.add_argument("--out-json", default=None)
+    args = p.parse_args(argv)
+    todo = [d.strip() for d in args.depths.split(",") if d.strip()] + ([] if args.no_gpt2 else ["gpt2"])
+    env = {} if args.regions is None else {"FUNCTRAIN_BLOCK_REGIONS": args.regions}
+    root = tempfile.mkdtemp(prefix="ft-depth-")
+    rows = []
+    for what in todo:
+        before = load()
+        r = run_one(what, root, args.timeout, env)
+        r["load_before"], r["load_after"] = before, load()
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    print("\n| model | nodes | trace s | first call s | step ms | load |\n|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['what']} | error | | | | |")
+            continue
+        name = "GPT-2 small" if r["what"] == "gpt2" else f"T{r['what']}"
+        print(f"| {name} | {r['nodes']} | {r['trace_s']:.1f} | {r['first_call_s']:.1f} | {1e3 * r['step_s']:.1f} | "
+              f"{r['load_before']:.1f}-{r['load_after']:.1f} |")
+    if args.out_json:
+        with open(args.out_json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

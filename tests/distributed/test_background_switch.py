@@ -1,0 +1,77 @@
+"""Background compilation on 2 real processes: the ranks switch to the compiled step at the same step.
+
+Eager and compiled steps may order their collectives differently, and replicated ranks must stay
+bitwise identical, so the ranks agree (``Step.agree``: one MIN all-reduce of a host int per step
+until the switch) on when every rank's compiled code is ready.
+"""
+import os
+import time
+
+import pytest
+import torch
+
+import functrain as ft
+from functrain import tree as T
+
+STEPS_AFTER = 10  # compiled steps each rank takes after the switch
+
+
+def _switch_worker(shard, backend):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(8, 3))
+    apply_fn, params, buffers = ft.functionalize(model)
+
+    def loss_fn(p, b, batch):
+        return torch.nn.functional.mse_loss(apply_fn(p, b, batch[0]), batch[1])
+
+    step = ft.data_parallel(shard=shard)(ft.ema(0.9)(ft.clip(1.0)(ft.train_step(loss_fn, ft.optim.adamw(1e-2)))))
+    state = T.tree_map(torch.clone, step.init(params, buffers))
+    cstep = ft.compile(step, **({"backend": backend} if backend else {}))
+    run = cstep.donating(background=True)  # what ft.run calls
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)) for _ in range(4)]
+    eager, compiled_after, i = [], 0, 0
+    t0 = time.monotonic()
+    while True:
+        x, y = batches[i % 4]
+        before = run.progress.eager_calls
+        state, metrics = run(state, (x[rank::world], y[rank::world]))
+        eager.append(run.progress.eager_calls != before)
+        i += 1
+        compiled_after += not eager[-1]
+        if i % 25 == 0:  # stop together: on every rank at the same step (one MAX all-reduce)
+            done = torch.tensor([int(compiled_after >= STEPS_AFTER or time.monotonic() - t0 > 600)])
+            dist.all_reduce(done, op=dist.ReduceOp.MAX)
+            if done.item():
+                break
+    whole = ft.gather_state(state) if shard != "none" else state
+    flat = torch.cat([t.reshape(-1).float() for t in T.tree_leaves((whole.params, whole.ema))])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    switch = eager.index(False) + 1 if False in eager else None
+    return {"switch": switch, "eager_after_switch": switch is not None and any(eager[switch - 1:]),
+            "phase": run.progress.phase, "identical": all(torch.equal(gathered[0], t) for t in gathered),
+            "compiles": cstep.compiles, "calls": i}
+
+
+def _check(reports):
+    (a, b) = reports
+    assert a["phase"] == b["phase"] == "compiled", reports
+    assert a["switch"] == b["switch"] and a["switch"] > 1, reports  # the same step on both ranks
+    assert not a["eager_after_switch"] and not b["eager_after_switch"], reports
+    assert a["identical"] and b["identical"], "the ranks' params and EMA differ"
+    assert a["compiles"] == b["compiles"] == 1, reports
+
+
+def test_replicated_ranks_switch_together_inductor(tmp_path):
+    # rank 0's worker compiles (cold cache), rank 1's waits on the graph's lock and loads: ready at other times
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    _check(ft.launch(_switch_worker, nprocs=2, args=("none", None), timeout=900, env=env))
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "params"])
+def test_sharded_ranks_switch_together(shard):
+    _check(ft.launch(_switch_worker, nprocs=2, args=(shard, "aot_eager"), timeout=600))

@@ -430,35 +430,41 @@ class Background:
             return self._eager(state, batch)
         entry = self.jobs.get(key)
         at = self.switch_at
+        # the trace starts once the compiler's modules are imported (a thread imports them: seconds the eager
+        # steps do not wait for), so its call differs between processes: nothing collective may depend on it
+        start = None if entry is not None or _importing() else (lambda: self._start(s, state, batch, key))
         if entry is None:
             self._prepare()
-            if at is None or self._steps(state) < at:
-                # the trace starts once the compiler's modules are imported (a thread imports them: seconds
-                # that the eager steps do not wait for)
-                start = None if _importing() else (lambda: self._start(s, state, batch, key))
-                return self._eager(state, batch, start=start)
-            self._start(s, state, batch, key)  # a run resumed past the switch: compile now, and wait
-            entry = self.jobs[key]
-        cap, job = entry
-        local = job.poll()
-        if local == READY and self.progress.phase == "compiling":
-            self.progress.phase = "ready"
+        if at is not None and self._steps(state) < at:  # before the switch step: eager, the compile goes on
+            if entry is not None:
+                self._poll(entry[1])
+            return self._eager(state, batch, start=start)
         if at is None:
-            status = self.step.agree(local)  # every rank has its compiled code? (MIN over the ranks)
-        elif self._steps(state) < at:
-            return self._eager(state, batch)
-        else:
-            if local == RUNNING:
+            # every call until the switch, on every rank: is every rank's compiled code ready? (their MIN)
+            status = self.step.agree(RUNNING if entry is None else self._poll(entry[1]))
+            if status == RUNNING or (status == READY and entry is None):  # (READY without a job: cannot be)
+                return self._eager(state, batch, start=start)
+        else:  # at or past the switch step (a resumed run): compile now if need be, wait, agree once
+            if entry is None:
+                self._start(s, state, batch, key)
+                entry = self.jobs[key]
+            if self._poll(entry[1]) == RUNNING:
                 self.direct.pauses += 1
-            status = self.step.agree(job.wait())
+            status = self.step.agree(entry[1].wait())
         if status == READY:
+            cap, job = entry
             self._install(key, cap, job)
             if self.direct.memory != "fresh":
                 state = _unaliased(state)
             return self.direct(state, batch)
-        if status == FAILED:
-            self._give_up(key, job)
+        self._give_up(key, entry[1] if entry is not None else None)  # some rank's compile failed
         return self._eager(state, batch)
+
+    def _poll(self, job: Job) -> int:
+        status = job.poll()
+        if status == READY and self.progress.phase == "compiling":
+            self.progress.phase = "ready"
+        return status
 
     def _eager(self, state: TrainState, batch: Any, start: Callable[[], None] | None = None) -> tuple:
         new, metrics = self.step.host_call(self.step.apply, state, batch)
@@ -587,16 +593,21 @@ class Background:
         p.worker_pid = None
         p.phase = "compiling" if self.jobs else "compiled"
 
-    def _give_up(self, key: Any, job: Job) -> None:
+    def _give_up(self, key: Any, job: Job | None) -> None:
         """The ranks agreed that a graph will not compile: eager for good for that signature, said once."""
-        del self.jobs[key]
+        self.jobs.pop(key, None)
         self.failed.add(key)
-        job.close()
-        reason = job.reason if job.status == FAILED else "another process's compile of this step failed"
+        if job is not None:
+            job.close()
+        if self._spare is not None and not self.jobs:
+            self._spare.close()
+            self._spare = None
+        reason = job.reason if job is not None and job.status == FAILED else \
+            "another process's compile of this step failed"
         p = self.progress
         p.reason, p.worker_pid = reason, None
         p.phase = "compiling" if self.jobs else ("compiled" if self.direct.captures else "failed")
-        if not job.said:
+        if job is None or not job.said:
             self._say(reason)
 
     def _say(self, reason: str) -> None:

@@ -2,7 +2,7 @@
 
     python bench/depth.py                          # T2 T4 T8 T16 T32 gpt2, each in a fresh process, cold cache
     python bench/depth.py --depths 2,32 --no-gpt2  # a subset
-    python bench/depth.py --regions off            # the whole step traced flat (no block regions)
+    python bench/depth.py --reuse off              # the whole step traced flat (ft.compile(reuse_blocks=False))
 
 Each configuration runs in a new process with an empty inductor cache folder (the probe memo of the
 machine is kept: ``FUNCTRAIN_CACHE_DIR`` is left as it is, so a first compile on the machine is not
@@ -53,20 +53,22 @@ else:
 if what == "gpt2":
     step = ft.train_step(loss_fn, ft.optim.adamw(1e-4))
 state = step.init(params, buffers)
+reuse = os.environ.get("FT_BENCH_REUSE", "on") == "on"
 from functrain.compiler.capture import trace
 t = time.perf_counter()
-cap = trace(step.apply, state._replace(rng=None), batch, "fresh")
+cap = trace(step.apply, state._replace(rng=None), batch, "fresh", reuse_blocks=reuse)
 trace_s = time.perf_counter() - t
-nodes = len(cap.gm.graph.nodes)
+nodes = sum(len(m.graph.nodes) for m in cap.gm.modules() if isinstance(m, torch.fx.GraphModule))
+regions = sum(1 for _ in cap.gm.named_children())
 del cap
-cstep = ft.compile(step)
+cstep = ft.compile(step, reuse_blocks=reuse)
 t = time.perf_counter()
 s, m = cstep(state, batch)
 first = time.perf_counter() - t
 times = []
 for _ in range(6):
     t = time.perf_counter(); s, m = cstep(s, batch); float(m["loss"]); times.append(time.perf_counter() - t)
-print("RESULT " + json.dumps({"trace_s": trace_s, "first_call_s": first, "nodes": nodes,
+print("RESULT " + json.dumps({"trace_s": trace_s, "first_call_s": first, "nodes": nodes, "regions": regions,
                               "step_s": statistics.median(times[1:]), "compiles": cstep.compiles}))
 """
 
@@ -95,11 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depths", default="2,4,8,16,32")
     p.add_argument("--no-gpt2", action="store_true")
     p.add_argument("--timeout", type=float, default=3600.0)
-    p.add_argument("--regions", default=None, help="FUNCTRAIN_BLOCK_REGIONS for the children (on/off)")
+    p.add_argument("--reuse", default="on", choices=["on", "off"], help="ft.compile(reuse_blocks=...) (default on)")
     p.add_argument("--out-json", default=None)
     args = p.parse_args(argv)
     todo = [d.strip() for d in args.depths.split(",") if d.strip()] + ([] if args.no_gpt2 else ["gpt2"])
-    env = {} if args.regions is None else {"FUNCTRAIN_BLOCK_REGIONS": args.regions}
+    env = {"FT_BENCH_REUSE": args.reuse}
     root = tempfile.mkdtemp(prefix="ft-depth-")
     rows = []
     for what in todo:
@@ -108,13 +110,15 @@ def main(argv: list[str] | None = None) -> int:
         r["load_before"], r["load_after"] = before, load()
         rows.append(r)
         print(json.dumps(r), flush=True)
-    print("\n| model | nodes | trace s | first call s | step ms | load |\n|---|---|---|---|---|---|")
+    print(f"\nreuse_blocks={args.reuse}\n| model | nodes (all graphs) | regions | trace s | first call s | step ms | load |\n"
+          "|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['what']} | error | | | | |")
+            print(f"| {r['what']} | error | | | | | |")
             continue
         name = "GPT-2 small" if r["what"] == "gpt2" else f"T{r['what']}"
-        print(f"| {name} | {r['nodes']} | {r['trace_s']:.1f} | {r['first_call_s']:.1f} | {1e3 * r['step_s']:.1f} | "
+        print(f"| {name} | {r['nodes']} | {r['regions']} | {r['trace_s']:.1f} | {r['first_call_s']:.1f} | "
+              f"{1e3 * r['step_s']:.1f} | "
               f"{r['load_before']:.1f}-{r['load_after']:.1f} |")
     if args.out_json:
         with open(args.out_json, "w") as f:

@@ -63,7 +63,7 @@ class CompiledStep:
         form = self._forms.get((memory, background))
         if form is None:
             form = DirectCall(self.step, self._backend, memory=memory, packages=self._packages,
-                              cuda_graphs=self.options.cuda_graphs)
+                              cuda_graphs=self.options.cuda_graphs, reuse_blocks=self.options.reuse_blocks)
             if background:
                 Background(form, self.options)  # installs itself as the form's fallback
             self._forms[(memory, background)] = form
@@ -139,7 +139,7 @@ class CompiledStep:
 
 def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture: str = "auto",
             cache_dir: str | os.PathLike | None = None, package: bool = False, background: bool | None = None,
-            switch_at: int | None = None, **torch_compile_kwargs: Any) -> CompiledStep:
+            switch_at: int | None = None, reuse_blocks: bool = True, **torch_compile_kwargs: Any) -> CompiledStep:
     """Compile the whole step with ``torch.compile`` (``fullgraph=True`` by default).
 
     The result is called like the step and gives the same results (to float
@@ -191,6 +191,12 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture
     (what a benchmark or a timed loop expects), while :func:`functrain.run` and
     :class:`functrain.Trainer` compile in the background.
 
+    **Repeated blocks** (``reuse_blocks=True``, :mod:`functrain.core.regions`): the layers of a
+    module made pure by :func:`functrain.functionalize` that compute the same (a transformer's
+    blocks) are traced once and compiled once, as one region the graph calls at every depth
+    (``torch.compiler.nested_compile_region``'s mechanism): the compile time of a deep model is
+    close to a shallow one's; the numbers are the flat graph's.
+
     Args:
         step: the :class:`~functrain.Step` to compile.
         donate: write the new state into the input state's buffers (the input is invalid after).
@@ -200,6 +206,7 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture
         package: compile ahead of time into packages in ``cache_dir``.
         background: compile off the training thread, eager calls meanwhile (``None``: the caller decides).
         switch_at: with background compilation, switch at this step count (waiting for the compile there).
+        reuse_blocks: trace each repeated block (a transformer's layers) once, reuse it at every depth.
         **torch_compile_kwargs: ``backend``, ``mode``, ``options``, ``dynamic`` and any other
             ``torch.compile`` argument.
 
@@ -218,5 +225,6 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture
     named = {k: torch_compile_kwargs.pop(k) for k in ("backend", "mode", "options", "dynamic")
              if k in torch_compile_kwargs}
     options = Options(donate=donate, fullgraph=fullgraph, capture=capture, cache_dir=cache_dir, package=package,
-                      background=background, switch_at=switch_at, extra=torch_compile_kwargs, **named)
+                      background=background, switch_at=switch_at, reuse_blocks=reuse_blocks,
+                      extra=torch_compile_kwargs, **named)
     return CompiledStep(step, options)

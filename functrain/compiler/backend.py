@@ -12,11 +12,12 @@ inductor's own CUDA graphs, extra ``torch.compile`` arguments).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import types
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import optree
 import torch
@@ -144,8 +145,24 @@ def compile_graph(backend: Callable, gm: torch.fx.GraphModule, metas: tuple) -> 
         return backend(gm, fake_inputs(metas))
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = fake_inputs(metas, fake_mode)  # static shapes, as captured: the signature check guarantees them
-    with tracing(TracingContext(fake_mode)):
+    with tracing(TracingContext(fake_mode)), _no_reuse_across_regions(gm):
         return backend(gm, fakes)
+
+
+@contextlib.contextmanager
+def _no_reuse_across_regions(gm: torch.fx.GraphModule) -> Iterator[None]:
+    """A graph with reused block regions (``invoke_subgraph``: :mod:`functrain.core.regions`) compiles without
+    inductor's buffer reuse: torch 2.13's region code reuses the buffers of the graph's own inputs (the
+    blocks' parameters) as scratch, writing into the caller's state (found by tests/compiler/test_regions.py).
+    Buffer reuse only saves allocations: the numbers are the same."""
+    if not any(n.op == "call_function" and getattr(n.target, "__name__", "") == "invoke_subgraph"
+               for n in gm.graph.nodes):
+        yield
+        return
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(allow_buffer_reuse=False):
+        yield
 
 
 # -- the Dynamo path ------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 import optree
 import torch
 
+from ..core import regions
 from .memory import Memory, Written
 
 __all__ = ["Captured", "Signature", "CaptureError", "trace", "draws_random", "flatten", "tensor_metas"]
@@ -112,17 +113,21 @@ _RNG_NAMES = ("rng", "seed", "philox")
 
 
 def draws_random(gm: torch.fx.GraphModule) -> bool:
-    """Whether a traced graph draws random numbers (or touches generator state)."""
+    """Whether a traced graph draws random numbers (or touches generator state), its subgraphs included
+    (a reused block region draws inside its own graph)."""
     tag = torch.Tag.nondeterministic_seeded
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
             continue
-        target = node.target
-        if tag in getattr(target, "tags", ()):
-            return True
-        name = str(getattr(target, "__name__", target)).lower()
-        if any(s in name for s in _RNG_NAMES):
-            return True
+        for node in module.graph.nodes:
+            if node.op != "call_function":
+                continue
+            target = node.target
+            if tag in getattr(target, "tags", ()):
+                return True
+            name = str(getattr(target, "__name__", target)).lower()
+            if any(s in name for s in _RNG_NAMES):
+                return True
     return False
 
 
@@ -178,12 +183,23 @@ class Captured:
         return [next(it) if p is None else written[p.j] if isinstance(p, Written) else p[1] for p in self.out_plan]
 
 
-def trace(apply: Callable, state: Any, batch: Any, memory_kind: str) -> Captured:
+def trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse_blocks: bool = False) -> Captured:
     """Trace ``apply(state, batch) -> (new_state, metrics)`` over flat leaves (not compiled yet: ``fn`` is ``None``).
 
     ``state`` must have ``rng=None`` (the caller handles the RNG on the host); ``memory_kind`` is one
-    of :data:`functrain.compiler.memory.KINDS`.
+    of :data:`functrain.compiler.memory.KINDS`. ``reuse_blocks``: the repeated blocks of functionalized
+    modules become one region each (:mod:`functrain.core.regions`); a step whose blocks cannot be traced
+    that way is traced flat.
     """
+    if reuse_blocks and regions.wanted():
+        try:
+            return _trace(apply, state, batch, memory_kind, True)
+        except CaptureError:
+            pass  # (a block that is not a region: flat; a step that is not one graph fails again below)
+    return _trace(apply, state, batch, memory_kind, False)
+
+
+def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: bool) -> Captured:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     leaves, spec = optree.tree_flatten((state, batch))
@@ -209,7 +225,7 @@ def trace(apply: Callable, state: Any, batch: Any, memory_kind: str) -> Captured
 
     example = [leaves[i].detach() for i in sig.tensor_pos] + memory.example_buffers()
     try:
-        with _compiling():
+        with _compiling(), _regions(reuse):
             gm = make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
     except Exception as e:  # noqa: BLE001 - the caller re-runs eagerly to tell a user error from a graph break
         raise CaptureError(f"{type(e).__name__}: {e}") from e
@@ -222,6 +238,19 @@ def trace(apply: Callable, state: Any, batch: Any, memory_kind: str) -> Captured
                     out_spec=record["spec"], out_plan=plan, random=draws_random(gm), n_state=n_state,
                     state_spec=state_spec, trivial_out=all(p is None for p in plan), stable=None,
                     step_index=step_index)
+
+
+@contextlib.contextmanager
+def _regions(reuse: bool) -> Iterator[None]:
+    """Repeated blocks as reused regions while tracing (a tracing context holds the regions' trace cache)."""
+    if not reuse:
+        yield
+        return
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with tracing(TracingContext(FakeTensorMode())), regions.reuse_blocks():
+        yield
 
 
 @contextlib.contextmanager

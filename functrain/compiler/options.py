@@ -49,6 +49,8 @@ class Options:
             (the default): the caller decides (``ft.run`` and ``ft.Trainer``: background; a direct call: waits).
         switch_at: switch to the compiled code at the call whose input state has taken this many steps (waiting
             there if the compile is late): the reproducible form of ``background``, which it implies.
+        reuse_blocks: trace each repeated block of a functionalized module once and reuse it
+            (:mod:`functrain.core.regions`); ``False``: trace the step flat.
     """
 
     donate: bool = False
@@ -63,6 +65,7 @@ class Options:
     extra: Any = dataclasses.field(default_factory=dict)
     background: bool | None = None
     switch_at: int | None = None
+    reuse_blocks: bool = True
 
     def __post_init__(self) -> None:
         if self.capture == "flat":  # the old name of "direct" ("flat" is the flat *state*, ft.flat)
@@ -70,6 +73,7 @@ class Options:
             object.__setattr__(self, "capture", "direct")
         check_choice("capture", self.capture, CAPTURES)
         check_choice("background", self.background, (None, True, False))
+        check_choice("reuse_blocks", self.reuse_blocks, (True, False))
         object.__setattr__(self, "donate", bool(self.donate))
         if self.switch_at is not None:
             check_int("ft.compile: switch_at", self.switch_at, minimum=0,

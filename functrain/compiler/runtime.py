@@ -55,7 +55,7 @@ class DirectCall:
     ``memory`` is the memory kind of every capture (``"fresh"``, ``"donate"``, ``"owned"``:
     :mod:`functrain.compiler.memory`); ``packages`` an optional
     :class:`~functrain.compiler.package.Packages`; ``cuda_graphs`` replays each graph as a CUDA graph
-    where it can.
+    where it can; ``reuse_blocks`` traces repeated blocks once each (:mod:`functrain.core.regions`).
 
     Attributes:
         captures: ``{signature key: Captured}``.
@@ -68,12 +68,13 @@ class DirectCall:
     """
 
     def __init__(self, step: Step, backend: CountingBackend, *, memory: str, packages: Any = None,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, reuse_blocks: bool = True):
         self.step = step
         self.backend = backend
         self.memory = memory
         self.packages = packages
         self.cuda_graphs = cuda_graphs
+        self.reuse_blocks = reuse_blocks and packages is None  # (a package's key covers the graph's code only)
         self.captures: dict = {}
         self.last: Captured | None = None
         self.trusted: list | None = None  # the tensors of the state the last call returned
@@ -132,7 +133,7 @@ class DirectCall:
         """Trace the graph for ``(s, batch)`` (not compiled: ``fn`` is ``None``); a step that is not one graph
         raises :class:`~functrain.compiler.errors.GraphBreakError` (a user error raises itself)."""
         try:
-            return trace(self.step.apply, s, batch, self.memory)
+            return trace(self.step.apply, s, batch, self.memory, reuse_blocks=self.reuse_blocks)
         except CaptureError as e:
             raise explain(self.step, e.__cause__ or e, state, batch, tracer="make_fx") from e
 

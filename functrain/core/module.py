@@ -6,6 +6,9 @@ from typing import Any, Callable
 import torch
 from torch.func import functional_call
 
+from . import regions
+from .regions import Blocks
+
 __all__ = ["functionalize", "to_module"]
 
 
@@ -18,7 +21,10 @@ def functionalize(module: torch.nn.Module) -> tuple[Callable[..., Any], dict, di
     trainable parameters and ``buffers`` of the buffers. The tensors are detached
     and share storage with the module (no copy); functrain's steps never write
     into them unless you opt into donation (``ft.compile(step, donate=True)``).
-    Tied parameters appear once, as ``named_parameters()`` lists them.
+    Tied parameters appear once, as ``named_parameters()`` lists them. While
+    :func:`functrain.compile` traces a step, the module's repeated blocks (a
+    transformer's layers) are traced once each and reused
+    (:mod:`functrain.core.regions`): compile time that does not grow with depth.
 
     Example::
 
@@ -38,8 +44,13 @@ def functionalize(module: torch.nn.Module) -> tuple[Callable[..., Any], dict, di
     tied = (len(list(module.named_parameters(remove_duplicate=False))) != len(list(module.named_parameters()))
             or len(list(module.named_buffers(remove_duplicate=False))) != len(list(module.named_buffers())))
 
+    blocks = Blocks(module)  # repeated blocks: traced once each by ft.compile (functrain.core.regions)
+
     def apply_fn(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> Any:
         tensors = {**(buffers or {}), **params}
+        if blocks and regions.active():
+            with blocks.patched():
+                return functional_call(module, tensors, args, kwargs, tie_weights=tied, strict=False)
         return functional_call(module, tensors, args, kwargs, tie_weights=tied, strict=False)
 
     apply_fn.module = module  # type: ignore[attr-defined]

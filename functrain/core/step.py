@@ -31,6 +31,7 @@ from typing import Any, Callable, ClassVar, Iterable, NamedTuple
 import torch
 from torch.func import grad_and_value
 
+from . import regions
 from . import tree as T
 from .eager import FlatDict
 from .grad import autograd_grad, base_loss, tensor_aux
@@ -222,7 +223,9 @@ def _grad_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
     loss_fn = ctx._loss_fn
 
     def base_grad(params, buffers, batch):
-        if torch.compiler.is_compiling():  # traced: torch.func composes with Dynamo
+        # traced: torch.func composes with Dynamo; but a trace that reuses repeated blocks (invoke_subgraph, which
+        # has no torch.func rule) differentiates with torch.autograd.grad, which make_fx traces as well
+        if torch.compiler.is_compiling() and not regions.active():
             leaves, as_params, as_grads = split_leaves(params)  # a flat state: the per-leaf views
             fn = tensor_aux(loss_fn)
             grads, (_, out) = grad_and_value(lambda ls, b, x: fn(as_params(ls), b, x), has_aux=True)(

@@ -16,7 +16,9 @@ kept) and no hooks. Whether two calls share a graph is decided by what they comp
 their attributes (a ``layer_idx`` that only a cache reads must not split them, one that scales
 the attention must): each call's forward is traced on its own first (a forward-only trace, a
 fraction of the step's), and calls share the region when that graph's code and every input's
-shape, stride, dtype, device and value are the same. A call whose arguments are not plain
+shape, stride, dtype, device and value are the same. That probe is made once per distinct set of the
+block's attributes (private ones too, plain values by value, other objects by identity; blocks equal in
+them compute the same), so blocks alike in everything are probed once, not once each. A call whose arguments are not plain
 values runs inline. The grad stage differentiates with ``torch.autograd.grad`` while blocks are
 reused (``invoke_subgraph`` has no ``torch.func`` rule). A step whose blocks cannot be traced
 this way (an output that aliases an input, a tensor the block reads from outside its parameters
@@ -86,6 +88,35 @@ def _signature(module: torch.nn.Module) -> Any:
     return (type(module).__module__, type(module).__qualname__, tensors)
 
 
+_MODULE_FIELDS = frozenset(vars(torch.nn.Module()))  # nn.Module's own bookkeeping (hooks: see _signature)
+
+
+def _attributes(module: torch.nn.Module) -> tuple:
+    """Every attribute of ``module`` and its submodules that is not ``nn.Module``'s own bookkeeping, private
+    ones too (plain values by value, objects by identity): blocks equal in these compute the same, so one
+    trace of one of them decides for all (no forward trace per block)."""
+    out = []
+    for path, m in module.named_modules():
+        for name, value in sorted(vars(m).items()):
+            if (name in _MODULE_FIELDS or isinstance(value, (torch.nn.Module, torch.Tensor))
+                    or getattr(value, "_functrain_region_call", False)):  # our own patched forward
+                continue
+            if isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value)):
+                out.append((path, name, value))
+            else:
+                out.append((path, name, "id", id(value)))
+        out.append((path, type(m).__qualname__, m.training))
+    return tuple(out)
+
+
+def _probe(region: Callable, operands: list) -> str:
+    """The code of ``region``'s forward alone, traced inside the step's trace (what a block's call computes)."""
+    from torch._higher_order_ops.utils import reenter_make_fx
+
+    with torch.no_grad():
+        return reenter_make_fx(region)(*operands).code
+
+
 def repeated_blocks(module: torch.nn.Module) -> list[list[torch.nn.Module]]:
     """Groups (2 or more) of identical blocks among the children of each ``ModuleList`` / ``Sequential`` in
     ``module``, outermost first (a group's own descendants are not searched)."""
@@ -125,6 +156,8 @@ class Blocks:
             key = hashlib.sha256(repr(_signature(group[0])).encode()).hexdigest()[:16]
             for block in group:
                 self._keys[id(block)] = (key, block)
+        self._idents: dict = {}  # (block attributes, call) -> region identifier, known without a probe trace
+        self._outs: dict = {}  # region identifier -> [output treespec, its non-tensor leaves]
         if self.groups:
             _WITH_BLOCKS.add(self)
 
@@ -153,17 +186,18 @@ class Blocks:
                 return original(*args, **kwargs)
             return self.call(key, block, original, args, kwargs)
 
+        forward._functrain_region_call = True  # type: ignore[attr-defined]
         return forward
 
     def call(self, key: str, block: torch.nn.Module, original: Callable, args: tuple, kwargs: dict) -> Any:
         """``block(*args, **kwargs)`` as ``invoke_subgraph(region, identifier, *tensors)``."""
         from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
-        from torch._higher_order_ops.utils import reenter_make_fx
         from torch.func import functional_call
 
         leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
         if not all(torch.is_tensor(x) or isinstance(x, _PLAIN) for x in leaves):
             return original(*args, **kwargs)  # an argument we cannot key on: inline
+        structure: list = []  # (output treespec, its non-tensor leaves), as the region's trace found them
         names = [n for n, _ in block.named_parameters(remove_duplicate=False)] + \
                 [n for n, _ in block.named_buffers(remove_duplicate=False)]
         own = [t for _, t in block.named_parameters(remove_duplicate=False)] + \
@@ -172,7 +206,6 @@ class Blocks:
         consts = [(i, x) for i, x in enumerate(leaves) if not torch.is_tensor(x)]
         operands = [*own, *(leaves[i] for i in positions)]
         n_own = len(own)
-        structure: list = []  # (output treespec, its non-tensor leaves), as the region's trace found them
 
         def region(*xs: torch.Tensor) -> tuple:
             full = list(leaves)
@@ -185,14 +218,19 @@ class Blocks:
             structure[:] = [out_spec, [(j, x) for j, x in enumerate(out_leaves) if not torch.is_tensor(x)]]
             return tuple(x for x in out_leaves if torch.is_tensor(x))
 
-        # what this call computes: its forward alone, traced (blocks that compute the same share a region)
-        with torch.no_grad():
-            probe = reenter_make_fx(region)(*operands)
         metas = [(tuple(t.shape), t.stride(), str(t.dtype), str(t.device), t.requires_grad) for t in operands]
-        ident = "functrain_block_" + hashlib.sha256(
-            repr((key, probe.code, str(spec), consts, metas)).encode()).hexdigest()[:24]
+        call = (key, str(spec), repr(consts), repr(metas))
+        known = (_attributes(block), call)
+        ident = self._idents.get(known)
+        if ident is None:
+            # what this call computes: its forward alone, traced (blocks that compute the same share a region,
+            # whatever attributes their computation does not read); once per distinct set of attributes
+            ident = "functrain_block_" + hashlib.sha256(repr((call, _probe(region, operands))).encode()).hexdigest()[:24]
+            self._idents[known] = ident
         tensors = invoke_subgraph(region, ident, *operands)
-        out_spec, others = structure
+        if structure:  # the region was traced in this call (probe or first use): keep what it returns
+            self._outs[ident] = structure
+        out_spec, others = self._outs[ident]
         fixed = dict(others)
         it = iter(tensors)
         out_leaves = [fixed[j] if j in fixed else next(it) for j in range(out_spec.num_leaves)]

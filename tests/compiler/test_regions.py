@@ -127,3 +127,43 @@ def test_a_step_whose_blocks_cannot_be_regions_is_traced_flat():
     c, _ = ft.compile(step, backend="aot_eager")(state, _batch())
     e, _ = step(state, _batch())
     assert T.tree_allclose(c, e, rtol=1e-6, atol=1e-7)
+
+
+def _probes(net, monkeypatch):
+    """How many forward-only probe traces one trace of ``net``'s step makes, and its regions."""
+    from functrain.core import regions
+    real, count = regions._probe, [0]
+
+    def counting(region, operands):
+        count[0] += 1
+        return real(region, operands)
+
+    monkeypatch.setattr(regions, "_probe", counting)
+    found = _regions(net)
+    monkeypatch.setattr(regions, "_probe", real)
+    return count[0], found
+
+
+def test_blocks_equal_in_their_attributes_are_probed_once_and_private_ones_count(monkeypatch):
+    torch.manual_seed(0)
+    alike = Net(6)
+    for b in alike.blocks:
+        b.layer_idx = 0  # every attribute equal: one probe decides for all six blocks
+    probes, alike_regions = _probes(alike, monkeypatch)
+    assert probes == 1, probes
+    indexed, _ = _probes(Net(6), monkeypatch)  # layer_idx differs: each block is probed (then they share)
+    assert indexed == 6, indexed
+    # a private attribute the computation reads must split the blocks as a public one does
+    private = Net(4)
+    for i, b in enumerate(private.blocks):
+        b.layer_idx = 0
+        del b.scale
+        b._scale = 1.0 if i % 2 == 0 else 0.5
+        b.forward = None
+        del b.forward
+    type_ = type("PrivateBlock", (Block,), {"forward": lambda self, x: x + self._scale * self.out(
+        F.gelu(self.fc(self.ln(x))))})
+    for b in private.blocks:
+        b.__class__ = type_
+    _, private_regions = _probes(private, monkeypatch)
+    assert len(private_regions[0]) > len(alike_regions[0]), (alike_regions, private_regions)

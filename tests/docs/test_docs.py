@@ -6,7 +6,8 @@
   (docs/index.md states the convention).
 * Every relative link (``[text](path#anchor)``) names a file that exists and, with an anchor, a heading of it.
 * docs/index.md lists every page in docs/.
-* The README is at most ~10 KB, and its test command is exactly the one ``.ci/run`` runs.
+* The README is at most ~10 KB, and its test command is exactly the one ``.ci/run`` runs, which collects the
+  docstring examples of functrain/ as doctests (pyproject.toml).
 """
 from __future__ import annotations
 
@@ -120,3 +121,11 @@ def test_readme_test_command_is_ci():
                  if info in ("sh", "bash", "console")]
     assert any(line.strip() == ci for code in readme_sh for line in code.splitlines()), \
         f"README.md's shell blocks do not contain CI's test command {ci!r}"
+
+
+def test_the_test_command_runs_the_doctests():
+    import tomllib
+
+    options = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["pytest"]["ini_options"]
+    assert "functrain" in options["testpaths"] and "tests" in options["testpaths"], options["testpaths"]
+    assert "--doctest-modules" in options.get("addopts", "").split(), options.get("addopts")

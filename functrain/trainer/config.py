@@ -55,11 +55,10 @@ class TrainConfig:
         >>> cfg = TrainConfig(train_batch_size=32, train_num_steps=1000, num_samples=16)
         >>> cfg.replace(train_lr=3e-4).train_lr
         0.0003
-        >>> try:
-        ...     TrainConfig(num_samples=10)
-        ... except ValueError as error:  # also a TypeError: catch either
-        ...     print(error)
-        TrainConfig.num_samples must be a perfect square (samples are tiled into a square grid); got 10
+        >>> TrainConfig(num_samples=10)
+        Traceback (most recent call last):
+        ...
+        functrain.core.validate.BadValue: TrainConfig.num_samples must be a perfect square (samples are tiled into a square grid); got 10
     """
 
     train_batch_size: int = 16

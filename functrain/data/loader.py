@@ -14,7 +14,7 @@
 * has a position (``state_dict()`` / ``load_state_dict()``) that a checkpoint
   records, and resumes from it without loading the skipped samples.
 
-``ft.gather_for_eval`` (:mod:`.evaluation`) collects per-batch evaluation results
+``ft.gather_for_eval`` (:mod:`.gather`) collects per-batch evaluation results
 from all ranks and removes the padding, reading :attr:`ShardedLoader.last_batch_info`.
 
 The loader owns the position; where the batches come from is one of three

@@ -58,7 +58,7 @@ class TrainConfig:
         >>> TrainConfig(num_samples=10)
         Traceback (most recent call last):
         ...
-        ValueError: TrainConfig.num_samples must be a perfect square (samples are tiled into a square grid); got 10
+        functrain.core.validate.BadValue: TrainConfig.num_samples must be a perfect square (samples are tiled into a square grid); got 10
     """
 
     train_batch_size: int = 16

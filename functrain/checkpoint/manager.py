@@ -80,7 +80,8 @@ class CheckpointManager:
         """``({step: path} of the complete checkpoints, {step: (path, why)} of the damaged ones)``.
 
         Complete: a valid mark and every listed file at its size. A ``step_*`` folder that is not complete
-        is damaged (a save never leaves one: it renames a finished folder into place).
+        is damaged (a save never leaves one: it renames a finished folder into place); so is a symbolic link
+        named like a checkpoint (planted: a save never makes one).
         """
         try:
             entries = os.listdir(self.folder)
@@ -95,6 +96,11 @@ class CheckpointManager:
                 continue
             p = os.path.join(self.folder, entry)
             step = int((m or a).group(1))
+            if os.path.islink(p):  # never a checkpoint of this folder's own: not loaded, never rotated
+                if m:
+                    damaged[step] = (p, f"a symbolic link (to {os.readlink(p)!r}), not a checkpoint folder this "
+                                        f"folder owns: not loaded, not removed")
+                continue
             try:
                 if per_rank.is_sharded_checkpoint(p):
                     per_rank.check_complete(p)

@@ -149,8 +149,8 @@ def test_valid_edge_values_are_kept():
 
 # -- hostile or mistaken config files -------------------------------------------------------------
 # nested aliases: 339 bytes whose value, walked as a tree, has 9**9 leaves (a 254 MB error message before)
-_BOMB = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
-    f'{n}: &{n} [{",".join(["*" + p] * 9)}]\n' for p, n in zip("abcdefgh", "bcdefghi")) + "train_batch_size: *i\n"
+_BOMB = 'train_batch_size:\n- &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
+    f'- &{n} [{",".join(["*" + p] * 9)}]\n' for p, n in zip("abcdefgh", "bcdefghi"))
 
 
 def test_a_yaml_of_nested_aliases_is_refused_quickly_with_a_short_message(tmp_path):

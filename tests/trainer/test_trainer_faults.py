@@ -248,3 +248,7 @@ def test_two_sharded_runs_on_one_folder_blame_rank_0_whose_lock_failed(tmp_path)
     summary = [ln for ln in second.stderr.splitlines() if "failed first:" in ln]
     assert summary and re.search(r"rank 0 \(local rank 0, pid \d+\) failed first: FolderLocked: .* is in use by "
                                  r"process \d+", summary[-1]), (took, second.stderr[-3000:])
+    # rank 1 only echoed rank 0's failure: a secondary one (stopped by the launcher, or PeerFailed), never an
+    # error of its own that could be blamed
+    others = [ln for ln in second.stderr.splitlines() if ln.strip().startswith("other ranks stopped: 1 (")]
+    assert others and ("SIGTERM" in others[-1] or "PeerFailed" in others[-1]), second.stderr[-3000:]

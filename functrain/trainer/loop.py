@@ -111,7 +111,15 @@ class Trainer:
       ``save_timeout`` seconds (not the collective timeout).
     * **Resume** skips damaged checkpoints with a warning naming each and why,
       and refuses a checkpoint whose state structure differs from this run's
-      (naming the paths and the config changes) before reading any tensor.
+      (naming the paths and the config changes) before reading any tensor. On
+      several processes the ranks agree on one checkpoint (each checks its own
+      shard): all resume from the newest that is whole on every rank, or all
+      refuse with the same error.
+    * **The results folder** is written only through names it owns: a symbolic
+      link where the trainer writes a file (``.lock``, ``metrics.jsonl``,
+      ``config.json``, plots, sample grids, weights) is refused with
+      :class:`~functrain.checkpoint.LinkRefused`; temporary files get random
+      names and are created exclusively.
 
     Example::
 

@@ -44,6 +44,7 @@ import optree
 import torch
 
 from ..core.validate import path_str
+from ..distributed.faults import PeerFailed
 from ..core.layout import SLOT, FlatLayout, ShardState
 from ..core.flat import reflat, unflat
 from . import folder
@@ -199,7 +200,7 @@ def save(path: str | os.PathLike, state: Any, extra: Any = None, *, checksum: st
     if token < 0:
         if error is not None:
             raise error
-        raise RuntimeError(f"save {path}: rank 0 could not prepare the checkpoint folder (see its error)")
+        raise PeerFailed(f"save {path}: rank 0 could not prepare the checkpoint folder (see its error)")
     tmp = os.path.join(parent, f".{name}.stmp-{token:012x}")
     try:  # each rank its own shard, in parallel
         folder.write_checkpoint(os.path.join(tmp, rank_dir(rank)), state, extra, checksum=checksum, fsync=fsync,
@@ -211,8 +212,8 @@ def save(path: str | os.PathLike, state: Any, extra: Any = None, *, checksum: st
             shutil.rmtree(tmp, ignore_errors=True)
         if error is not None:
             raise error
-        raise RuntimeError(f"save {path}: another rank failed to write its shard (see its error); nothing was "
-                           f"saved and the previous checkpoint at {path}, if any, is intact")
+        raise PeerFailed(f"save {path}: another rank failed to write its shard (see its error); nothing was "
+                         f"saved and the previous checkpoint at {path}, if any, is intact")
     if rank == 0:
         old = None
         try:
@@ -237,7 +238,7 @@ def save(path: str | os.PathLike, state: Any, extra: Any = None, *, checksum: st
     if not all_ranks_agree(error is None, world):
         if error is not None:
             raise error
-        raise RuntimeError(f"save {path}: rank 0 failed to complete the checkpoint (see its error)")
+        raise PeerFailed(f"save {path}: rank 0 failed to complete the checkpoint (see its error)")
     return path
 
 

@@ -12,8 +12,9 @@ rank that failed first with one classifier and end their ranks when they die
 from .data_parallel import DataParallel, data_parallel
 from .sharding import ShardedDataParallel, gather_state
 from .group import ProcessInfo, default_timeout, device, init, is_initialized, process_info, rank, world_size
+from .faults import PeerFailed
 from .spawn import LaunchError, free_port, launch
 
 __all__ = ["ProcessInfo", "process_info", "init", "is_initialized", "rank", "world_size", "device",
            "default_timeout", "data_parallel", "DataParallel", "ShardedDataParallel", "gather_state",
-           "launch", "free_port", "LaunchError"]
+           "launch", "free_port", "LaunchError", "PeerFailed"]

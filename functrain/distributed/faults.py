@@ -28,7 +28,8 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable
 
-__all__ = ["LOST_PEER", "PEER_TIMEOUT", "cause_of", "RankEnd", "root_cause", "describe_end", "die_with_parent"]
+__all__ = ["LOST_PEER", "PEER_TIMEOUT", "PeerFailed", "cause_of", "RankEnd", "root_cause", "describe_end",
+           "die_with_parent"]
 
 # What a rank raises when a peer died first (its connection to that peer is gone).
 LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
@@ -38,6 +39,22 @@ PEER_TIMEOUT = ("Timed out waiting", "Watchdog caught collective operation timeo
                 "Socket Timeout")
 
 OWN, LOST, TIMEOUT = "own", "lost_peer", "peer_timeout"
+
+
+class PeerFailed(RuntimeError):
+    """This rank stops because another rank failed first, which reports its own error: a secondary failure.
+
+    Raised where the ranks agree on an outcome (the results folder's lock, which checkpoint to resume) and
+    another rank's part failed; :func:`cause_of` counts it as a lost peer, so the launchers blame the rank
+    whose own error this is, never this one.
+
+    Example::
+
+        >>> cause_of(PeerFailed("rank 0 could not lock the results folder (see its error)"))
+        'lost_peer'
+    """
+
+    __module__ = "functrain.distributed"  # its public home, in reprs and tracebacks
 
 
 def cause_of(error: BaseException | str | None) -> str:
@@ -70,7 +87,22 @@ def cause_of(error: BaseException | str | None) -> str:
         return LOST
     if any(m in text for m in PEER_TIMEOUT):
         return TIMEOUT
+    if isinstance(error, BaseException) and _chain_has(error, PeerFailed):
+        return LOST
+    if isinstance(error, str) and "PeerFailed:" in error:  # a traceback's text
+        return LOST
     return OWN
+
+
+def _chain_has(error: BaseException, kind: type) -> bool:
+    seen = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        if isinstance(e, kind):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..core.validate import BadValue, check_choice, check_int, check_real, describe, is_real
+from ..checkpoint.bounded import load_yaml, loads_json
+from ..checkpoint.safe_io import replace_file
+from ..core.validate import BadValue, bounded_repr, check_choice, check_int, check_real, describe, is_real
 from .trackers import TRACKERS, check_trackers
 
 __all__ = ["TrainConfig"]
@@ -17,6 +19,11 @@ _PRECISIONS = ("no", "bf16", "fp16")
 _SCHEDULES = ("constant", "warmup_cosine", "warmup_linear")
 _SHARDS = ("none", "optimizer", "params")
 _SEED_MAX = 2**63 - 1  # the generator seeds of step.init and ft.shard
+# save_timeout: a week. Far past any real save, and safe for the timers it feeds: datetime.timedelta overflows
+# near 1e14 s and gloo's nanosecond clocks near 9.2e9 s (a 1e300 s timeout used to pass here, then fail at
+# train() with an OverflowError on several processes)
+_SAVE_TIMEOUT_MAX = 7 * 24 * 3600.0
+_CONFIG_MAX_BYTES = 1 << 20  # a config file is a few hundred bytes
 
 
 @dataclass(frozen=True)
@@ -97,9 +104,13 @@ class TrainConfig:
                   "save_and_sample_every", "num_samples", "log_every", "keep_checkpoints",
                   "max_consecutive_nonfinite"):
             object.__setattr__(self, n, check_int(name(n), getattr(self, n), minimum=1, what="a positive int"))
-        for n in ("train_lr", "max_grad_norm", "save_timeout"):
+        for n in ("train_lr", "max_grad_norm"):
             object.__setattr__(self, n, check_real(name(n), getattr(self, n), lo=0.0, lo_open=True,
                                                   what="a positive number (finite)"))
+        object.__setattr__(self, "save_timeout", check_real(
+            name("save_timeout"), self.save_timeout, lo=0.0, hi=_SAVE_TIMEOUT_MAX, lo_open=True,
+            what=f"a positive number of seconds, at most {_SAVE_TIMEOUT_MAX:g} (a week: the other processes' wait "
+                 f"for a save stays a bounded wait, within what the collectives' timers can hold)"))
         object.__setattr__(self, "weight_decay", check_real(name("weight_decay"), self.weight_decay, lo=0.0,
                                                             what="a finite number >= 0"))
         root = math.isqrt(self.num_samples)
@@ -152,7 +163,7 @@ class TrainConfig:
         objects = [t for t in trackers if not isinstance(t, str)]
         if objects:
             raise BadValue(f"TrainConfig.trackers holds tracker names only (the config is saved as JSON); pass "
-                           f"tracker objects as Trainer(trackers=[...]); got {describe(objects[0])[:120]}")
+                           f"tracker objects as Trainer(trackers=[...]); got {describe(objects[0], 120)}")
         try:
             check_trackers(trackers)
         except ValueError as e:
@@ -172,9 +183,9 @@ class TrainConfig:
         if not isinstance(data, dict):
             raise ValueError(f"TrainConfig.from_dict expects a mapping; got {type(data).__name__}")
         names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
+        unknown = sorted((k for k in data if k not in names), key=str)
         if unknown:
-            raise ValueError(f"TrainConfig: unknown fields {unknown}; known: {sorted(names)}")
+            raise ValueError(f"TrainConfig: unknown fields {bounded_repr(unknown)}; known: {sorted(names)}")
         values = dict(data)
         for key in ("adam_betas", "trackers"):
             if isinstance(values.get(key), list):
@@ -186,7 +197,11 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write as YAML (``.yaml``/``.yml``, needs PyYAML) or JSON (anything else), atomically."""
+        """Write as YAML (``.yaml``/``.yml``, needs PyYAML) or JSON (anything else), atomically.
+
+        Written through a new temporary file renamed over ``path``; a symbolic link at ``path`` is refused
+        (:class:`functrain.checkpoint.LinkRefused`, an ``OSError``), nothing is written through it.
+        """
         path = os.fspath(path)
         if path.endswith((".yaml", ".yml")):
             import yaml
@@ -194,25 +209,30 @@ class TrainConfig:
             text = yaml.safe_dump(self.to_dict(), sort_keys=False)
         else:
             text = json.dumps(self.to_dict(), indent=2) + "\n"
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace_file(path, text.encode("utf-8"), fsync=True, what="the run's config")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "TrainConfig":
-        """Read a YAML or JSON file written by :meth:`save` (or by hand)."""
-        path = os.fspath(path)
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        if path.endswith((".yaml", ".yml")):
-            import yaml
+        """Read a YAML or JSON file written by :meth:`save` (or by hand).
 
-            data = yaml.safe_load(text)
+        Plain data only, bounded: at most 1 MiB; YAML through a safe loader that refuses every tag but
+        plain data (``!!python/...`` included) and documents whose aliases expand past 10,000 values, JSON
+        under :func:`functrain.checkpoint.bounded.loads_json`'s memory bound. A refusal is a ``ValueError``
+        naming the file, the line and why.
+        """
+        path = os.fspath(path)
+        with open(path, "rb") as f:
+            raw = f.read(_CONFIG_MAX_BYTES + 1)
+        if len(raw) > _CONFIG_MAX_BYTES:
+            raise BadValue(f"{path}: more than {_CONFIG_MAX_BYTES} bytes: not a TrainConfig file")
+        if path.endswith((".yaml", ".yml")):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise BadValue(f"{path}: not UTF-8 text ({e})") from None
+            data = load_yaml(text, path, error=BadValue)
         else:
-            data = json.loads(text)
+            data = loads_json(raw, path, error=BadValue)
         return cls.from_dict(data)
 
     def diff(self, other: "TrainConfig") -> dict:

@@ -23,7 +23,7 @@ from ..checkpoint.per_rank import is_sharded
 from ..compiler.api import CompiledStep
 from ..compiler.api import compile as compile_step
 from ..data import shard
-from ..distributed import gather_state
+from ..distributed import PeerFailed, gather_state
 from ..driver import run
 from ..core.module import functionalize
 from ..core.state import TrainState
@@ -111,7 +111,15 @@ class Trainer:
       ``save_timeout`` seconds (not the collective timeout).
     * **Resume** skips damaged checkpoints with a warning naming each and why,
       and refuses a checkpoint whose state structure differs from this run's
-      (naming the paths and the config changes) before reading any tensor.
+      (naming the paths and the config changes) before reading any tensor. On
+      several processes the ranks agree on one checkpoint (each checks its own
+      shard): all resume from the newest that is whole on every rank, or all
+      refuse with the same error.
+    * **The results folder** is written only through names it owns: a symbolic
+      link where the trainer writes a file (``.lock``, ``metrics.jsonl``,
+      ``config.json``, plots, sample grids, weights) is refused with
+      :class:`~functrain.checkpoint.LinkRefused`; temporary files get random
+      names and are created exclusively.
 
     Example::
 
@@ -165,7 +173,10 @@ class Trainer:
             self.run_step = compile_step(self.step) if config.compile else self.step
         self.loader = shard(dataset, batch_size=config.train_batch_size * config.gradient_accumulate_every,
                             shuffle=True, seed=config.seed, drop_last=True, device=self.device)
-        self.loader.check_nonempty("train dataset")
+        self.loader.check_nonempty("train dataset", remedy=(
+            f"the Trainer drops an incomplete last batch, so lower TrainConfig.train_batch_size (now "
+            f"{config.train_batch_size}) or gradient_accumulate_every (now {config.gradient_accumulate_every}: a "
+            f"rank's batch is their product), use fewer processes (now {self.world}) or add data"))
         self.evaluator: Evaluator | None = None
         if eval_dataset is not None:
             self.evaluator = Evaluator(loss, eval_dataset, config.eval_batch_size or config.train_batch_size,
@@ -191,14 +202,23 @@ class Trainer:
         """The newest good checkpoint's state (and data position), or the initial state.
 
         Damaged checkpoints are skipped with a warning naming each; a checkpoint whose state structure
-        differs from this run's raises ``ValueError`` before any tensor is read.
+        differs from this run's raises ``ValueError`` before any tensor is read. On several processes every
+        rank calls it together and all resume from the same checkpoint: the newest that is whole on every
+        rank (each checks its own shard; ``CheckpointManager.load_latest(group=...)``, bounded by
+        ``save_timeout``). If checkpoints exist and none is whole, every rank raises the same error.
         """
         state = self.initial_state()
+        group = None
+        if self.world > 1:  # the ranks agree on one checkpoint, within save_timeout (every rank creates it)
+            if self._save_group is None:
+                self._save_group = torch.distributed.new_group(
+                    backend="gloo", timeout=datetime.timedelta(seconds=self.config.save_timeout))
+            group = self._save_group
         with warnings.catch_warnings():
-            if self.rank != 0:  # every rank reads the same files: warn once
+            if self.rank != 0:  # rank 0 names every skipped checkpoint (with the rank that found it damaged)
                 warnings.simplefilter("ignore")
             try:
-                restored = self.checkpoints.load_latest(template=state)
+                restored = self.checkpoints.load_latest(template=state, group=group)
             except StructureMismatch as e:
                 raise ValueError(self._mismatch_message(e)) from None
         if restored is None:
@@ -498,19 +518,24 @@ class Trainer:
             f"{self.checkpoints.path(n)}")
 
     def _lock_folder(self) -> FolderLock | None:
-        """Rank 0 locks the results folder for the run; every rank fails together if another run holds it."""
+        """Rank 0 locks the results folder for the run; every rank fails together if it cannot.
+
+        Rank 0 raises its own error (:class:`~functrain.checkpoint.FolderLocked` naming the holder, or a link
+        planted at ``.lock``, ...); the others raise :class:`~functrain.distributed.PeerFailed`, a secondary
+        failure, so the launchers blame rank 0, never another rank's echo of its error.
+        """
         lock, error = None, None
         if self.rank == 0:
             try:
                 lock = FolderLock(self.folder).acquire()
-            except FolderLocked as e:
+            except Exception as e:  # noqa: BLE001 - every failure is told to the other ranks, then raised
                 error = e
         if self.world > 1:
             t = torch.tensor([0.0 if error is None else 1.0], device=self.device)
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
             if t.item() and error is None and self.rank != 0:
-                raise RuntimeError(f"{os.path.abspath(self.folder)} is in use by another run (rank 0 could not lock "
-                                   f"it; see its error)")
+                raise PeerFailed(f"{os.path.abspath(self.folder)}: rank 0 could not lock the results folder (another "
+                                 f"run holds it, or see rank 0's error); rank {self.rank} stops with it")
         if error is not None:
             raise error
         return lock

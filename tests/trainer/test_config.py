@@ -145,3 +145,66 @@ def test_valid_edge_values_are_kept():
     assert (cfg.seed, cfg.weight_decay, cfg.results_folder, cfg.trackers, cfg.adam_betas) == \
         (2**63 - 1, 0.0, "r", ("jsonl",), (0.0, 0.5))
     assert ft.TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+# -- hostile or mistaken config files -------------------------------------------------------------
+# nested aliases: 339 bytes whose value, walked as a tree, has 9**9 leaves (a 254 MB error message before)
+_BOMB = 'train_batch_size:\n- &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
+    f'- &{n} [{",".join(["*" + p] * 9)}]\n' for p, n in zip("abcdefgh", "bcdefghi"))
+
+
+def test_a_yaml_of_nested_aliases_is_refused_quickly_with_a_short_message(tmp_path):
+    import resource
+    import subprocess
+    import sys
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_BOMB)
+    assert len(_BOMB.encode()) < 400
+    script = ("import resource, sys, time, functrain as ft\n"
+              "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+              "t = time.perf_counter()\n"
+              "try:\n    ft.TrainConfig.load(sys.argv[1])\nexcept ValueError as e:\n    msg = str(e)\n"
+              "print(len(msg), time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)\n"
+              "print(msg)\n")
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, message = out.stdout.split("\n", 1)
+    length, seconds, grown_kib = first.split()
+    assert int(length) < 1000 and float(seconds) < 2.0 and int(grown_kib) < 64 * 1024, first
+    assert "expands to more than" in message and "bomb.yaml" in message, message
+
+
+def test_yaml_python_tags_are_refused_with_a_clear_error(tmp_path):
+    path = tmp_path / "evil.yaml"
+    marker = tmp_path / "ran"
+    path.write_text(f"train_lr: 0.001\nseed: !!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(ValueError, match=r"evil.yaml: line 2: the tag '!!python/object/apply:os.system' is not "
+                                         r"allowed: a config holds plain data only"):
+        ft.TrainConfig.load(path)
+    assert not marker.exists()
+    recursive = tmp_path / "loop.yaml"
+    recursive.write_text("trackers: &t [*t]\n")
+    with pytest.raises(ValueError, match="recursive alias"):
+        ft.TrainConfig.load(recursive)
+    big = tmp_path / "big.json"
+    big.write_text('{"seed": 1, "pad": "' + "x" * (2 << 20) + '"}')
+    with pytest.raises(ValueError, match="more than 1048576 bytes"):
+        ft.TrainConfig.load(big)
+
+
+def test_save_timeout_is_bounded_at_construction():
+    """1e300 s used to pass here and fail later, at train() on several processes (OverflowError)."""
+    with pytest.raises(ValueError, match=r"save_timeout must be a positive number of seconds, at most 604800 "
+                                         r"\(a week.*got 1e\+300"):
+        ft.TrainConfig(save_timeout=1e300)
+    with pytest.raises(ValueError, match="at most 604800"):
+        ft.TrainConfig(save_timeout=604800.5)
+    assert ft.TrainConfig(save_timeout=604800).save_timeout == 604800.0
+    import datetime
+
+    datetime.timedelta(seconds=ft.TrainConfig(save_timeout=604800).save_timeout)  # what train() builds

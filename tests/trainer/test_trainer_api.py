@@ -258,7 +258,10 @@ def test_eval_loss_with_params_and_ema_each_sample_once(tmp_path):
     assert last["eval_loss_ema"] == pytest.approx(_per_sample_mse(state.ema, held_out), rel=1e-6)
     assert last["eval_loss"] != last["eval_loss_ema"]
     # the history of evaluations is kept in the checkpoint (and plotted)
-    history = ft.load_extra(ft.CheckpointManager(tmp_path / "checkpoints").path(12))["history"]
+    from functrain.trainer.plots import MetricHistory  # (the checkpoint holds the history packed)
+
+    history = MetricHistory.from_json(ft.load_extra(ft.CheckpointManager(tmp_path / "checkpoints").path(12))[
+        "history"]).as_dict()
     assert [s for s, _ in history["eval_loss"]] == [4, 8, 12] == [s for s, _ in history["eval_loss_ema"]]
     assert [v for _, v in history["eval_loss"]] == [r["eval_loss"] for r in evals]
 
@@ -419,7 +422,7 @@ def test_metrics_plot_is_written_at_every_save_with_labelled_step_axes(tmp_path)
     assert seen[6] is not None and seen[6][:8] == b"\x89PNG\r\n\x1a\n"  # written at the first save already
     assert seen[12] is not None and seen[12] != seen[6]  # and redrawn at the last
     history = ft.load_extra(ft.CheckpointManager(tmp_path / "checkpoints").path(12))["history"]
-    assert [s for s, _ in history["loss"]] == list(range(1, 13))
+    assert [s for s, _ in MetricHistory.from_json(history).as_dict()["loss"]] == list(range(1, 13))
     fig = metrics_figure(MetricHistory.from_json(history),
                          metrics=["loss", "eval_loss", "eval_loss_ema", "grad_norm", "lr"])
     for ax, name in zip(fig.axes, ["loss", "eval_loss", "eval_loss_ema", "grad_norm", "lr"]):

@@ -23,7 +23,7 @@ pytest.importorskip("safetensors")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "trainer_job.py")
-ROOT = os.path.dirname(os.path.dirname(HERE))
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository (tests/trainer -> tests -> root)
 
 
 class Linear(torch.nn.Module):
@@ -217,3 +217,38 @@ def test_a_second_run_on_the_same_folder_is_refused_and_the_first_is_intact(tmp_
     mgr = ft.CheckpointManager(run / "checkpoints")
     assert mgr.steps() == list(range(2, 31, 2))
     assert T.tree_equal(ft.load(mgr.path(30)), ft.load(ft.CheckpointManager(ref / "checkpoints").path(30)))
+
+
+def test_a_too_small_dataset_gets_advice_a_trainer_user_can_follow(tmp_path):
+    """The Trainer always drops an incomplete last batch: "use drop_last=False" is advice its users cannot take."""
+    with pytest.raises(ValueError) as e:
+        ft.Trainer(Linear(), _data(n=12), _config(tmp_path, train_batch_size=8, gradient_accumulate_every=2))
+    message = str(e.value)
+    assert "drop_last=False" not in message, message
+    assert "TrainConfig.train_batch_size (now 8)" in message and "gradient_accumulate_every (now 2" in message
+    assert "fewer processes (now 1)" in message and "add data" in message, message
+
+
+def test_two_sharded_runs_on_one_folder_blame_rank_0_whose_lock_failed(tmp_path):
+    """The second 2-process run fails: rank 0 cannot take the lock (its own error, naming the holder); rank 1
+    only follows it (PeerFailed, a secondary failure), so the launcher's summary blames rank 0."""
+    args = ("--no-compile", "--save-every", 2, "--shard", "optimizer", "--precision", "no")
+    first = subprocess.Popen(_cmd(tmp_path, 2, "--steps", 100000, "--step-sleep", 0.1, *args), env=_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_for(os.path.join(tmp_path, "checkpoints", "step_00000002", "SHARDED.json"), first)  # it runs
+        started = time.monotonic()
+        second = subprocess.run(_cmd(tmp_path, 2, "--steps", 100000, *args), env=_env(), capture_output=True,
+                                text=True, timeout=180)
+        took = time.monotonic() - started
+        assert first.poll() is None, "the first run ended before the second was started"
+    finally:
+        _kill(first)
+    assert second.returncode != 0
+    summary = [ln for ln in second.stderr.splitlines() if "failed first:" in ln]
+    assert summary and re.search(r"rank 0 \(local rank 0, pid \d+\) failed first: FolderLocked: .* is in use by "
+                                 r"process \d+", summary[-1]), (took, second.stderr[-3000:])
+    # rank 1 only echoed rank 0's failure: a secondary one (stopped by the launcher, or PeerFailed), never an
+    # error of its own that could be blamed
+    others = [ln for ln in second.stderr.splitlines() if ln.strip().startswith("other ranks stopped: 1 (")]
+    assert others and ("SIGTERM" in others[-1] or "PeerFailed" in others[-1]), second.stderr[-3000:]

@@ -303,10 +303,11 @@ def _has_flat(tree: Any) -> bool:
     return any(map(_is_flat_node, optree.tree_leaves(tree, is_leaf=_is_flat_node, none_is_leaf=True)))
 
 
-def split_leaves(params: Any) -> tuple[list[torch.Tensor], Callable[[list], Any], Callable[[list], Any]]:
+def split_leaves(params: Any, flatten: Callable = optree.tree_flatten
+                 ) -> tuple[list[torch.Tensor], Callable[[list], Any], Callable[[list], Any]]:
     """What the grad stage differentiates: ``(leaves, as_params, as_grads)``.
 
-    For a plain params tree: its leaves, and unflatten for both. For
+    For a plain params tree: its leaves (``flatten(params)``), and unflatten for both. For
     :class:`FlatParams`: the per-leaf views (``as_params`` gives the loss function the
     plain ``{name: tensor}`` tree of them) and ``as_grads`` packs the per-leaf
     gradients into one flat buffer per dtype (one concatenation; a single leaf's
@@ -316,6 +317,6 @@ def split_leaves(params: Any) -> tuple[list[torch.Tensor], Callable[[list], Any]
         spec = params.spec
         return (spec.views(params.buffers), spec.unflatten,
                 lambda gs: FlatParams(spec.pack(gs, copy=False), spec))
-    leaves, tspec = optree.tree_flatten(params)
+    leaves, tspec = flatten(params)
     rebuild = lambda ls: optree.tree_unflatten(tspec, ls)  # noqa: E731
     return leaves, rebuild, rebuild

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from .eager import tracing
 from .validate import path_str
 from .registry import register_checkpoint_type
 
@@ -189,7 +190,7 @@ class FlatLayout:
         return optree.tree_unflatten(spec, leaves)
 
     def _leaves(self, tree: Any) -> list:
-        if torch.compiler.is_compiling():  # the structure was checked eagerly or at the first trace
+        if tracing():  # the structure was checked eagerly or at the first trace
             leaves = optree.tree_leaves(tree)
             if len(leaves) != len(self.entries):
                 raise ValueError(f"expected a tree of {len(self.entries)} leaves shaped like the params; got "
@@ -209,7 +210,7 @@ class FlatLayout:
         (While compiling, the structure itself is not compared, only the leaves' count, dtypes and shapes:
         Dynamo cannot compare a tree structure made outside the graph.)
         """
-        if torch.compiler.is_compiling():
+        if tracing():
             leaves = optree.tree_leaves(node)
         else:
             if optree.tree_structure(node) != self.spec:

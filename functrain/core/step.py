@@ -29,15 +29,14 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
-from torch.func import grad_and_value
 
 from . import tree as T
-from .eager import FlatDict
-from .grad import autograd_grad, base_loss, tensor_aux
+from .eager import TreespecCache, divide
+from .grad import base_loss, micro_grad
 from .checks import Layout, check_batch, check_inputs, check_params
 from .checks import check_state as _check_state
 from .layout import SLOT, ShardState
-from .flat import flat as to_flat, split_leaves
+from .flat import flat as to_flat
 from .rng import rng_init, with_rng
 from .optimizer import check_optimizer
 from .state import TrainState
@@ -65,16 +64,10 @@ def _loss_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
 
 
 def _grad_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
-    loss_fn = ctx._loss_fn
+    loss_fn, flatten = ctx._loss_fn, step._flatten
 
     def base_grad(params, buffers, batch):
-        if torch.compiler.is_compiling():  # traced: torch.func composes with Dynamo
-            leaves, as_params, as_grads = split_leaves(params)  # a flat state: the per-leaf views
-            fn = tensor_aux(loss_fn)
-            grads, (_, out) = grad_and_value(lambda ls, b, x: fn(as_params(ls), b, x), has_aux=True)(
-                leaves, buffers, batch)
-            return as_grads(grads), {"denom": 1.0, "weight": 1.0, **out}
-        return autograd_grad(loss_fn, params, buffers, batch, step._flat)
+        return micro_grad(loss_fn, params, buffers, batch, flatten)
 
     grad_fn: Callable = base_grad
     for hook in reversed(hooks):
@@ -87,12 +80,10 @@ def _grad_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
 
 def _normalise_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
     # one division by the global denominator (micro-batches or items)
-    one = isinstance(ctx.denom, float) and ctx.denom == 1.0
-    if not one:
-        leaves, spec = step._flat(ctx.grads)
+    if not (isinstance(ctx.denom, float) and ctx.denom == 1.0):
+        leaves, spec = step._flatten(ctx.grads)
         ctx.grads = T.tree_unflatten(spec, torch._foreach_mul(leaves, 1.0 / ctx.denom)) if leaves else ctx.grads
-    # eagerly, ÷ 1.0 is a copy of a tensor made for this step (traced, a division the graph folds)
-    ctx.metrics["loss"] = ctx.loss if one and not torch.compiler.is_compiling() else ctx.loss / ctx.denom
+    ctx.metrics["loss"] = divide(ctx.loss, ctx.denom)
     for k, v in ctx.aux.items():
         ctx.metrics[k] = v / ctx.weight
     if ctx._counts_items:  # the loss is a sum over items: report the global count
@@ -174,7 +165,7 @@ class Step:
         self._offsets = tuple(t.rng_offset for t in ordered if _uses(t, "rng_offset"))
         self._shards_state = any(t.shards_state for t in self.transforms)
         self._layout: Layout | None = None  # check_state's expectations, found once
-        self._flat = FlatDict()  # flattens the params (and the gradients, shaped alike) eagerly
+        self._flatten = TreespecCache()  # flattens the params (and the gradients, shaped alike) eagerly
 
     # -- building ---------------------------------------------------------------------------
     def with_transform(self, transform: Transform) -> "Step":

@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from ..core.layout import SLOT, FlatLayout, ShardState, find_shard_trees
 from ..core.state import TrainState
-from ..core.step import InitContext, StepContext, Transform
+from ..core.transform import InitContext, StepContext, Transform
 
 __all__ = ["ShardedDataParallel", "gather_state"]
 

@@ -17,7 +17,8 @@ from ..core import validate as _validate
 # describe / is_real / leaf_path are re-exported for the optimizers (one copy, in _validate).
 from ..core.validate import describe, is_real  # noqa: F401
 from ..core.validate import path_str as leaf_path  # noqa: F401
-from ..core.eager import FlatDict, host_number  # noqa: F401  (the optimizers' eager shortcuts)
+# the one-path interface the optimizers' updates are written against (eager shortcuts inside)
+from ..core.eager import TreespecCache, double, host_number, per_step, select, sub_scaled, sub_scaled_ratio  # noqa: F401
 
 __all__ = ["Optimizer"]
 
@@ -145,7 +146,7 @@ def init_count(leaves: list[torch.Tensor]) -> torch.Tensor:
 
 def flatten_update(grads: Any, params: Any, *trees: Any,
                    flatten: Callable = optree.tree_flatten) -> tuple[Callable, list, list, list[list]]:
-    """Flatten ``params`` (with ``flatten``: an optimizer passes its :class:`functrain.core.eager.FlatDict`)
+    """Flatten ``params`` (with ``flatten``: an optimizer passes its :class:`functrain.core.eager.TreespecCache`)
     and bring ``grads`` and the state ``trees`` to its leaf order.
 
     0-dim leaves are viewed as shape ``(1,)``: a float64 0-dim scalar tensor would
@@ -178,21 +179,6 @@ def lr_value(lr: float | Callable[[Any], Any], count: torch.Tensor) -> float | t
     if isinstance(value, torch.Tensor):
         return per_step(value.to(dtype=torch.float64, device=count.device))[0]  # a cosine once, not per vector
     return torch.tensor(value, dtype=torch.float64, device=count.device)
-
-
-def per_step(*scalars: Any) -> tuple:
-    """The step's scalars (bias corrections, a scheduled lr), computed once per step in a compiled step.
-
-    Inductor inlines a 0-d computation into every elementwise kernel that reads it, so
-    ``1 - beta ** step`` (two ``pow`` in double) would run once per vector of every
-    parameter: the 1024x1024 Adam update of a medium MLP took ~2.5x its memory time.
-    A reduction is always its own buffer, so each tensor scalar goes through one that
-    returns it exactly (the max of two copies of itself). Eagerly, nothing changes.
-    """
-    if not torch.compiler.is_compiling():
-        return scalars
-    return tuple(torch.stack([x, x]).amax(0) if isinstance(x, torch.Tensor) and x.dim() == 0 else x
-                 for x in scalars)
 
 
 def make_learning_rate(lr: float | Callable[[Any], Any]) -> Callable[[Any], Any]:

@@ -15,7 +15,8 @@ from ..core.validate import describe
 from ..compiler.api import CompiledStep
 from ..distributed import data_parallel
 from ..optim import adamw, check_optimizer, schedules
-from ..core.step import Step, Transform, train_step
+from ..core.step import Step, train_step
+from ..core.transform import Transform
 from ..transforms import accumulate, clip, ema, mixed_precision, skip_nonfinite
 from .config import TrainConfig
 

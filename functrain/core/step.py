@@ -26,6 +26,7 @@ captures it as one graph.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
@@ -151,12 +152,19 @@ class Step:
     Build one with :func:`train_step`, wrap it in transforms, compile it with
     :func:`functrain.compile`. ``step.init(params, buffers)`` makes the initial
     :class:`TrainState`. Calling the step never changes its inputs.
+
+    Attributes: ``loss_fn``, ``optimizer``, ``transforms`` (in the order applied) and
+    :attr:`micro_batches`.
     """
+
+    loss_fn: LossFn
+    optimizer: Any
+    transforms: tuple[Transform, ...]
 
     def __init__(self, loss_fn: LossFn, optimizer: Any, transforms: Iterable[Transform] = ()):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        self.transforms: tuple[Transform, ...] = tuple(transforms)
+        self.transforms = tuple(transforms)
         ordered = sorted(self.transforms, key=lambda t: (t.order, t.name))  # never by wrapping order
         self._ordered = tuple(ordered)
         # PIPELINE, resolved for this step's transforms: (built-in, the bound hooks that run there)
@@ -179,6 +187,12 @@ class Step:
                 raise ValueError(f"transform {transform.name!r} is already applied to this step ({t!r}); "
                                  f"each transform may be applied once")
         return Step(self.loss_fn, self.optimizer, self.transforms + (transform,))
+
+    @property
+    def micro_batches(self) -> int:
+        """How many micro-batches one call's batch holds: the product of the transforms'
+        :attr:`Transform.micro_batches` (``accumulate(4)``: 4; 1 without accumulation)."""
+        return math.prod(t.micro_batches for t in self.transforms)
 
     def __repr__(self) -> str:
         names = ", ".join(t.name for t in self.transforms)

@@ -183,6 +183,10 @@ class Transform:
       params and the optimizer moments; other fields stay whole and replicated.
     * ``shards_state`` (class attribute): whether the transform cuts the state over
       ranks (the sharded ``data_parallel``): a step with one takes only sharded states.
+    * ``micro_batches``: how many micro-batches one call's batch holds (``accumulate(n)``
+      splits it into ``n``; 1 by default, and for a streaming accumulation, which takes one
+      micro-batch per call). :attr:`functrain.core.step.Step.micro_batches` is the product
+      over a step's transforms; the trainer loads batches of that many micro-batches.
     * ``accessors`` (class attribute): ``{attribute: fn(slot)}`` conveniences on
       :class:`TrainState` (``state.ema`` comes from ``ft.ema``'s class).
     * ``rng_offset()``: added to each step's random seed on this process (the
@@ -233,6 +237,7 @@ class Transform:
     accessors: ClassVar[dict[str, Callable[[Any], Any]]] = {}
     params_fields: ClassVar[tuple[str, ...]] = ()
     shards_state: ClassVar[bool] = False
+    micro_batches: int = 1
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

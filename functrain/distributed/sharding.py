@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from ..core.layout import SLOT, FlatLayout, ShardState, find_shard_trees
 from ..core.state import TrainState
+from ..core.step import Step
 from ..core.transform import InitContext, StepContext, Transform
 
 __all__ = ["ShardedDataParallel", "gather_state"]
@@ -145,7 +146,8 @@ class ShardedDataParallel(Transform):
         self.layout: FlatLayout | None = None
 
     def __call__(self, step: Any) -> Any:
-        if getattr(getattr(step, "optimizer", None), "per_param", False):
+        # per_param: a declared, optional field of the optimizer protocol (functrain.optim.Optimizer's)
+        if isinstance(step, Step) and getattr(step.optimizer, "per_param", False):
             raise ValueError(f"data_parallel(shard={self.shard!r}) updates flat per-dtype shards, which have no "
                              f"parameter names: this optimizer's weight_decay_mask / lr_multipliers groups cannot "
                              f"apply there; use shard='none' or an optimizer without per-parameter groups")

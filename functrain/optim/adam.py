@@ -83,7 +83,7 @@ def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool, wei
         return unflatten(new_p), new_state
 
     return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr),
-                     per_param=weight_decay_mask is not None or lr_multipliers is not None)
+                     per_param=weight_decay_mask is not None or lr_multipliers is not None, schedule=lr)
 
 
 def _decay_and_moments(group: Group, p: list, g: list, m: list, v: list, lr_t: Any, beta1: float, beta2: float,

@@ -34,10 +34,16 @@ class Optimizer(NamedTuple):
     * ``learning_rate(opt_state)``: the learning rate the *next* update will
       use (a float for a constant lr, a float64 scalar tensor for a schedule).
 
-    And one flag, ``per_param`` (default ``False``): whether ``update`` treats
-    parameters by name (``weight_decay_mask`` / ``lr_multipliers`` groups). A
-    sharded data-parallel step updates flat per-dtype shards, which have no
-    names, and refuses such an optimizer.
+    And two declared fields the step and the trainer read:
+
+    * ``per_param`` (default ``False``): whether ``update`` treats parameters by
+      name (``weight_decay_mask`` / ``lr_multipliers`` groups). A sharded
+      data-parallel step updates flat per-dtype shards, which have no names, and
+      refuses such an optimizer.
+    * ``schedule`` (default ``None``): the lr it was built with, a float or a
+      schedule ``callable(count) -> lr``, so that
+      :func:`functrain.optim.schedules.check_covers` can refuse a schedule that
+      ends before the run does (``None``: unknown, nothing is checked).
 
     Example::
 
@@ -55,6 +61,7 @@ class Optimizer(NamedTuple):
     update: Callable[[Any, Any, Any], tuple]
     learning_rate: Callable[[Any], Any]
     per_param: bool = False
+    schedule: Any = None
 
 
 # ----------------------------------------------------------------- validation
@@ -182,12 +189,10 @@ def lr_value(lr: float | Callable[[Any], Any], count: torch.Tensor) -> float | t
 
 
 def make_learning_rate(lr: float | Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """``learning_rate(opt_state)`` for an optimizer built with ``lr``."""
+    """``learning_rate(opt_state)`` for an optimizer built with ``lr`` (give ``lr`` to the
+    :class:`Optimizer` as its ``schedule`` too)."""
 
     def learning_rate(opt_state: Any) -> float | torch.Tensor:
         return lr_value(lr, opt_state.count)
 
-    # The lr (float or schedule) it was built with, so that schedules.check_covers(optimizer,
-    # total_steps) can refuse a schedule shorter than the run before training starts.
-    learning_rate.schedule = lr
     return learning_rate

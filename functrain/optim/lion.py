@@ -98,4 +98,4 @@ def lion(
         return unflatten(new_p), LionState(count=count + 1, exp_avg=unflatten(new_m))
 
     return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr),
-                     per_param=weight_decay_mask is not None or lr_multipliers is not None)
+                     per_param=weight_decay_mask is not None or lr_multipliers is not None, schedule=lr)

@@ -126,4 +126,4 @@ def sgd(
         return unflatten(new_p), new_state
 
     return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr),
-                     per_param=weight_decay_mask is not None or lr_multipliers is not None)
+                     per_param=weight_decay_mask is not None or lr_multipliers is not None, schedule=lr)

@@ -56,6 +56,10 @@ class Accumulate(Transform):
     def __init__(self, n: int):
         self.n = check_int("accumulate: n", n, minimum=1)
 
+    @property
+    def micro_batches(self) -> int:  # Transform.micro_batches: one call's batch holds n
+        return self.n
+
     def wrap_grad(self, grad_fn: Callable, ctx: StepContext) -> Callable:
         n = self.n
 
@@ -86,6 +90,7 @@ class StreamingAccumulate(Transform):
 
     name = "accumulate"
     order = 0
+    micro_batches = 1  # one micro-batch per call
 
     def __init__(self, n: int):
         self.n = Accumulate(n).n  # same validation

@@ -34,9 +34,9 @@ import torch
 from . import tree as T
 from .eager import TreespecCache, divide
 from .grad import base_loss, micro_grad
-from .checks import Layout, check_batch, check_inputs, check_params
+from .checks import Expected, check_batch, check_inputs, check_params
 from .checks import check_state as _check_state
-from .layout import SLOT, ShardState
+from .flat import SLOT, ShardState
 from .flat import flat as to_flat
 from .rng import rng_init, with_rng
 from .optimizer import check_optimizer
@@ -172,7 +172,7 @@ class Step:
                              for s in PIPELINE)
         self._offsets = tuple(t.rng_offset for t in ordered if _uses(t, "rng_offset"))
         self._shards_state = any(t.shards_state for t in self.transforms)
-        self._layout: Layout | None = None  # check_state's expectations, found once
+        self._expected: Expected | None = None  # check_state's expectations, found once
         self._flatten = TreespecCache()  # flattens the params (and the gradients, shaped alike) eagerly
 
     # -- building ---------------------------------------------------------------------------
@@ -232,8 +232,8 @@ class Step:
                             if t.params_fields and t.name in slots})
         for t in self._ordered:
             state = t.post_init(state, init)
-        if self._layout is None:  # what check_state expects, known for free here
-            self._layout = Layout.of(state)
+        if self._expected is None:  # what check_state expects, known for free here
+            self._expected = Expected.of(state)
         return state
 
     def check_state(self, state: Any) -> None:
@@ -267,7 +267,7 @@ class Step:
         _check_state(self, state)
 
     def _refuse_foreign_shards(self, state: Any) -> None:
-        # a state sharded over ranks (functrain.core.layout's ShardState slot) runs only in a sharded
+        # a state sharded over ranks (functrain.core.flat's ShardState slot) runs only in a sharded
         # data_parallel step, and a sharded step takes only such a state: say so before the generic
         # slot mismatch would
         slots = getattr(state, "slots", None)

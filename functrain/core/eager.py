@@ -37,8 +37,8 @@ Example, a transform hook written once (the EMA's decision: copy, blend or keep)
     >>> from functrain.core.eager import host_number, select
     >>> ema, params = [torch.zeros(2)], [torch.ones(2)]
     >>> count = host_number(torch.tensor(3)) + 1      # eagerly a Python int: the choice is made on the host
-    >>> select(count % 2 == 0, lambda: torch._foreach_lerp(ema, params, 0.5), ema)
-    [tensor([0.5000, 0.5000])]
+    >>> [x.tolist() for x in select(count % 2 == 0, lambda: torch._foreach_lerp(ema, params, 0.5), ema)]
+    [[0.5, 0.5]]
 """
 from __future__ import annotations
 
@@ -242,8 +242,9 @@ def sub_scaled(p: list[torch.Tensor], d: list[torch.Tensor], s: Any) -> list[tor
 
         >>> import torch
         >>> from functrain.core.eager import sub_scaled
-        >>> sub_scaled([torch.ones(2)], [torch.ones(2)], 0.25), sub_scaled([torch.ones(2)], [torch.ones(2)], torch.tensor(0.25))
-        ([tensor([0.7500, 0.7500])], [tensor([0.7500, 0.7500])])
+        >>> p, d = [torch.ones(2)], [torch.ones(2)]
+        >>> [x.tolist() for x in sub_scaled(p, d, 0.25)], [x.tolist() for x in sub_scaled(p, d, torch.tensor(0.25))]
+        ([[0.75, 0.75]], [[0.75, 0.75]])
     """
     if isinstance(s, torch.Tensor):
         return torch._foreach_addcmul(p, d, [s] * len(d), value=-1)
@@ -264,8 +265,10 @@ def sub_scaled_ratio(p: list[torch.Tensor], m: list[torch.Tensor], d: list[torch
         >>> import torch
         >>> from functrain.core.eager import sub_scaled_ratio
         >>> p, m, d = [torch.ones(1)], [torch.ones(1)], [torch.full((1,), 4.0)]
-        >>> sub_scaled_ratio(p, m, d, 2.0), sub_scaled_ratio(p, m, d, torch.tensor(2.0))
-        ([tensor([0.5000])], [tensor([0.5000])])
+        >>> [x.tolist() for x in sub_scaled_ratio(p, m, d, 2.0)]
+        [[0.5]]
+        >>> [x.tolist() for x in sub_scaled_ratio(p, m, d, torch.tensor(2.0))]
+        [[0.5]]
     """
     if isinstance(s, torch.Tensor):
         delta = torch._foreach_mul(m, -s)

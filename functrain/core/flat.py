@@ -143,7 +143,8 @@ class FlatLayout:
             raise ValueError("params is empty: there is nothing to lay in a flat buffer")
         devices = {leaf.device for leaf in leaves}
         if len(devices) > 1:
-            raise ValueError(f"all params must be on one device to share a flat buffer; got {sorted(map(str, devices))}")
+            raise ValueError(f"all params must be on one device to share a flat buffer; got "
+                             f"{sorted(map(str, devices))}")
         return cls(spec, [x.dtype for x in leaves], [tuple(x.shape) for x in leaves], world, rank)
 
     @classmethod
@@ -317,9 +318,10 @@ class FlatParams(Mapping):
     """A params tree held as one 1-D buffer per dtype; reads like the tree (by name, as views).
 
     ``buffers``: ``{dtype name: 1-D tensor}``; ``layout``: the :class:`FlatLayout`
-    (``world = 1``) saying where each leaf lives. Build one with :func:`flat`. Mapping access (``params[name]``, ``params.items()``,
-    ``{**params}``) works when the params are a ``{name: tensor}`` dict, the form
-    :func:`functrain.functionalize` gives; :meth:`tree` works for any structure.
+    (``world = 1``) saying where each leaf lives. Build one with :func:`flat`. Mapping
+    access (``params[name]``, ``params.items()``, ``{**params}``) works when the params
+    are a ``{name: tensor}`` dict, the form :func:`functrain.functionalize` gives;
+    :meth:`tree` works for any structure.
 
     Example::
 

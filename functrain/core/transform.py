@@ -191,10 +191,12 @@ class Transform:
       :class:`TrainState` (``state.ema`` comes from ``ft.ema``'s class).
     * ``rng_offset()``: added to each step's random seed on this process (the
       rank, under data parallelism); 0 by default.
-    * One hook per stage (see :data:`PIPELINE`):
+    * One hook per stage (see :data:`STAGE_HOOKS`):
 
       - ``wrap_loss(loss_fn, ctx) -> loss_fn`` (stage ``loss``): ``loss_fn(params,
-        buffers, batch) -> (objective, out)``, differentiated w.r.t. ``params``.
+        buffers, batch) -> (objective, out)``, differentiated w.r.t. ``params``;
+        ``out`` holds tensors only (``loss``, ``aux``, ``buffers``; ``denom`` and
+        ``num_items`` when the loss counts items).
       - ``wrap_grad(grad_fn, ctx) -> grad_fn`` (stage ``grad``): ``grad_fn(params,
         buffers, batch) -> (grads, out)``; ``out`` holds ``loss``, ``denom``, ``aux``,
         ``weight`` and ``buffers``, all summable.
@@ -205,6 +207,13 @@ class Transform:
         ``after(ctx)``: read and write the :class:`StepContext`.
 
       Wrapping hooks compose with the lowest ``order`` outermost.
+
+    Write each hook once, for eager calls and traces alike: decide with tensor
+    selects, never a Python branch on a tensor value. Where the eager step can take a
+    host shortcut (a counter read on the host, a host-side choice, an in-place sum into
+    tensors the step made) call :mod:`functrain.core.eager` (``host_number``,
+    ``select``, ``Sum``, ...), which takes it only where it gives the same numbers and
+    cannot end up baked into a graph; ``ft.ema``'s ``after`` is the example.
 
     Applying a transform to a step returns a new step; the original is unchanged.
 

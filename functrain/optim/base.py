@@ -18,7 +18,8 @@ from ..core import validate as _validate
 from ..core.validate import describe, is_real  # noqa: F401
 from ..core.validate import path_str as leaf_path  # noqa: F401
 # the one-path interface the optimizers' updates are written against (eager shortcuts inside)
-from ..core.eager import TreespecCache, double, host_number, per_step, select, sub_scaled, sub_scaled_ratio  # noqa: F401
+from ..core.eager import (TreespecCache, double, host_number, per_step, select, sub_scaled,  # noqa: F401
+                          sub_scaled_ratio)
 
 __all__ = ["Optimizer"]
 

@@ -57,7 +57,8 @@ class EMA(Transform):
         count = host_number(old.count) + applied  # eagerly, every update applied: a host int, decided on the host
         copy = applied & (count <= self.start_step)
         blend = applied & (count > self.start_step) & (count % self.every == 0)
-        new = select(blend, lambda: torch._foreach_lerp(ema, params, 1.0 - self.decay), lambda: select(copy, params, ema))
+        new = select(blend, lambda: torch._foreach_lerp(ema, params, 1.0 - self.decay),
+                     lambda: select(copy, params, ema))
         ctx.set_slot(self, EmaState(T.tree_unflatten(spec, new), as_tensor(count, like=old.count)))
 
     def __repr__(self) -> str:

@@ -149,8 +149,8 @@ def scan(sources: dict[str, str]) -> list[str]:
         protocol = handles_protocol(tree) or path.startswith(("transforms/", "optim/", "core/transform", "core/step"))
         for node in ast.walk(tree):
             # rule 1: getattr / hasattr of an undeclared literal name on a transform, optimizer or step
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
-                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
                     and isinstance(node.args[1].value, str)):
                 name, receiver = node.args[1].value, ast.unparse(node.args[0])
                 stashed = PROTOCOL_FUNCTION.match(receiver) and not name.startswith("__")

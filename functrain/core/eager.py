@@ -110,7 +110,7 @@ def as_tensor(x: Any, like: torch.Tensor) -> torch.Tensor:
         >>> as_tensor(4, torch.tensor(3))
         tensor(4)
     """
-    return x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=like.dtype, device=like.device)
+    return x if isinstance(x, torch.Tensor) else like.new_full((), x)  # (new_full: one op, no lift)
 
 
 def per_step(*scalars: Any) -> tuple:

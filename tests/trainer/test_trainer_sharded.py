@@ -208,7 +208,7 @@ def test_manager_saves_rotates_and_loads_sharded_states(tmp_path):
 NODE = textwrap.dedent("""
     import sys, torch, functrain as ft
 
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {tests_root!r}]  # this file's folder, and tests/ (its conftest)
     from test_trainer_sharded import _node_problem
 
     info = ft.distributed.init()
@@ -242,7 +242,8 @@ def _node_problem():
 
 def test_sharded_step_on_two_nodes_on_loopback(tmp_path):
     script = tmp_path / "node.py"
-    script.write_text(NODE.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    here = os.path.dirname(os.path.abspath(__file__))
+    script.write_text(NODE.format(tests=here, tests_root=os.path.dirname(here)))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

@@ -32,7 +32,8 @@ from .driver import run, to_device
 from .core.module import functionalize, to_module
 from .core.flat import FlatParams, flat, unflat
 from .core.state import TrainState
-from .core.step import STAGES, Step, StepContext, Transform, train_step
+from .core.step import STAGES, Step, train_step
+from .core.transform import StepContext, Transform
 from .trainer import Callback, TrainConfig, Trainer
 from .transforms import EmaState, LossScaleState, Policy, accumulate, clip, clip_value, ema, mixed_precision, skip_nonfinite
 

@@ -14,8 +14,10 @@ import torch
 from ..core.validate import describe
 from ..compiler.api import CompiledStep
 from ..distributed import data_parallel
+from ..distributed.sharding import ShardedDataParallel
 from ..optim import adamw, check_optimizer, schedules
-from ..core.step import Step, Transform, train_step
+from ..core.step import Step, train_step
+from ..core.transform import Transform
 from ..transforms import accumulate, clip, ema, mixed_precision, skip_nonfinite
 from .config import TrainConfig
 
@@ -145,11 +147,6 @@ def _named(step: Step, name: str) -> Transform | None:
     return next((t for t in step.transforms if t.name == name), None)
 
 
-def _accumulation(step: Step) -> int:
-    t = _named(step, "accumulate")
-    return 1 if t is None else int(getattr(t, "n", 1))
-
-
 def build_step(loss: Callable, config: TrainConfig, world: int, *, optimizer: Any = None,
                transforms: Iterable[Any] = (), step: Any = None) -> tuple[Step, CompiledStep | None]:
     """The trainer's step (and the compiled one if ``step=`` was already compiled).
@@ -172,14 +169,15 @@ def build_step(loss: Callable, config: TrainConfig, world: int, *, optimizer: An
             raise TypeError(f"Trainer(step=...) takes a functrain Step (ft.train_step(...), wrapped in transforms) or "
                             f"ft.compile(step); got {describe(step)[:200]}")
         _warn_unused(c, _STEP_FIELDS, "Trainer(step=...) uses the given step as is")
-        n = _accumulation(base)
+        n = base.micro_batches  # declared: Transform.micro_batches (a streaming accumulation takes 1 per call)
         if n != c.gradient_accumulate_every:
             raise ValueError(f"the given step accumulates {n} micro-batches but TrainConfig.gradient_accumulate_every"
                              f"={c.gradient_accumulate_every}: the trainer loads batches of train_batch_size * "
-                             f"gradient_accumulate_every rows; make them agree")
+                             f"gradient_accumulate_every rows; make them agree (Step.micro_batches: a streaming "
+                             f"accumulate takes one micro-batch per call)")
         present = _named(base, "data_parallel")
         if present is not None:
-            mode = getattr(present, "shard", "none")
+            mode = present.shard if isinstance(present, ShardedDataParallel) else "none"
             if c.shard != "none" and mode != c.shard:  # (the default config leaves it to the step)
                 raise ValueError(f"the given step has data_parallel(shard={mode!r}) but TrainConfig.shard="
                                  f"{c.shard!r}: make them agree, or leave TrainConfig.shard at 'none'")

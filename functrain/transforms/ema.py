@@ -7,8 +7,8 @@ import torch
 
 from ..core import tree as T
 from ..core.validate import check_int, check_real
-from ..core.eager import FlatDict, host_number
-from ..core.step import StepContext, Transform
+from ..core.eager import TreespecCache, as_tensor, host_number, select
+from ..core.transform import StepContext, Transform
 from ..core.registry import register_checkpoint_type
 
 __all__ = ["ema", "EmaState"]
@@ -42,7 +42,7 @@ class EMA(Transform):
         self.decay = check_real("ema: decay", decay, lo=0, hi=1, lo_open=True, hi_open=True)
         self.every = check_int("ema: every", every, minimum=1)
         self.start_step = check_int("ema: start_step", start_step, minimum=0)
-        self._flat = FlatDict()
+        self._flatten = TreespecCache()
 
     def init(self, params, buffers) -> EmaState:
         leaves = T.tree_leaves(params)
@@ -51,29 +51,15 @@ class EMA(Transform):
 
     def after(self, ctx: StepContext) -> None:
         old: EmaState = ctx.slot(self)
-        leaves, spec = self._flat(old.params)
-        new_params = spec.flatten_up_to(ctx.params)
-        count = host_number(old.count) if ctx.apply is None else old.count
-        if not isinstance(count, torch.Tensor):
-            # Eager, every update applied, the count on the host: decide on the host, as the selects
-            # below would (the same values, a dozen tiny ops fewer). Copies stay fresh tensors: the
-            # new state never shares storage with the params or with the input state.
-            count += 1
-            if count <= self.start_step:
-                out = [p.clone() for p in new_params]
-            elif count % self.every == 0:
-                out = torch._foreach_lerp(leaves, new_params, 1.0 - self.decay)
-            else:
-                out = [e.clone() for e in leaves]
-            ctx.set_slot(self, EmaState(T.tree_unflatten(spec, out), old.count + 1))
-            return
-        applied = torch.ones((), dtype=torch.bool, device=old.count.device) if ctx.apply is None else ctx.apply
-        count = old.count + applied.to(torch.int64)
+        ema, spec = self._flatten(old.params)
+        params = spec.flatten_up_to(ctx.params)
+        applied = True if ctx.apply is None else ctx.apply  # skipped updates do not count
+        count = host_number(old.count) + applied  # eagerly, every update applied: a host int, decided on the host
         copy = applied & (count <= self.start_step)
         blend = applied & (count > self.start_step) & (count % self.every == 0)
-        blended = torch._foreach_lerp(leaves, new_params, 1.0 - self.decay)
-        out = [torch.where(blend, b, torch.where(copy, p, e)) for e, p, b in zip(leaves, new_params, blended)]
-        ctx.set_slot(self, EmaState(T.tree_unflatten(spec, out), count))
+        new = select(blend, lambda: torch._foreach_lerp(ema, params, 1.0 - self.decay),
+                     lambda: select(copy, params, ema))
+        ctx.set_slot(self, EmaState(T.tree_unflatten(spec, new), as_tensor(count, like=old.count)))
 
     def __repr__(self) -> str:
         return f"ema({self.decay}, every={self.every}, start_step={self.start_step})"

@@ -169,6 +169,12 @@ def test_a_ready_step_is_used_as_is(tmp_path):
         ft.Trainer(model, data, config, step=step, optimizer=ft.optim.sgd(0.1))
     with pytest.raises(ValueError, match=r"accumulates 2 micro-batches but TrainConfig.gradient_accumulate_every=1"):
         ft.Trainer(model, data, config, step=ft.accumulate(2)(step))
+    # a streaming accumulation takes one micro-batch per call (Transform.micro_batches): the trainer loads
+    # train_batch_size rows per call for it, never gradient_accumulate_every times as many
+    with pytest.raises(ValueError, match=r"accumulates 1 micro-batches but TrainConfig.gradient_accumulate_every=2"):
+        ft.Trainer(model, data, config.replace(gradient_accumulate_every=2),
+                   step=ft.accumulate(2, streaming=True)(step))
+    ft.Trainer(model, data, config, step=ft.accumulate(2, streaming=True)(step))
     with pytest.raises(TypeError, match="takes a functrain Step"):
         ft.Trainer(model, data, config, step=lambda state, batch: (state, {}))
 

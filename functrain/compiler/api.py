@@ -126,7 +126,9 @@ class CompiledStep:
                  capture: str = "auto", cache_dir: Any = None, package: bool = False, **kwargs: Any):
         if not isinstance(step, Step):
             raise TypeError(f"ft.compile takes a functrain Step (from ft.train_step); got {type(step).__name__}")
-        self.cache_dir = None if cache_dir is None else compile_cache.use_cache_dir(cache_dir)
+        # checked before anything compiles or loads (None: inductor's own folder, the Trainer's default)
+        folder = compile_cache.use_cache_dir(cache_dir)
+        self.cache_dir = None if cache_dir is None else folder
         self.step = step
         self.donate = bool(donate)
         self.fullgraph = fullgraph

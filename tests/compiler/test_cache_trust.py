@@ -1,0 +1,172 @@
+"""Compile caches another user can write into are never loaded from (functrain/compiler/trust.py, cache.py, package.py).
+
+Tested as the attacker acts: another uid (``setpriv --reuid/--regid --clear-groups``; we are root
+here) plants code in a folder the victim's compile would load from, and the victim, a non-root
+uid of its own, runs ``ft.compile`` in a child process. Both keep ``CAP_DAC_READ_SEARCH`` only so
+that they can read the Python install under ``/root``; it grants no write access. Each child
+compiles (tens of seconds on 2 shared cores).
+"""
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import zipfile
+
+import pytest
+
+from functrain.compiler import cache as compile_cache
+from functrain.compiler import trust
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ATTACKER, VICTIM, TEAM = 12345, 12346, 12350
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0 or not shutil.which("setpriv"),
+                                reason="needs root and setpriv to act as other users")
+
+# the victim's step: a tiny MLP, compiled the way ft.Trainer compiles it (no cache_dir: inductor's own folder)
+CHILD = textwrap.dedent(r"""
+    import json, sys, warnings
+    import torch
+    import functrain as ft
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    apply_fn, params, buffers = ft.functionalize(model)
+    def loss_fn(params, buffers, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(apply_fn(params, buffers, x), y)
+    step = ft.train_step(loss_fn, ft.optim.adamw(1e-2))
+    batch = (torch.randn(8, 6), torch.randn(8, 1))
+    state = step.init(params, buffers)
+    kwargs = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cstep = ft.compile(step, **kwargs)
+        run = cstep.donating() if kwargs.get("package") else cstep
+        got, _ = run(ft.tree.tree_map(torch.clone, state), batch)
+    want, _ = step(state, batch)
+    import os
+    print(json.dumps({"equal": bool(ft.tree.tree_allclose(got, want, rtol=1e-5, atol=1e-6)),
+                      "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+                      "built": getattr(cstep._packages, "built", None), "loaded": getattr(cstep._packages, "loaded", None),
+                      "warnings": [str(w.message) for w in caught if "ft.compile" in str(w.message)]}))
+""")
+
+
+@pytest.fixture()
+def scratch():
+    """A shared sticky folder like /tmp (others can make entries, only owners remove them), with a home per user."""
+    d = tempfile.mkdtemp(prefix="ft-trust-", dir="/tmp")
+    os.chmod(d, 0o1777)
+    for name, uid in (("victim", VICTIM), ("attacker", ATTACKER)):
+        os.mkdir(os.path.join(d, name), 0o700)
+        os.chown(os.path.join(d, name), uid, uid)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _as(uid: int, gid: int, argv: list, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--inh-caps=+dac_read_search",
+           "--ambient-caps=+dac_read_search", *argv]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd="/")
+
+
+def _env(scratch: str, who: str, **extra) -> dict:
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1",
+            "TMPDIR": scratch, "HOME": os.path.join(scratch, who), "USER": who, "LOGNAME": who, **extra}
+
+
+def _child(uid, gid, env, *args) -> dict:
+    p = _as(uid, gid, [sys.executable, "-c", CHILD, *args], env)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+PLANT = textwrap.dedent(r"""
+    import os, sys
+    marker = sys.argv[2]
+    for root, dirs, files in os.walk(sys.argv[1]):
+        for name in files:
+            if name.endswith(".py"):  # inductor's output code: imported by whoever's compile hits it
+                with open(os.path.join(root, name), "a") as f:
+                    f.write(f"\nopen({marker!r}, 'w').write('pwned')\n")
+    for root, dirs, files in os.walk(sys.argv[1]):
+        for name in dirs + files:
+            os.chmod(os.path.join(root, name), 0o777)
+    os.chmod(sys.argv[1], 0o777)
+""")
+
+
+def test_a_planted_default_inductor_folder_is_not_loaded_from(scratch):
+    """Another user pre-creates inductor's default folder of the victim ($TMPDIR/torchinductor_victim), fills it
+    with the output code of the victim's own step (they compile the same script into it) with a payload
+    appended, and opens it to all (0777). The victim's next compile, ft.compile(step) without cache_dir as
+    ft.Trainer does, runs none of it, warns once naming the folder and why, and computes the right step."""
+    planted = os.path.join(scratch, "torchinductor_victim")
+    marker = os.path.join(scratch, "pwned")
+    os.mkdir(planted)
+    os.chown(planted, ATTACKER, ATTACKER)
+    os.chmod(planted, 0o700)  # the attacker's own while they fill it (so their compile trusts it)
+    attacker = _child(ATTACKER, ATTACKER, _env(scratch, "attacker", TORCHINDUCTOR_CACHE_DIR=planted))
+    assert attacker["equal"], attacker
+    p = _as(ATTACKER, ATTACKER, [sys.executable, "-c", PLANT, planted, marker], _env(scratch, "attacker"))
+    assert p.returncode == 0, p.stderr
+    assert any(n.endswith(".py") for _, _, files in os.walk(planted) for n in files), "nothing to plant into"
+    assert not os.path.exists(marker)
+
+    victim = _child(VICTIM, VICTIM, _env(scratch, "victim"))
+    assert not os.path.exists(marker), "the victim ran the code another user planted"
+    assert victim["equal"], victim
+    private = os.path.join(scratch, "victim", ".cache", "functrain", "torchinductor_victim")
+    assert victim["inductor"] == private, victim
+    named = [w for w in victim["warnings"] if planted in w]
+    assert len(named) == 1, victim["warnings"]
+    assert f"belongs to uid {ATTACKER}" in named[0] and private in named[0], named
+    info = os.stat(os.path.dirname(private))
+    assert info.st_uid == VICTIM and stat.S_IMODE(info.st_mode) == 0o700
+
+
+# -- the rule itself, on folders made here (root acting for itself, other uids as owners) --------------------
+def test_the_rule_names_why_a_folder_is_not_trusted(tmp_path):
+    ok = tmp_path / "ok"
+    ok.mkdir(mode=0o755)
+    (ok / "ab").mkdir(mode=0o755)
+    (ok / "ab" / "x.py").write_text("")
+    assert trust.why_untrusted(str(ok)) is None
+    team = tmp_path / "team"
+    team.mkdir()
+    os.chmod(team, 0o2770)
+    assert "writable by its group" in trust.why_untrusted(str(team))
+    # planted: a file of another uid's, a symlink, a reachable subfolder others can write
+    os.chown(ok / "ab" / "x.py", ATTACKER, ATTACKER)
+    assert f"belongs to uid {ATTACKER}" in trust.why_untrusted(str(ok))
+    os.chown(ok / "ab" / "x.py", 0, 0)
+    os.symlink("/etc/passwd", ok / "ab" / "link.py")
+    assert "symlink" in trust.why_untrusted(str(ok))
+    os.unlink(ok / "ab" / "link.py")
+    os.chmod(ok / "ab", 0o777)
+    assert "writable by everyone" in trust.why_untrusted(str(ok))
+    os.chmod(ok, 0o700)  # nobody else can reach ab/ any more: its mode no longer matters
+    assert trust.why_untrusted(str(ok)) is None
+    os.chmod(ok / "ab", 0o755)
+    # the chain: a folder inside a non-sticky folder others can write can be replaced
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    os.chmod(open_parent, 0o777)
+    (open_parent / "cache").mkdir(mode=0o700)
+    assert "not sticky" in trust.why_untrusted(str(open_parent / "cache"))
+    os.chmod(open_parent, 0o1777)
+    assert trust.why_untrusted(str(open_parent / "cache")) is None
+    # a symlink of another user's on the way
+    os.symlink(ok, open_parent / "via")
+    os.lchown(open_parent / "via", ATTACKER, ATTACKER)
+    assert f"is a symlink of uid {ATTACKER}" in trust.why_untrusted(str(open_parent / "via"))
+    assert (f"reached through the symlink {str(open_parent / 'via')!r} of uid {ATTACKER}"
+            in trust.why_untrusted(str(open_parent / "via" / "ab")))
+    with pytest.raises(ValueError, match="writable by its group"):
+        compile_cache.check_private_folder(str(team))

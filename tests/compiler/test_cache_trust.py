@@ -170,3 +170,92 @@ def test_the_rule_names_why_a_folder_is_not_trusted(tmp_path):
             in trust.why_untrusted(str(open_parent / "via" / "ab")))
     with pytest.raises(ValueError, match="writable by its group"):
         compile_cache.check_private_folder(str(team))
+
+
+# -- packages: a group-writable team cache, a forged checksum ------------------------------------------------
+PAYLOAD_C = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void payload(void) {
+    FILE *f = fopen(MARKER, "w");
+    if (f) { fputs("pwned", f); fclose(f); }
+}
+"""
+
+SWAP = textwrap.dedent(r"""
+    import hashlib, json, os, shutil, subprocess, sys, zipfile
+    folder, marker = sys.argv[1], sys.argv[2]
+    src = os.path.join(os.path.dirname(marker), "payload.c")
+    so = os.path.join(os.path.dirname(marker), "payload.so")
+    with open(src, "w") as f:
+        f.write(sys.argv[3])
+    subprocess.run(["gcc", "-shared", "-fPIC", f"-DMARKER={json.dumps(marker)}", "-o", so, src], check=True)
+    payload = open(so, "rb").read()
+    for name in os.listdir(folder):
+        if not name.endswith(".pt2"):
+            continue
+        package = os.path.join(folder, name)
+        swapped = package + ".swap"
+        with zipfile.ZipFile(package) as old, zipfile.ZipFile(swapped, "w") as new:
+            members = [m for m in old.infolist()]
+            assert any(m.filename.endswith(".so") for m in members), [m.filename for m in members]
+            for m in members:  # every shared library in the package becomes the payload
+                new.writestr(m, payload if m.filename.endswith(".so") else old.read(m))
+        os.replace(swapped, package)
+        sidecar = package[:-4] + ".json"
+        data = json.load(open(sidecar))
+        data["sha256"] = hashlib.sha256(open(package, "rb").read()).hexdigest()  # the checksum, rewritten
+        with open(sidecar, "w") as f:
+            json.dump(data, f)
+    print("swapped")
+""")
+
+
+def _share_with_team(src: str, dst: str) -> None:
+    """What a team cache looks like: the owner's files, group TEAM, setgid folders 2770, files 0660."""
+    shutil.copytree(src, dst)
+    for root, dirs, files in os.walk(dst):
+        os.chown(root, VICTIM, TEAM)
+        os.chmod(root, 0o2770)
+        for name in files:
+            os.chown(os.path.join(root, name), VICTIM, TEAM)
+            os.chmod(os.path.join(root, name), 0o660)
+
+
+def test_a_swapped_package_in_a_team_cache_or_with_a_rewritten_checksum_does_not_run(scratch):
+    """The victim builds a package in its own cache_dir and shares a copy as a team cache (2770, group TEAM).
+    A group member swaps the shared library inside the .pt2 for a payload and rewrites the sidecar's
+    SHA-256. The victim's next run on the team cache does not load from it (it is group-writable: warned,
+    naming it) and loads its own package from its private folder; and the same forged package copied
+    into the victim's own folder is refused too (its checksum is not signed with the victim's key),
+    rebuilt, and right. The payload never runs."""
+    own = os.path.join(scratch, "victim", ".cache", "functrain", "team")  # where the fallback for ".../team" goes
+    env = _env(scratch, "victim")
+    first = _child(VICTIM, TEAM, env, json.dumps({"cache_dir": own, "package": True}))
+    assert first["built"] == 1 and first["equal"], first
+    team = os.path.join(scratch, "shared", "team")
+    os.makedirs(os.path.dirname(team))
+    os.chmod(os.path.dirname(team), 0o755)
+    _share_with_team(own, team)
+    marker = os.path.join(scratch, "attacker", "pwned")
+    os.chmod(os.path.join(scratch, "attacker"), 0o777)  # the victim's payload run may write the marker there
+    p = _as(ATTACKER, TEAM, [sys.executable, "-c", SWAP, os.path.join(team, "packages"), marker, PAYLOAD_C],
+            _env(scratch, "attacker"))
+    assert p.returncode == 0 and "swapped" in p.stdout, p.stderr[-3000:]
+
+    shared = _child(VICTIM, TEAM, env, json.dumps({"cache_dir": team, "package": True}))
+    assert not os.path.exists(marker), "the victim ran the payload from the team cache"
+    assert shared["equal"] and shared["loaded"] == 1 and shared["built"] == 0, shared
+    named = [w for w in shared["warnings"] if team in w]
+    assert len(named) == 1 and "writable by its group" in named[0] and own in named[0], shared["warnings"]
+
+    # the forged package (right SHA-256 in its sidecar) in a folder the victim trusts: the HMAC refuses it
+    packages = os.path.join(own, "packages")
+    for name in os.listdir(os.path.join(team, "packages")):
+        dst = os.path.join(packages, name)
+        shutil.copyfile(os.path.join(team, "packages", name), dst)
+        os.chown(dst, VICTIM, TEAM)
+        os.chmod(dst, 0o600)
+    forged = _child(VICTIM, TEAM, env, json.dumps({"cache_dir": own, "package": True}))
+    assert not os.path.exists(marker), "the victim ran the payload of a package whose checksum was rewritten"
+    assert forged["equal"] and forged["built"] == 1 and forged["loaded"] == 0, forged
+    assert any("not signed with this user's package key" in w for w in forged["warnings"]), forged["warnings"]

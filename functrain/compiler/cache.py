@@ -147,31 +147,50 @@ def use_cache_dir(cache_dir: Any = None) -> str:
 
 
 def _default_inductor_dir() -> str:
-    """Inductor's default cache folder (``$TMPDIR/torchinductor_<user>``), computed as inductor does."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    return default_cache_dir()
+    """Inductor's default cache folder (``$TMPDIR/torchinductor_<user>``), computed as inductor does,
+    without importing inductor (seconds) when it is not imported yet."""
+    utils = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    if utils is not None:
+        return (_original_default[0] if _original_default else utils.default_cache_dir)()
+    import getpass
+    import re
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def _guard_defaults(folder: str) -> None:
     """Inductor keeps a few things in its *default* folder whatever ``TORCHINDUCTOR_CACHE_DIR`` says
-    (precompiled headers, gcc includes them into every CPU kernel; two on-disk caches): if that folder
-    is not trusted, point them at ``folder`` too."""
-    from torch._inductor.runtime import cache_dir_utils
-    default = _original_default[0] if _original_default else cache_dir_utils.default_cache_dir
-    path = default()
+    (precompiled headers, which gcc includes into every CPU kernel; two on-disk caches): if that folder
+    is not trusted, they go to ``folder`` too (:func:`_redirect_defaults`, applied before inductor compiles)."""
+    global _redirect_to
+    path = _default_inductor_dir()
     if os.path.abspath(path) == os.path.abspath(folder):  # checked already: it is the folder in use
         return
     try:
         check_private_folder(path)  # (made 0o700 if missing, so that nobody else makes it first)
         return
     except (ValueError, OSError) as e:
-        if os.path.abspath(path) != os.path.abspath(folder):
-            _warn_once(("folder", os.path.abspath(path)),
-                       f"ft.compile: not loading compiled code from inductor's default cache folder "
-                       f"{os.path.abspath(path)!r}: {e.args[0] if isinstance(e, ValueError) else e}. "
-                       f"Using {folder!r} for what inductor keeps there (precompiled headers)")
+        _warn_once(("folder", os.path.abspath(path)),
+                   f"ft.compile: not loading compiled code from inductor's default cache folder "
+                   f"{os.path.abspath(path)!r}: {e.args[0] if isinstance(e, ValueError) else e}. "
+                   f"Using {folder!r} for what inductor keeps there (precompiled headers)")
+    _redirect_to = folder
+    if "torch._inductor.runtime.cache_dir_utils" in sys.modules:
+        _redirect_defaults()
+
+
+def _redirect_defaults() -> None:
+    """Point inductor's ``default_cache_dir`` (each module's binding of it) and its precompiled-header folder
+    at the trusted folder chosen by :func:`_guard_defaults`; called before inductor compiles."""
+    folder = _redirect_to
+    if folder is None:
+        return
+    from torch._inductor.runtime import cache_dir_utils
     if not _original_default:
-        _original_default.append(default)
+        _original_default.append(cache_dir_utils.default_cache_dir)
 
     def trusted_default() -> str:
         return folder
@@ -189,6 +208,7 @@ def _guard_defaults(folder: str) -> None:
 
 
 _original_default: list = []  # inductor's own default_cache_dir, once replaced
+_redirect_to: str | None = None  # where inductor's default folder's contents go when it is not trusted
 
 
 def _inductor_compiled() -> bool:
@@ -241,6 +261,7 @@ def compile_lock(key: str) -> Iterator[bool]:
         yield False
         return
     timeout = _lock_timeout()
+    _redirect_defaults()  # inductor compiles next: its default folder must be the trusted one by then
     try:
         folder = check_private_folder(os.path.join(_inductor_dir(), "functrain-locks"))
         fd = os.open(os.path.join(folder, key + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)

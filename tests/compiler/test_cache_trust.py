@@ -129,9 +129,28 @@ def test_a_planted_default_inductor_folder_is_not_loaded_from(scratch):
     assert f"belongs to uid {ATTACKER}" in named[0] and private in named[0], named
     info = os.stat(os.path.dirname(private))
     assert info.st_uid == VICTIM and stat.S_IMODE(info.st_mode) == 0o700
+    # nor did the victim compile into the planted folder what inductor keeps in its default folder whatever
+    # TORCHINDUCTOR_CACHE_DIR says (precompiled headers, included into every kernel): they went private too
+    mine = [os.path.join(r, n) for r, ds, fs in os.walk(planted) for n in ds + fs
+            if os.lstat(os.path.join(r, n)).st_uid == VICTIM]
+    assert not mine, f"the victim wrote into the planted folder: {mine[:5]}"
+    assert os.path.isdir(os.path.join(private, "precompiled_headers")), os.listdir(private)
 
 
 # -- the rule itself, on folders made here (root acting for itself, other uids as owners) --------------------
+def test_the_default_folder_is_found_as_inductor_finds_it_without_importing_inductor(tmp_path):
+    code = ("import sys, json; from functrain.compiler import cache; mine = cache._default_inductor_dir(); "
+            "imported = 'torch._inductor' in sys.modules; "
+            "from torch._inductor.runtime.cache_dir_utils import default_cache_dir; "
+            "print(json.dumps([mine, default_cache_dir(), imported]))")
+    for env in ({"USER": "someone", "LOGNAME": "someone"}, {"USER": "", "LOGNAME": "a/b"}):
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": str(tmp_path), **env})
+        assert p.returncode == 0, p.stderr
+        mine, theirs, imported = json.loads(p.stdout)
+        assert mine == theirs and not imported, (mine, theirs, imported)
+
+
 def test_the_rule_names_why_a_folder_is_not_trusted(tmp_path):
     ok = tmp_path / "ok"
     ok.mkdir(mode=0o755)

@@ -96,7 +96,10 @@ def _contents(top: str, mode: int, uid: int) -> str | None:
         except OSError as e:
             return f"has a subfolder that cannot be read ({folder!r}: {e.strerror})"
         for entry in entries:
-            info = entry.stat(follow_symlinks=False)
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:  # removed meanwhile (a temporary file of a compile in progress)
+                continue
             if stat.S_ISLNK(info.st_mode):
                 return f"holds a symlink, {entry.path!r} (a compile cache has none: planted?)"
             if info.st_uid not in (uid, 0):

@@ -7,11 +7,15 @@ config and the torch version: a changed loss, shape, device or torch build is a
 different key, compiled afresh, never a stale entry. functrain adds three things:
 
 * **the folder** (:func:`use_cache_dir`): ``ft.compile(step, cache_dir=...)`` points
-  inductor's cache at ``cache_dir/inductor``. Inductor reads its folder from the
-  process-wide ``TORCHINDUCTOR_CACHE_DIR``, so the first folder a process compiles
-  with is the one it keeps; a different one later is a warning, not a silent switch.
-  The folder must belong to this user and not be world-writable (the cache holds
-  shared libraries the process loads).
+  inductor's cache at ``cache_dir/inductor``; without ``cache_dir`` inductor's own
+  folder is used (``TORCHINDUCTOR_CACHE_DIR``, else ``$TMPDIR/torchinductor_<user>``).
+  Inductor reads its folder from the process-wide ``TORCHINDUCTOR_CACHE_DIR``, so the
+  first folder a process compiles with is the one it keeps; a different one later is
+  a warning, not a silent switch. The cache holds code the process runs, so each
+  folder is checked before anything compiles (:mod:`functrain.compiler.trust`: the
+  folder, the folders above it and everything in it writable by this user only,
+  inductor's default folder included); a folder that fails is not loaded from:
+  functrain's private ``0700`` folder is used instead, with one warning naming it and why.
 * **a lock per graph** (:func:`compile_lock`): N ranks of one machine that start
   together would each compile the same graph from scratch (each misses the cache
   before any has written it). The first to arrive takes an ``flock`` on a file named
@@ -37,7 +41,6 @@ import contextlib
 import hashlib
 import json
 import os
-import stat
 import sys
 import tempfile
 import time

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import zipfile
 
 import pytest
 

@@ -144,6 +144,8 @@ def use_cache_dir(cache_dir: Any = None) -> str:
         wanted = _active
     folder = trusted_folder(wanted, what, contents=cache_dir is None or wanted == _active)
     _guard_defaults(folder)
+    if os.environ.get("TRITON_CACHE_DIR"):  # GPU kernels: Triton's cache, when not inside inductor's folder
+        os.environ["TRITON_CACHE_DIR"] = trusted_folder(os.environ["TRITON_CACHE_DIR"], "TRITON_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
     _active = folder
     return folder

@@ -137,6 +137,39 @@ def test_a_planted_default_inductor_folder_is_not_loaded_from(scratch):
 
 
 # -- the rule itself, on folders made here (root acting for itself, other uids as owners) --------------------
+def test_refused_folders_are_replaced_by_private_ones_with_one_warning_each(tmp_path):
+    """TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR pointing at folders everyone can write, cache_dir= a team
+    folder: each is replaced by a private folder, named once in a warning; nothing is compiled."""
+    for name, mode in (("open", 0o777), ("triton", 0o777), ("team", 0o2770)):
+        (tmp_path / name).mkdir()
+        os.chmod(tmp_path / name, mode)
+    code = textwrap.dedent("""
+        import json, os, warnings
+        from functrain.compiler import cache
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first = cache.use_cache_dir(None)
+            again = cache.use_cache_dir(None)
+            cache._active = None
+            team = cache.use_cache_dir(os.environ["TEAM"])
+        print(json.dumps([first, again, team, os.environ["TRITON_CACHE_DIR"], [str(w.message) for w in caught]]))
+    """)
+    env = {**os.environ, "PYTHONPATH": ROOT, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "open"),
+           "TRITON_CACHE_DIR": str(tmp_path / "triton"), "FUNCTRAIN_CACHE_DIR": str(tmp_path / "private"),
+           "TEAM": str(tmp_path / "team"), "TMPDIR": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    first, again, team, triton, caught = json.loads(p.stdout)
+    private = tmp_path / "private"
+    assert first == again == str(private / "open") and triton == str(private / "triton"), (first, triton)
+    assert team == str(private / "team" / "inductor"), team
+    for folder, why in (("open", "writable by everyone"), ("triton", "writable by everyone"),
+                        ("team", "writable by its group")):
+        named = [w for w in caught if repr(str(tmp_path / folder)) in w]
+        assert len(named) == 1 and why in named[0], caught
+    assert stat.S_IMODE(os.stat(private).st_mode) == 0o700
+
+
 def test_the_default_folder_is_found_as_inductor_finds_it_without_importing_inductor(tmp_path):
     code = ("import sys, json; from functrain.compiler import cache; mine = cache._default_inductor_dir(); "
             "imported = 'torch._inductor' in sys.modules; "

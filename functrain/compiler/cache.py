@@ -125,8 +125,10 @@ def use_cache_dir(cache_dir: Any = None) -> str:
         raise TypeError(f"ft.compile(cache_dir=...) takes a folder path (str or os.PathLike); "
                         f"got {type(cache_dir).__name__}")
     if cache_dir is None:
-        if _active is not None:
-            return _active
+        current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        if _active is not None and (current is None or os.path.abspath(current) == _active):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = _active
+            return _active  # (changed by someone since: what inductor would use now is checked below)
         wanted = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or _default_inductor_dir()
         what = ("TORCHINDUCTOR_CACHE_DIR" if os.environ.get("TORCHINDUCTOR_CACHE_DIR")
                 else "inductor's default cache folder")
@@ -224,8 +226,9 @@ def _inductor_compiled() -> bool:
 
 
 def _inductor_dir() -> str:
-    """The inductor folder this process compiles into, checked (:func:`use_cache_dir`) on first use."""
-    return use_cache_dir(None) if _active is None else _active
+    """The inductor folder this process compiles into, checked (:func:`use_cache_dir`; again if
+    ``TORCHINDUCTOR_CACHE_DIR`` was changed since)."""
+    return use_cache_dir(None)
 
 
 def graph_key(gm: torch.fx.GraphModule, inputs: list) -> str:

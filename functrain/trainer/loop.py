@@ -517,7 +517,6 @@ class Trainer:
         self._stop = self._signalled = True  # finish the current step, save, return
 
 
-
 # bookkeeping, not curves: kept in metrics.jsonl and the history, left out of the plot and the summary line
 _NOT_PLOTTED = ("steps_per_s", "compile_s", "skipped", "skipped_updates", "eval_samples")
 _SUMMARY = ("loss", "eval_loss", "eval_loss_ema", "grad_norm", "lr", "skipped_updates")

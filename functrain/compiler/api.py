@@ -198,7 +198,8 @@ class CompiledStep:
         def explain(error: Exception, state: Any, batch: Any) -> None:  # always raises
             self._explain(error, state, batch, graph_break=True)
 
-        return FastPath(step.apply, self._backend, donate=self.donate or owned, check=check, with_rng=with_rng,
+        return FastPath(step.apply, self._backend, donate=self.donate or owned, check=check,
+                        with_rng=functools.partial(with_rng, host_generators=False),  # the graph cannot draw them
                         rank=step.rng_offset, explain=explain, owned=owned, cuda_graphs=self._graphs,
                         package=package if packages is not None else None)
 
@@ -278,8 +279,8 @@ class CompiledStep:
             self.step.host_call(self.step.apply, state, batch)
         except Exception as real:  # noqa: BLE001 - surface whatever the step itself raises
             if hasattr(real, "add_note"):  # Python >= 3.11
-                real.add_note(f"(raised by the step run eagerly: ft.compile could not trace it, "
-                              f"torch._dynamo.exc.{type(error).__name__})")
+                real.add_note(f"(raised by the step run eagerly: ft.compile could not trace it; "
+                              f"{'the capture (make_fx)' if graph_break else 'Dynamo'} raised {_qualname(error)})")
             raise real from None
         if graph_break or isinstance(error, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -291,6 +292,12 @@ class CompiledStep:
 
     def __repr__(self) -> str:
         return f"compile({self.step!r}, donate={self.donate})"
+
+
+def _qualname(error: Exception) -> str:
+    """``AttributeError``, ``torch._dynamo.exc.Unsupported``: the error's class as its module names it."""
+    cls = type(error)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
 
 def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture: str = "auto",

@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterator
 import optree
 import torch
 
+from ..core.rng import HostRandomError, host_random_refused
 from .cudagraph import GraphedCall, why_not
 
 from .recycle import Buffer, free_buffers, recyclable, write_into
@@ -236,8 +237,10 @@ def capture(apply: Callable, state: Any, batch: Any, backend: Callable, *, donat
     example += [torch.empty_strided(example[k].shape, example[k].stride(), dtype=example[k].dtype,
                                     device=example[k].device) for k in recycle]
     try:
-        with _compiling():
+        with _compiling(), host_random_refused("ft.compile"):  # a draw from random/numpy would be frozen
             gm = make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+    except HostRandomError:
+        raise
     except Exception as e:  # noqa: BLE001 - the caller re-runs eagerly to tell a user error from a graph break
         raise CaptureError(f"{type(e).__name__}: {e}") from e
     constants = _lift_constants(gm)

@@ -12,14 +12,18 @@ step the way a pure function of the state needs:
 3. run the step, restore the caller's generators, return the state with the
    counter advanced.
 
-Eagerly the same goes for Python's ``random`` and numpy's global generator
-(``np.random.rand`` ...): seeded from the step seed, restored after, so a step that
-draws from them gives the same result from the same state. A compiled step cannot
-draw from them: the number drawn while the step is traced would be a constant of
-the graph, so :func:`host_random_refused` (around the capture) raises
-:class:`HostRandomError` naming the call. Randomness that compiles is drawn with
-torch ops (``torch.rand``, ``torch.randint``, ``torch.randn_like``), which come from
-the seeded torch generators in both forms.
+Eagerly the same goes for Python's ``random`` (its global instance seeded from the
+step seed and restored after) and numpy's global functions (``np.random.rand``,
+``np.random.normal``, ... draw, during the step, from a generator seeded from the step
+seed; the caller's is not touched): a step that draws from them gives the same result
+from the same state. (A numpy function bound before, ``from numpy.random import rand``,
+still draws from numpy's own global generator.) A compiled step cannot draw from them:
+the number drawn while the step is traced would be a constant of the graph, so
+:func:`host_random_refused` (around the capture) raises :class:`HostRandomError` naming
+the call. Randomness that compiles is drawn with torch ops (``torch.rand``,
+``torch.randint``, ``torch.randn_like``, ``torch.bernoulli``), which come from the seeded
+torch generators in both forms: a coin is ``torch.rand((), device=x.device) < p`` and a
+branch on it a ``torch.where``.
 
 Example::
 
@@ -105,11 +109,12 @@ def with_rng(fn: Callable, state: Any, batch: Any, rank: int = 0, host_generator
     holds everything), runs, and restores the caller's generators. All of it is
     host work on host memory: no device sync, no torch op that reads a value.
 
-    ``host_generators`` (the default): Python's ``random`` and numpy's global
-    generator are seeded and restored too, so an eager step that draws from them
-    (``random.random()``, ``np.random.rand()``) gives the same result from the same
-    state. A compiled graph cannot draw from them (see :func:`host_random_refused`):
-    its caller passes ``False`` and saves their cost (tens of microseconds).
+    ``host_generators`` (the default): Python's ``random`` is seeded and restored too,
+    and numpy's global functions draw from a generator seeded for the step, so an
+    eager step that draws from them (``random.random()``, ``np.random.rand()``) gives
+    the same result from the same state. A compiled graph cannot draw from them (see
+    :func:`host_random_refused`): its caller passes ``False`` and saves their cost
+    (~15 microseconds, mostly Python's ``getstate``).
 
     Example::
 
@@ -158,19 +163,33 @@ def with_rng(fn: Callable, state: Any, batch: Any, rank: int = 0, host_generator
 
 # -- Python's and numpy's global generators -------------------------------------------------------
 _NP = np.random.mtrand._rand  # the RandomState behind np.random.rand, np.random.normal, ...
+# numpy's legacy functions (np.random.rand, normal, seed, ...) are bound methods of _NP. Saving and restoring its
+# state costs ~100 us a step (get_state and set_state copy 624 words through Python objects), so during an eager
+# step those names point at the methods of a generator of the step's own, seeded from the step seed (~2 us), and
+# the caller's generator is not touched at all.
+_NP_NAMES = tuple(sorted(name for name, fn in vars(np.random).items() if getattr(fn, "__self__", None) is _NP))
+_NP_STEP = np.random.RandomState(0)
+_NP_STEP_FNS = {name: getattr(_NP_STEP, name) for name in _NP_NAMES}
 
 
 def _seed_host(seed: int) -> tuple:
-    """Seed Python's ``random`` and numpy's global generator from a step seed; return what to restore."""
-    saved = (random.getstate(), _NP.get_state())
+    """Seed Python's ``random`` and (for the step) numpy's global functions from a step seed; return what to restore.
+
+    Python's global instance is re-seeded (``from random import random`` binds its method, so it is the one
+    to seed) and its state saved; the ``numpy.random`` functions are pointed at a generator seeded from the step
+    seed (numpy's 32-bit seed: the 64 bits folded)."""
+    saved = random.getstate()
     random.seed(seed)
-    _NP.seed((seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF))  # all 64 bits (an int seed takes 32)
-    return saved
+    names = np.random.__dict__
+    saved_np = {name: names.get(name) for name in _NP_NAMES}
+    _NP_STEP.seed((seed ^ (seed >> 32)) & 0xFFFFFFFF)
+    names.update(_NP_STEP_FNS)
+    return saved, saved_np
 
 
 def _restore_host(saved: tuple) -> None:
     random.setstate(saved[0])
-    _NP.set_state(saved[1])
+    np.random.__dict__.update(saved[1])
 
 
 class HostRandomError(RuntimeError):
@@ -178,6 +197,7 @@ class HostRandomError(RuntimeError):
 
 
 _RANDOM_FILE = os.path.normcase(os.path.abspath(random.__file__))
+_NOT_DRAWS = ("seed", "getstate", "setstate", "get_state", "set_state", "get_bit_generator", "set_bit_generator")
 
 
 def _where(frame: Any) -> tuple[str, str]:
@@ -230,7 +250,8 @@ def host_random_refused(what: str = "ft.compile") -> Iterator[None]:
     def hook(frame: Any, event: str, arg: Any) -> None:
         if event == "c_call" and not calls and getattr(arg, "__self__", None) is py_gen:
             api, where = _where(frame)
-            calls.append((f"random.{api}()", "Python's global generator", where))
+            if api not in _NOT_DRAWS:
+                calls.append((f"random.{api}()", "Python's global generator", where))
 
     def recording(name: str, fn: Callable) -> Callable:
         def draw(*args: Any, **kwargs: Any) -> Any:
@@ -242,7 +263,8 @@ def host_random_refused(what: str = "ft.compile") -> Iterator[None]:
         return draw
 
     module = np.random
-    wrapped = {name: fn for name, fn in vars(module).items() if getattr(fn, "__self__", None) is _NP}
+    wrapped = {name: fn for name, fn in vars(module).items() if name not in _NOT_DRAWS and (
+        getattr(fn, "__self__", None) is _NP or getattr(fn, "__self__", None) is _NP_STEP)}
     hooked = sys.getprofile() is None
     for name, fn in wrapped.items():
         setattr(module, name, recording(name, fn))
@@ -257,7 +279,8 @@ def host_random_refused(what: str = "ft.compile") -> Iterator[None]:
             setattr(module, name, fn)
         changed_py = not hooked and random.getstate() != saved[0]
         changed_np = not _same_np_state(_NP.get_state(), saved[1])
-        _restore_host(saved)
+        random.setstate(saved[0])
+        _NP.set_state(saved[1])
     if calls or changed_py or changed_np:
         if calls:
             call, which, where = calls[0]

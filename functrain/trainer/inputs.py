@@ -136,9 +136,25 @@ def batch_line(config: TrainConfig, world: int, per_process: int) -> str:
             f"{meaning})")
 
 
-def load_weights(module: torch.nn.Module, params: dict, buffers: dict | None) -> None:
-    """The trained ``params`` (and ``buffers``) into ``module``'s own tensors, in place (``ft.to_module``)."""
+def load_weights(module: torch.nn.Module, params: dict, buffers: dict | None, initial: dict,
+                 initial_buffers: dict | None) -> tuple[dict, dict | None]:
+    """The trained ``params`` (and ``buffers``) into ``module``'s own tensors, in place (``ft.to_module``).
+
+    ``initial`` / ``initial_buffers`` (the trainer's initial params, which share the module's storage as
+    :func:`functrain.functionalize` made them) are returned as copies first where they do share it, so
+    that the trainer's initial state is still the initial one. Returns them.
+    """
+    ptrs = {t.data_ptr() for t in [*module.parameters(), *module.buffers()] if t.numel()}
+
+    def keep(tree: dict | None) -> dict | None:
+        if tree is None:
+            return None
+        return {k: v.clone() if isinstance(v, torch.Tensor) and v.numel() and v.data_ptr() in ptrs else v
+                for k, v in tree.items()}
+
+    initial, initial_buffers = keep(initial), keep(initial_buffers)
     to_module(module, dict(params), dict(buffers or {}))
+    return initial, initial_buffers
 
 
 def ema_copy(module: torch.nn.Module | None, cached: torch.nn.Module | None, ema: dict | None,

@@ -382,7 +382,9 @@ class Trainer:
         self.state = state
         if self.module is not None:
             whole = gather_state(state) if is_sharded(state) else state
-            load_weights(self.module, whole.params, whole.buffers)
+            # the initial params share the module's storage: keep them (initial_state() stays the start)
+            self.params, self.buffers = load_weights(self.module, whole.params, whole.buffers, self.params,
+                                                     self.buffers)
 
     def ema_module(self, ema_params: Any = None) -> torch.nn.Module:
         """A copy of the trained module holding the EMA weights (in eval mode), as ema-pytorch's ``ema_model``.

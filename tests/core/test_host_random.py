@@ -69,6 +69,8 @@ def test_the_rank_offset_gives_each_rank_its_own_host_draws():
     losses = {r: float(with_rng(step.apply, state, torch.arange(3.0), r)[1]["loss"]) for r in range(4)}
     assert len(set(losses.values())) > 1, losses
     assert float(with_rng(step.apply, state, torch.arange(3.0), 2)[1]["loss"]) == losses[2]
+    # numpy's functions point at the step's generator only during the step
+    assert np.random.rand.__self__ is np.random.mtrand._rand and np.random.normal.__self__ is np.random.mtrand._rand
 
 
 @pytest.mark.parametrize("name,call", [("random.random", "random.random()"), ("bound random()", "random.random()"),
@@ -145,6 +147,13 @@ def test_a_numpy_function_bound_before_is_refused_by_the_state_change():
         with host_random_refused("test"):
             bound_rand()
     assert np.random.rand is not None and getattr(np.random.rand, "__self__", None) is np.random.mtrand._rand
+
+
+def test_reading_or_setting_a_generators_state_is_not_a_draw():
+    with host_random_refused("test"):
+        random.getstate()
+        np.random.get_state()
+    assert sys.getprofile() is None
 
 
 def test_an_error_inside_the_block_passes_through():

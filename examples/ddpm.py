@@ -57,12 +57,13 @@ def digits_folder(root: str, size: int = IMAGE_SIZE, held_out: int = HELD_OUT) -
     return train, torch.from_numpy(held).float().div_(255.0).unsqueeze(1)
 
 
-def diffusion_model(dim: int = 16, self_condition: bool = False, seed: int = 0) -> torch.nn.Module:
+def diffusion_model(dim: int = 16, self_condition: bool = False, seed: int = 0,
+                    dim_mults: tuple = (1, 2, 4)) -> torch.nn.Module:
     """The package's ``GaussianDiffusion(Unet(...))`` for 16x16 grey images (its default objective and schedule)."""
     from denoising_diffusion_pytorch import GaussianDiffusion, Unet
 
     torch.manual_seed(seed)
-    unet = Unet(dim=dim, dim_mults=(1, 2, 4), channels=1, self_condition=self_condition)
+    unet = Unet(dim=dim, dim_mults=dim_mults, channels=1, self_condition=self_condition)
     return GaussianDiffusion(unet, image_size=IMAGE_SIZE, timesteps=1000, sampling_timesteps=50)
 
 
@@ -97,10 +98,11 @@ def config_for(steps: int, results: str, **changes) -> ft.TrainConfig:
     return ft.TrainConfig(**{**base, **changes})
 
 
-def train(steps: int, results: str, data: str, *, dim: int = 16, self_condition: bool = False, **changes):
+def train(steps: int, results: str, data: str, *, dim: int = 16, self_condition: bool = False,
+          dim_mults: tuple = (1, 2, 4), **changes):
     """Train with ``ft.Trainer``; return ``(trainer, diffusion, held-out images)``."""
     folder, held = digits_folder(data)
-    diffusion = diffusion_model(dim, self_condition)
+    diffusion = diffusion_model(dim, self_condition, dim_mults=dim_mults)
     config = config_for(steps, results, **changes)
 
     def sample_fn(ema_params: dict, n: int) -> torch.Tensor:  # from a copy holding the EMA: the model stays as is

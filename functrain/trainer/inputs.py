@@ -44,7 +44,7 @@ def resolve_dataset(dataset: Any, model: Any) -> Any:
     """
     if not isinstance(dataset, (str, bytes, os.PathLike)):
         return dataset
-    shown = os.fsdecode(dataset) if not isinstance(dataset, str) else dataset
+    dataset = shown = os.fsdecode(dataset)
     exts = ", ".join("." + e for e in IMAGE_EXTENSIONS)
     if not os.path.isdir(dataset):
         what = "a file" if os.path.isfile(dataset) else "not there"

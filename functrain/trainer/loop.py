@@ -24,6 +24,7 @@ from ..compiler.api import CompiledStep
 from ..compiler.api import compile as compile_step
 from ..data import shard
 from ..distributed import PeerFailed, gather_state
+from ..distributed.comm import check_same
 from ..driver import run
 from ..core.module import functionalize
 from ..core.state import TrainState
@@ -34,6 +35,7 @@ from .images import write_sample_grid
 from .plots import MetricHistory, write_metrics_plot
 from .summary import run_summary
 from .build import build_step, checked_loss, model_loss
+from .inputs import batch_line, ema_copy, load_weights, process_batch, resolve_dataset, with_augmentation
 from .trackers import check_trackers, make_trackers
 
 __all__ = ["Trainer"]
@@ -58,7 +60,12 @@ class Trainer:
     The model's ``forward`` (or ``loss_fn``) may return a scalar loss, ``(loss,
     aux)``, a dict with ``"loss"`` or an object with ``.loss`` (a Hugging Face
     ``ModelOutput``); other scalar entries become metrics. A batch that is a dict
-    is passed as keyword arguments, a tuple as positional ones.
+    is passed as keyword arguments, a tuple as positional ones. ``dataset``: anything
+    :func:`functrain.shard` takes, or a folder of images (a path: an :class:`~functrain.data.ImageFolder`
+    of the model's ``image_size``, flipped inside the step, as denoising-diffusion-pytorch's
+    ``Trainer(diffusion, folder)``). Batch sizes follow ``TrainConfig.split_batches`` (per process by
+    default). After ``train()`` the module holds the final params and buffers (copied in place) and
+    :meth:`ema_module` gives a copy holding the EMA.
 
     ``train()`` runs :func:`functrain.run` to ``train_num_steps`` optimizer
     updates (one loop, one progress bar) and acts through its hooks: every
@@ -155,6 +162,8 @@ class Trainer:
         self.world = distributed.world_size()
         self.rank = distributed.rank()
         self.device = distributed.device()
+        if self.world > 1:  # every rank must train the same run: one all-gather of a hash per field
+            check_same(config.to_dict(), "TrainConfig")
         self.module: torch.nn.Module | None = None
         if isinstance(model_or_loss, torch.nn.Module):
             self.module = model = model_or_loss.to(self.device)
@@ -169,13 +178,16 @@ class Trainer:
                             f"got {type(model_or_loss).__name__}")
         self.params, self.buffers = params, buffers
         self.sample_fn = sample_fn
+        dataset = resolve_dataset(dataset, model_or_loss)  # a folder of images, as the package's Trainer reads it
+        transforms = with_augmentation(dataset, transforms, step)
         self.step, compiled = build_step(loss, config, self.world, optimizer=optimizer, transforms=transforms,
                                          step=step)
         if compiled is not None:
             self.run_step = compiled
         else:
             self.run_step = compile_step(self.step) if config.compile else self.step
-        self.loader = shard(dataset, batch_size=config.train_batch_size * config.gradient_accumulate_every,
+        per_process = process_batch(config, self.world)  # TrainConfig.split_batches: the one batch-size rule
+        self.loader = shard(dataset, batch_size=per_process * config.gradient_accumulate_every,
                             shuffle=True, seed=config.seed, drop_last=True, device=self.device)
         self.loader.check_nonempty("train dataset", remedy=(
             f"the Trainer drops an incomplete last batch, so lower TrainConfig.train_batch_size (now "
@@ -183,8 +195,10 @@ class Trainer:
             f"rank's batch is their product), use fewer processes (now {self.world}) or add data"))
         self.evaluator: Evaluator | None = None
         if eval_dataset is not None:
-            self.evaluator = Evaluator(loss, eval_dataset, config.eval_batch_size or config.train_batch_size,
-                                       device=self.device, module=self.module, seed=config.seed)
+            eval_batch = per_process if config.eval_batch_size is None else \
+                process_batch(config, self.world, config.eval_batch_size, "eval_batch_size")
+            self.evaluator = Evaluator(loss, eval_dataset, eval_batch, device=self.device, module=self.module,
+                                       seed=config.seed)
         self.folder = config.results_folder
         self.checkpoints = CheckpointManager(os.path.join(self.folder, "checkpoints"), keep=config.keep_checkpoints)
         self.history = MetricHistory()  # every logged metric (and evaluation), kept in checkpoints
@@ -197,6 +211,10 @@ class Trainer:
         self._save_group: Any = None
         self._stop_group: Any = None  # gloo: the per-step stop votes (CPU numbers, never a device sync)
         self._run: _RunState | None = None
+        self.state: TrainState | None = None  # what the last train() returned
+        self._ema_module: torch.nn.Module | None = None
+        if self.world > 1 and self.rank == 0:  # the batch rule, said once
+            print(batch_line(config, self.world, per_process), flush=True)
 
     # -- state ---------------------------------------------------------------------------------
     def initial_state(self) -> TrainState:
@@ -358,6 +376,7 @@ class Trainer:
             if run_state.in_a_row >= c.max_consecutive_nonfinite:  # counted by the stop step's log
                 self._nonfinite_stop(run_state.n, None)
             self._export(state)
+            self._load_module(state)
             done = True
         finally:
             self._run = None
@@ -385,6 +404,31 @@ class Trainer:
         whole = gather_state(state) if split else state
         if self.rank == 0:
             self.weights = export_weights(self.folder, whole, module=self.module)
+
+    def _load_module(self, state: TrainState) -> None:
+        """Leave the user's module trained: the final params and buffers copied into its own tensors (every
+        rank; a sharded state is gathered first, a collective)."""
+        self.state = state
+        if self.module is not None:
+            whole = gather_state(state) if is_sharded(state) else state
+            # the initial params share the module's storage: keep them (initial_state() stays the start)
+            self.params, self.buffers = load_weights(self.module, whole.params, whole.buffers, self.params,
+                                                     self.buffers)
+
+    def ema_module(self, ema_params: Any = None) -> torch.nn.Module:
+        """A copy of the trained module holding the EMA weights (in eval mode), as ema-pytorch's ``ema_model``.
+
+        ``ema_params``: the EMA params to hold (what ``sample_fn`` receives), default the last ``train()``'s
+        final EMA (and buffers). One copy per trainer (``copy.deepcopy``), refilled on each call. Example::
+
+            sample_fn = lambda ema, n: trainer.ema_module(ema).sample(batch_size=n)   # during training
+            images = trainer.ema_module().sample(batch_size=16)                       # after train()
+        """
+        state = None
+        if ema_params is None and self.state is not None:
+            state = gather_state(self.state) if is_sharded(self.state) else self.state  # (a collective)
+        self._ema_module = ema_copy(self.module, self._ema_module, ema_params, state)
+        return self._ema_module
 
     def summary(self, r: "_RunState") -> str:
         """The end-of-run text: final metrics, time (compile apart), where the results are."""

@@ -37,7 +37,8 @@ def _data(n=64, d=4, seed=0):
 
 def _config(folder, **kw):
     base = dict(train_batch_size=8, train_num_steps=12, save_and_sample_every=6, results_folder=str(folder),
-                compile=False, log_every=1, ema_update_every=1, ema_decay=0.9, trackers=("jsonl",), train_lr=1e-2)
+                compile=False, log_every=1, ema_update_every=1, ema_decay=0.9, trackers=("jsonl",), train_lr=1e-2,
+                ema_update_after_step=0, ema_power=None)  # the plain ft.ema(0.9) the hand-built steps use
     return ft.TrainConfig(**{**base, **kw})
 
 

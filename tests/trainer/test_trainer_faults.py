@@ -45,7 +45,8 @@ def _data(nan_rows=(), n=64):
 
 def _config(folder, **kw):
     base = dict(train_batch_size=8, train_num_steps=60, save_and_sample_every=5, keep_checkpoints=3,
-                results_folder=str(folder), compile=False, log_every=10, ema_update_every=1, trackers=())
+                results_folder=str(folder), compile=False, log_every=10, ema_update_every=1, ema_update_after_step=0,
+                trackers=())
     return ft.TrainConfig(**{**base, **kw})
 
 

@@ -50,7 +50,8 @@ def main():
     data = torch.utils.data.TensorDataset(x, x.flip(1) * 0.5)  # 72 samples: 4.5 updates of 16 per epoch
     torch.manual_seed(0)
     config = ft.TrainConfig(train_batch_size=4, gradient_accumulate_every=2, train_lr=3e-3, train_num_steps=a.steps,
-                            ema_update_every=2, ema_decay=0.9, save_and_sample_every=a.save_every, num_samples=4,
+                            ema_update_every=2, ema_decay=0.9, ema_update_after_step=0,  # (the warm-up ramp, no copies)
+                            save_and_sample_every=a.save_every, num_samples=4,
                             mixed_precision=a.precision, results_folder=a.results, seed=3, log_every=a.log_every,
                             keep_checkpoints=100, compile=not a.no_compile, trackers=tuple(a.trackers.split(",")),
                             shard=a.shard)

@@ -71,15 +71,18 @@ from __future__ import annotations
 # per_rank: checkpoints of sharded states (one folder per rank, resharding load); save/load/load_extra
 #          below are its dispatchers, which hand unsharded states and folders to folder.save/load unchanged
 # lock: FolderLock (one writer per folder) and the in-use marks of a save's folders
+# safe_io: opens that never follow a link (O_NOFOLLOW, O_EXCL temporaries renamed into place): every writer of a
+#          results folder uses them; bounded: JSON/YAML parsed under a memory bound (and YAML as plain data only)
 # The node-type allow-list lives in functrain.core.registry (core layer): types register where they are defined.
 # The classes below declare ``functrain.checkpoint`` as their ``__module__`` (their public home in reprs).
-from . import folder, format, lock, manager, per_rank, tensorfile
+from . import bounded, folder, format, lock, manager, per_rank, safe_io, tensorfile
 from ..core.registry import register_checkpoint_type
 from .export import export_state_dict, export_weights  # final weights as plain state_dict files
 from .folder import check_structure
 from .per_rank import load, load_extra, save  # sharded states: one folder per rank; others go to folder
 from .format import EXTRA, FORMAT, MARKER, TENSORS, TREE, VERSION, CheckpointError, CheckpointSpaceError, StructureMismatch
 from .lock import FolderLock, FolderLocked
+from .safe_io import LinkRefused
 from .manager import CheckpointManager, Restored
 
 __all__ = [
@@ -93,6 +96,7 @@ __all__ = [
     "StructureMismatch",
     "FolderLock",
     "FolderLocked",
+    "LinkRefused",
     "Restored",
     "register_checkpoint_type",
     "export_state_dict",

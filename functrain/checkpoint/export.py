@@ -15,18 +15,20 @@ the parameter they share, and non-persistent buffers (which a state dict leaves
 out) are dropped; a name the module expects and the tree lacks is an error.
 
 The write is atomic: a temporary file beside the target, fsynced, renamed over it,
-and the folder fsynced, so a reader sees the old file or the new one, never half.
+and the folder fsynced, so a reader sees the old file or the new one, never half. The temporary
+file is created new (``O_EXCL``, a random name) and a symbolic link at the target is refused
+(:class:`functrain.checkpoint.LinkRefused`): nothing is written through a link.
 """
 from __future__ import annotations
 
 import os
-import uuid
 from typing import Any, Mapping
 
 import torch
 
 from ..core.flat import unflat
-from .folder import fsync_dir
+from .safe_io import replace_created
+from .tensorfile import write_tensors
 
 __all__ = ["export_state_dict", "export_weights", "flat_state_dict"]
 
@@ -110,8 +112,6 @@ def export_state_dict(path: str | os.PathLike, params: Any, buffers: Any = None,
         ft.checkpoint.export_state_dict("results/model.safetensors", state.params, state.buffers, module=model)
         model.load_state_dict(safetensors.torch.load_file("results/model.safetensors"), strict=True)
     """
-    from safetensors.torch import save_file  # the checkpoint extra
-
     flat = flat_state_dict(params, buffers, module=module)
     if not flat:
         raise ValueError("export_state_dict: there are no tensors to write")
@@ -119,20 +119,11 @@ def export_state_dict(path: str | os.PathLike, params: Any, buffers: Any = None,
     # not depend on what the training loop does to its tensors afterwards.
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in flat.items()}
     meta = {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        save_file(tensors, tmp, metadata=meta)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    fsync_dir(folder)
-    return path
+    def create(tmp: str) -> None:  # a new file (O_EXCL, never through a link), in the safetensors format
+        write_tensors(tmp, list(tensors.items()), "crc32", True, metadata=meta)
+
+    # then renamed over the target (a link at the target is refused), and the folder fsynced
+    return replace_created(os.fspath(path), create, fsync=True, what="exported weights")
 
 
 def export_weights(folder: str | os.PathLike, state: Any, *, module: torch.nn.Module | None = None,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import os
 import re
 import secrets
@@ -20,10 +19,15 @@ import torch
 
 from ..core.flat import reflat, unflat
 from .format import EXTRA, FORMAT, MARKER, TENSORS, TREE, VERSION, CheckpointError, CheckpointSpaceError, check_size, decode, encode, fill, json_bytes, match, tensor_refs
+from .bounded import TREE_FACTOR, loads_json
 from .lock import hold_dir, try_hold_dir
-from .tensorfile import check_checksum, load_tensors, pwrite_all, write_tensors
+from .safe_io import LinkRefused, open_fd
+from .tensorfile import check_checksum, load_tensors, pwrite_all, tensor_file_size, write_tensors
 
-_MAX_JSON = 256 << 20   # refuse absurdly large JSON files before reading them
+# Each JSON file of a checkpoint is refused above its size cap before it is read, and parsed under the memory
+# bound of functrain.checkpoint.bounded: (cap, memory factor). tree.json's own format costs ~8x its size.
+_JSON_LIMITS = {EXTRA: (256 << 20, None), TREE: (64 << 20, TREE_FACTOR)}
+_SMALL_JSON = (16 << 20, None)  # the completion marks (COMPLETE.json, SHARDED.json)
 
 
 # -------------------------------------------------------------------------- small file helpers
@@ -41,9 +45,13 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_file(path: str, data: bytes, sync: bool) -> None:
-    """Write ``data`` to a new file (never an existing one), fsynced when ``sync``."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+def write_file(path: str, data: bytes, sync: bool, dir_fd: int | None = None) -> None:
+    """Write ``data`` to a new file (never an existing one, never through a link), fsynced when ``sync``.
+
+    With ``dir_fd`` (an open folder) ``path`` is a name in that folder.
+    """
+    fd = open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dir_fd,
+                 what="a checkpoint file")
     try:
         pwrite_all(fd, memoryview(data), 0)
         if sync:
@@ -59,24 +67,28 @@ def sha256(data: bytes) -> str:
 
 # -------------------------------------------------------------------------- the completion mark
 def read_json(path: str, expect: dict | None) -> Any:
-    """A JSON file of a checkpoint, checked against its completion-mark entry ``expect`` (size, checksum)."""
+    """A JSON file of a checkpoint, checked against its completion-mark entry ``expect`` (size, checksum).
+
+    Refused unread above its size cap (256 MiB for ``extra.json``, 64 MiB for ``tree.json``, 16 MiB for a
+    completion mark), and parsed under :func:`functrain.checkpoint.bounded.loads_json`'s memory bound.
+    """
+    cap, factor = _JSON_LIMITS.get(os.path.basename(path), _SMALL_JSON)
     try:
         size = os.stat(path).st_size
         if expect is not None:
             check_size(path, size, expect)
-        if size > _MAX_JSON:
-            raise CheckpointError(f"{path}: {size} bytes is too large for a checkpoint JSON file")
+        if size > cap:
+            raise CheckpointError(f"{path}: {size} bytes is too large for a checkpoint JSON file (at most {cap})")
         with open(path, "rb") as f:
-            data = f.read(_MAX_JSON + 1)
+            data = f.read(cap + 1)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read it ({e})") from None
+    if len(data) > cap:
+        raise CheckpointError(f"{path}: more than {cap} bytes: too large for a checkpoint JSON file")
     if expect is not None and sha256(data) != expect.get("sha256"):
         raise CheckpointError(f"{path}: its sha256 does not match the completion mark: the file was edited or "
                               f"replaced")
-    try:
-        return json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
+    return loads_json(data, path, factor=factor, error=CheckpointError)
 
 
 def read_marker(path: str) -> dict:
@@ -176,7 +188,9 @@ def check_replaceable(path: str) -> None:
     if not os.path.lexists(path):
         return
     ours = {TENSORS, TREE, EXTRA, MARKER}
-    if os.path.islink(path) or not os.path.isdir(path) or not set(os.listdir(path)) <= ours:
+    if os.path.islink(path):
+        raise LinkRefused(path, "a checkpoint folder")
+    if not os.path.isdir(path) or not set(os.listdir(path)) <= ours:
         raise FileExistsError(f"{path} exists and is not a functrain checkpoint folder; not replacing it "
                               f"(a checkpoint folder holds only {', '.join(sorted(ours))})")
 
@@ -272,7 +286,7 @@ def write_checkpoint(path: str | os.PathLike, state: Any, extra: Any = None, *, 
         except (TypeError, ValueError) as e:
             raise TypeError(f"marks must be a JSON-serialisable dict: {e}") from None
         marker["marks"] = dict(marks)
-    tensor_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    tensor_bytes = tensor_file_size(tensors)  # the data and the safetensors header
     needed = tensor_bytes + len(tree_bytes) + len(extra_bytes)
     largest = max(tensor_bytes, len(tree_bytes), len(extra_bytes))
 
@@ -285,12 +299,14 @@ def write_checkpoint(path: str | os.PathLike, state: Any, extra: Any = None, *, 
     tmp, held = _new_tmp(parent, name)
     old = old_fd = None
     try:
-        files = {TENSORS: write_tensors(os.path.join(tmp, TENSORS), tensors, checksum, fsync)}
+        # every file is created by name in the open temporary folder (held): a folder renamed or replaced by a
+        # link under us cannot redirect a write outside
+        files = {TENSORS: write_tensors(TENSORS, tensors, checksum, fsync, dir_fd=held)}
         for fname, data in ((TREE, tree_bytes), (EXTRA, extra_bytes)):
-            write_file(os.path.join(tmp, fname), data, fsync)
+            write_file(fname, data, fsync, dir_fd=held)
             files[fname] = {"size": len(data), "sha256": sha256(data)}
         # the completion mark, written last: a folder without it is never loaded
-        write_file(os.path.join(tmp, MARKER), json_bytes({**marker, "files": files}), fsync)
+        write_file(MARKER, json_bytes({**marker, "files": files}), fsync, dir_fd=held)
         if fsync:
             fsync_dir(tmp)
         if os.path.lexists(path):

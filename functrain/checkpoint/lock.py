@@ -15,6 +15,9 @@ import socket
 import time
 from typing import Any
 
+from .bounded import loads_json
+from .safe_io import open_fd
+
 __all__ = ["FolderLock", "FolderLocked", "hold_dir", "try_hold_dir"]
 
 
@@ -72,7 +75,8 @@ class FolderLock:
         if self._fd is not None:
             return self
         os.makedirs(self.folder, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # never through a link: a .lock planted as a link to another file would be truncated below
+        fd = open_fd(self.path, os.O_RDWR | os.O_CREAT, 0o644, what="the results folder's lock")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -106,8 +110,8 @@ class FolderLock:
     def holder(self) -> dict | None:
         """``{"pid", "host", "since"}`` of the process that holds (or last held) the lock, if written."""
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
+            fd = open_fd(self.path, os.O_RDONLY, what="the results folder's lock")
+        except OSError:  # (a link included: its holder is unknown)
             return None
         try:
             return _read_holder(fd)
@@ -123,8 +127,8 @@ class FolderLock:
 
 def _read_holder(fd: int) -> dict | None:
     try:
-        data = os.pread(fd, 4096, 0)
-        info = json.loads(data.decode("utf-8")) if data else None
+        data = os.pread(fd, 4096, 0)  # (a holder's line is ~80 bytes: the rest, if any, is not ours)
+        info = loads_json(data, "lock") if data else None
     except (OSError, ValueError, UnicodeDecodeError):
         return None
     return info if isinstance(info, dict) else None
@@ -136,7 +140,7 @@ def hold_dir(path: str) -> int:
     The mark moves with the folder when it is renamed and lasts until the fd is
     closed (or the process dies).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = open_fd(path, os.O_RDONLY | os.O_DIRECTORY, what="a checkpoint folder")  # a link is refused
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
     except BaseException:
@@ -148,8 +152,8 @@ def hold_dir(path: str) -> int:
 def try_hold_dir(path: str) -> int | None:
     """The fd of ``path`` with its in-use mark taken, or ``None`` if a live process holds it (or it is gone)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
+        fd = open_fd(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # gone, or a link (never ours to tidy)
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -10,11 +10,16 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..distributed.faults import PeerFailed
 from . import per_rank
+from .agree import Agreement
 from .folder import check_complete, check_structure, load, tidy, write_checkpoint
 from .format import CheckpointError, StructureMismatch
 from .lock import hold_dir
 from .tensorfile import check_checksum
+
+
+_DAMAGED, _REFUSED, _FAILED = 1, 2, 3  # a rank's verdict on a candidate checkpoint (0: it loaded)
 
 
 class Restored(NamedTuple):
@@ -75,7 +80,8 @@ class CheckpointManager:
         """``({step: path} of the complete checkpoints, {step: (path, why)} of the damaged ones)``.
 
         Complete: a valid mark and every listed file at its size. A ``step_*`` folder that is not complete
-        is damaged (a save never leaves one: it renames a finished folder into place).
+        is damaged (a save never leaves one: it renames a finished folder into place); so is a symbolic link
+        named like a checkpoint (planted: a save never makes one).
         """
         try:
             entries = os.listdir(self.folder)
@@ -90,6 +96,11 @@ class CheckpointManager:
                 continue
             p = os.path.join(self.folder, entry)
             step = int((m or a).group(1))
+            if os.path.islink(p):  # never a checkpoint of this folder's own: not loaded, never rotated
+                if m:
+                    damaged[step] = (p, f"a symbolic link (to {os.readlink(p)!r}), not a checkpoint folder this "
+                                        f"folder owns: not loaded, not removed")
+                continue
             try:
                 if per_rank.is_sharded_checkpoint(p):
                     per_rank.check_complete(p)
@@ -202,7 +213,7 @@ class CheckpointManager:
             os.close(fd)
 
     def load_latest(self, template: Any = None, *, device: Any = None, mmap: bool = True,
-                    fallback: bool = True) -> Restored | None:
+                    fallback: bool = True, group: Any = None) -> Restored | None:
         """Load the newest complete checkpoint as a :class:`Restored` ``(state, extra, step, path)``.
 
         ``template``, ``device`` and ``mmap`` are :func:`load`'s; with a template,
@@ -215,41 +226,94 @@ class CheckpointManager:
         to the newest good one; a ``RuntimeWarning`` names each checkpoint skipped
         and why. If checkpoints exist and none loads, the newest one's error is
         raised.
+
+        Several processes agree (``group``, a process group whose ranks all call
+        ``load_latest`` together; by default the default group when ``template``
+        is sharded over more than one rank): each rank checks its own part of
+        each candidate, newest first (its shard's files; the whole checkpoint
+        when every rank loads it), the verdicts are combined with one small
+        collective per candidate, and every rank loads the newest checkpoint
+        that is whole on every rank. Rank 0 names each skipped checkpoint once,
+        with the rank, the file and why. If none is whole on every rank, every
+        rank raises the same :class:`CheckpointError` (never one rank starting
+        afresh while another resumes). A rank that dies or hangs meanwhile makes
+        the others raise :class:`functrain.distributed.PeerFailed` within the
+        group's timeout.
         """
+        agree = Agreement(self._agreeing(template, group), f"which checkpoint of {self.folder} to resume")
         found, damaged = self._scan()
-        skipped: list[tuple[int, str, str]] = [(s, p, why) for s, (p, why) in damaged.items()]
+        # the candidates are rank 0's, newest first: every rank tries the same steps in the same order
+        head = agree.from_rank0([len(damaged), *sorted(found, reverse=True)])
+        n_damaged, steps = head[0], head[1:]
+        skipped: list[tuple[int, str, str]] = [(s, p, why) for s, (p, why) in damaged.items()] \
+            if agree.rank == 0 else []
         first: CheckpointError | None = None
         restored = None
-        for step in sorted(found, reverse=True):
-            p = found[step]
-            try:
-                if per_rank.is_sharded_checkpoint(p) or per_rank.is_sharded(template):
-                    state = self._load_sharded(p, template, device, mmap)
-                else:
-                    if template is not None:
-                        check_structure(p, template)
-                    state = load(p, template, device=device, mmap=mmap)
-                restored = Restored(state, per_rank.load_extra(p), step, p)
+        for step in steps:
+            code, error, loaded = self._try(found.get(step), step, template, device, mmap, agree.rank)
+            codes = agree.codes(code)
+            if not any(codes):
+                restored = loaded
                 break
-            except StructureMismatch:
-                raise
-            except CheckpointError as e:
-                if not fallback:
-                    raise
-                first = first or e
-                skipped.append((step, p, str(e)))
+            bad = [r for r, c in enumerate(codes) if c]
+            reasons = agree.texts(str(error) if error is not None else "")
+            why = reasons[0] if agree.world == 1 else "; ".join(f"rank {r}: {reasons[r]}" for r in bad)
+            if max(codes) >= _REFUSED:  # another run's state, or a failure that is not damage: no fallback
+                if error is not None and codes[agree.rank] >= _REFUSED:
+                    raise error
+                raise PeerFailed(f"rank(s) {', '.join(map(str, bad))} could not load {self.path(step)}: {why}")
+            if not fallback:
+                raise error if agree.world == 1 else CheckpointError(why)
+            if first is None:
+                first = error if agree.world == 1 else CheckpointError(why)
+            skipped.append((step, found.get(step, self.path(step)), why))
         newer = sorted((s, p, why) for s, p, why in skipped if restored is None or s > restored.step)
         if newer and not fallback:
             raise CheckpointError(f"{newer[-1][1]}: {newer[-1][2]}")
         then = f"; loading {restored.path} (step {restored.step}) instead" if restored is not None else ""
-        for _, p, why in reversed(newer):
+        for _, p, why in reversed(newer if agree.rank == 0 else []):  # named once, by rank 0
             warnings.warn(f"skipping checkpoint {p}: {why}{then}", RuntimeWarning, stacklevel=2)
-        if restored is None and newer:
+        if restored is None and (steps or n_damaged):
             if first is not None:
                 raise first
-            raise CheckpointError(f"no checkpoint in {self.folder} loads: {', '.join(p for _, p, _ in newer)} "
-                                  f"are damaged (see the warnings); move them away to start afresh")
+            raise CheckpointError(f"no checkpoint in {self.folder} loads: "
+                                  f"{', '.join(p for _, p, _ in newer) or f'{n_damaged} on rank 0'} are damaged "
+                                  f"(see the warnings); move them away to start afresh")
         return restored
+
+    @staticmethod
+    def _agreeing(template: Any, group: Any) -> Any:
+        """The process group whose ranks must agree (``None``: this process decides alone)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if group is None:
+            if not per_rank.is_sharded(template) or int(template.slots[per_rank.SLOT].world) <= 1:
+                return None
+            group = dist.group.WORLD
+        return group if dist.get_world_size(group) > 1 else None
+
+    def _try(self, path: str | None, step: int, template: Any, device: Any, mmap: bool,
+             rank: int) -> tuple[int, BaseException | None, Restored | None]:
+        """``(code, error, restored)``: this rank's attempt at the checkpoint of ``step`` (code 0: loaded)."""
+        try:
+            if path is None:
+                raise CheckpointError(f"{self.path(step)}: rank {rank} does not find it complete (is "
+                                      f"{self.folder} on a file system every rank sees?)")
+            if per_rank.is_sharded_checkpoint(path) or per_rank.is_sharded(template):
+                state = self._load_sharded(path, template, device, mmap)
+            else:
+                if template is not None:
+                    check_structure(path, template)
+                state = load(path, template, device=device, mmap=mmap)
+            return 0, None, Restored(state, per_rank.load_extra(path), step, path)
+        except StructureMismatch as e:
+            return _REFUSED, e, None
+        except CheckpointError as e:
+            return _DAMAGED, e, None
+        except Exception as e:  # noqa: BLE001 - told to the other ranks (so none waits for this one), then raised
+            return _FAILED, e, None
 
     @staticmethod
     def _load_sharded(path: str, template: Any, device: Any, mmap: bool) -> Any:

@@ -1,7 +1,7 @@
 """Checkpoints of sharded states: every rank writes its own shard, and loading reshards to any world size.
 
 A sharded state (``ft.data_parallel(shard=...)``; it carries a
-:class:`functrain.core.layout.ShardState` slot) is saved by *every* rank of its group
+:class:`functrain.core.flat.ShardState` slot) is saved by *every* rank of its group
 calling ``ft.save(path, state)`` together. The checkpoint is a folder::
 
     path/
@@ -44,8 +44,8 @@ import optree
 import torch
 
 from ..core.validate import path_str
-from ..core.layout import SLOT, FlatLayout, ShardState
-from ..core.flat import reflat, unflat
+from ..core.flat import SLOT, FlatLayout, ShardState, reflat, unflat
+from ..distributed.faults import PeerFailed
 from . import folder
 from .format import FORMAT, MARKER, VERSION, CheckpointError, json_bytes
 
@@ -199,7 +199,7 @@ def save(path: str | os.PathLike, state: Any, extra: Any = None, *, checksum: st
     if token < 0:
         if error is not None:
             raise error
-        raise RuntimeError(f"save {path}: rank 0 could not prepare the checkpoint folder (see its error)")
+        raise PeerFailed(f"save {path}: rank 0 could not prepare the checkpoint folder (see its error)")
     tmp = os.path.join(parent, f".{name}.stmp-{token:012x}")
     try:  # each rank its own shard, in parallel
         folder.write_checkpoint(os.path.join(tmp, rank_dir(rank)), state, extra, checksum=checksum, fsync=fsync,
@@ -211,8 +211,8 @@ def save(path: str | os.PathLike, state: Any, extra: Any = None, *, checksum: st
             shutil.rmtree(tmp, ignore_errors=True)
         if error is not None:
             raise error
-        raise RuntimeError(f"save {path}: another rank failed to write its shard (see its error); nothing was "
-                           f"saved and the previous checkpoint at {path}, if any, is intact")
+        raise PeerFailed(f"save {path}: another rank failed to write its shard (see its error); nothing was "
+                         f"saved and the previous checkpoint at {path}, if any, is intact")
     if rank == 0:
         old = None
         try:
@@ -237,7 +237,7 @@ def save(path: str | os.PathLike, state: Any, extra: Any = None, *, checksum: st
     if not all_ranks_agree(error is None, world):
         if error is not None:
             raise error
-        raise RuntimeError(f"save {path}: rank 0 failed to complete the checkpoint (see its error)")
+        raise PeerFailed(f"save {path}: rank 0 failed to complete the checkpoint (see its error)")
     return path
 
 
@@ -302,7 +302,7 @@ def _whole(states: list, path: str) -> Any:
     def join(*nodes: Any) -> Any:
         if not layout.is_shard_tree(nodes[0]):
             return nodes[0]  # replicated: every rank holds the same
-        return layout.unflatten({k: torch.cat([n[k] for n in nodes]) for k in layout.keys})
+        return layout.tree({k: torch.cat([n[k] for n in nodes]) for k in layout.keys})
 
     rests = [_without_slot(s) for s in states]
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import mmap as _mmap
 import os
 import struct
@@ -21,6 +20,8 @@ from typing import Any
 import torch
 
 from .format import FORMAT, TREE, ST_CODES, CheckpointError, check_size, json_bytes, TensorRef
+from .bounded import TREE_FACTOR, loads_json
+from .safe_io import open_fd
 
 CHUNK_BYTES = 16 << 20  # checksum block of the tensor file
 _THREADS = max(1, min(4, os.cpu_count() or 1))  # chunks written/read and checksummed at once
@@ -160,11 +161,11 @@ class _HostBytes:
                 self.live.pop(i, None)
 
 
-def write_tensors(path: str, tensors: list[tuple[str, torch.Tensor]], algo: str, sync: bool) -> dict:
-    """Write a safetensors file; each piece is checksummed just before it is written (while it is in cache)."""
+def _layout(tensors: list[tuple[str, torch.Tensor]], metadata: dict | None = None) -> tuple[list[int], list[int], bytes]:
+    """The order of the tensors in the file, their sizes in bytes, and the file's prefix (length + header)."""
     # Largest element size first and the header padded to 8 bytes: every tensor's data is aligned.
     order = sorted(range(len(tensors)), key=lambda i: (-tensors[i][1].element_size(), tensors[i][0]))
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "producer": FORMAT}}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "producer": FORMAT} if metadata is None else metadata}
     sizes = [tensors[i][1].numel() * tensors[i][1].element_size() for i in order]
     offset = 0
     for i, n in zip(order, sizes):
@@ -173,7 +174,23 @@ def write_tensors(path: str, tensors: list[tuple[str, torch.Tensor]], algo: str,
         offset += n
     hb = json_bytes(header)
     hb += b" " * (-len(hb) % 8)
-    prefix = struct.pack("<Q", len(hb)) + hb
+    return order, sizes, struct.pack("<Q", len(hb)) + hb
+
+
+def tensor_file_size(tensors: list[tuple[str, torch.Tensor]]) -> int:
+    """The size in bytes of the tensor file :func:`write_tensors` writes for ``tensors``: data plus header."""
+    _, sizes, prefix = _layout(tensors)
+    return len(prefix) + sum(sizes)
+
+
+def write_tensors(path: str, tensors: list[tuple[str, torch.Tensor]], algo: str, sync: bool,
+                  dir_fd: int | None = None, metadata: dict | None = None) -> dict:
+    """Write a safetensors file; each piece is checksummed just before it is written (while it is in cache).
+
+    The file is new (``O_CREAT | O_EXCL``: never an existing name, never through a link); with ``dir_fd`` (an
+    open folder) ``path`` is a name in that folder. ``metadata`` (str -> str) replaces the header's own.
+    """
+    order, sizes, prefix = _layout(tensors, metadata)
     # segment 0 is the prefix (length + header), segment k >= 1 the tensor order[k - 1]
     segments, pos = [(0, len(prefix))], len(prefix)
     for n in sizes:
@@ -185,7 +202,7 @@ def write_tensors(path: str, tensors: list[tuple[str, torch.Tensor]], algo: str,
         for seg, *_ in plan:
             uses[seg] += 1
     sources = _HostBytes([torch.empty(0)] + [tensors[i][1] for i in order], uses)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dir_fd, what="a checkpoint file")
 
     def write_chunk(plan: list) -> str:
         h = _hasher(algo)
@@ -243,7 +260,7 @@ def load_tensors(file: str, meta: dict, refs: list[TensorRef], map_file: bool) -
         _read_into(fd, memoryview(hb), 8, file)
         prefix = bytes(head + hb)
         try:  # already validated by safetensors; any surprise is still refused, never trusted
-            header = json.loads(hb.decode("utf-8"))
+            header = loads_json(bytes(hb), file, factor=TREE_FACTOR)
             header.pop("__metadata__", None)
             entries = sorted(header.items(), key=lambda kv: int(kv[1]["data_offsets"][0]))
             for _, h in entries:

@@ -24,6 +24,7 @@ import optree
 import torch
 
 from ..core import regions
+from ..core.rng import HostRandomError, host_random_refused
 from .memory import Memory, Written
 
 __all__ = ["Captured", "Signature", "CaptureError", "trace", "draws_random", "flatten", "tensor_metas"]
@@ -225,8 +226,11 @@ def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: boo
 
     example = [leaves[i].detach() for i in sig.tensor_pos] + memory.example_buffers()
     try:
-        with _compiling(), _regions(reuse):
+        # a draw from random/numpy would be frozen into the graph: refused
+        with _compiling(), _regions(reuse), host_random_refused("ft.compile"):
             gm = make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+    except HostRandomError:
+        raise
     except Exception as e:  # noqa: BLE001 - the caller re-runs eagerly to tell a user error from a graph break
         raise CaptureError(f"{type(e).__name__}: {e}") from e
     constants = _lift_constants(gm)

@@ -70,7 +70,7 @@ def to_module(module: torch.nn.Module, params: dict, buffers: dict | None = None
         >>> model = torch.nn.Linear(3, 1)
         >>> _, params, _ = ft.functionalize(model)
         >>> _ = ft.to_module(model, {k: torch.zeros_like(v) for k, v in params.items()})
-        >>> float(model.weight.abs().sum())
+        >>> float(model.weight.detach().abs().sum())
         0.0
     """
     own = dict(module.named_parameters())

@@ -82,8 +82,8 @@ def _signature(module: torch.nn.Module) -> Any:
         if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
                 or getattr(m, "_backward_pre_hooks", None)):
             return None
-    tensors = tuple((n, tuple(t.shape), t.dtype, t.device.type, bool(getattr(t, "requires_grad", False)))
-                    for n, t in [*module.named_parameters(remove_duplicate=False),
+    tensors = tuple((n, tuple(x.shape), x.dtype, x.device.type, bool(x.requires_grad))
+                    for n, x in [*module.named_parameters(remove_duplicate=False),
                                  *module.named_buffers(remove_duplicate=False)])
     return (type(module).__module__, type(module).__qualname__, tensors)
 
@@ -91,15 +91,15 @@ def _signature(module: torch.nn.Module) -> Any:
 _MODULE_FIELDS = frozenset(vars(torch.nn.Module()))  # nn.Module's own bookkeeping (hooks: see _signature)
 
 
-def _attributes(module: torch.nn.Module) -> tuple:
+def _attributes(module: torch.nn.Module, ours: Any = None) -> tuple:
     """Every attribute of ``module`` and its submodules that is not ``nn.Module``'s own bookkeeping, private
     ones too (plain values by value, objects by identity): blocks equal in these compute the same, so one
-    trace of one of them decides for all (no forward trace per block)."""
+    trace of one of them decides for all (no forward trace per block). ``ours``: the block's patched
+    ``forward`` (:meth:`Blocks.patched`), left out."""
     out = []
     for path, m in module.named_modules():
         for name, value in sorted(vars(m).items()):
-            if (name in _MODULE_FIELDS or isinstance(value, (torch.nn.Module, torch.Tensor))
-                    or getattr(value, "_functrain_region_call", False)):  # our own patched forward
+            if name in _MODULE_FIELDS or isinstance(value, (torch.nn.Module, torch.Tensor)) or value is ours:
                 continue
             if isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value)):
                 out.append((path, name, value))
@@ -186,7 +186,6 @@ class Blocks:
                 return original(*args, **kwargs)
             return self.call(key, block, original, args, kwargs)
 
-        forward._functrain_region_call = True  # type: ignore[attr-defined]
         return forward
 
     def call(self, key: str, block: torch.nn.Module, original: Callable, args: tuple, kwargs: dict) -> Any:
@@ -220,7 +219,7 @@ class Blocks:
 
         metas = [(tuple(t.shape), t.stride(), str(t.dtype), str(t.device), t.requires_grad) for t in operands]
         call = (key, str(spec), repr(consts), repr(metas))
-        known = (_attributes(block), call)
+        known = (_attributes(block, vars(block).get("forward")), call)
         ident = self._idents.get(known)
         if ident is None:
             # what this call computes: its forward alone, traced (blocks that compute the same share a region,

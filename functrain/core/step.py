@@ -1,4 +1,4 @@
-"""The training step: a pipeline of stages over one state pytree, and the transform protocol.
+"""The training step: a pipeline of stages over one state pytree (the protocol is :mod:`.transform`).
 
 A step is ``step(state, batch) -> (new_state, metrics)``. It runs the stages of
 :data:`PIPELINE`, in this order, whatever order the transforms were wrapped in::
@@ -26,182 +26,27 @@ captures it as one graph.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Iterable, NamedTuple
+import math
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
-from torch.func import grad_and_value
 
-from . import regions
 from . import tree as T
-from .eager import FlatDict
-from .grad import autograd_grad, base_loss, tensor_aux
-from .checks import Layout, check_batch, check_inputs, check_params
-from .context import InitContext, StepContext
+from .eager import TreespecCache, divide
+from .grad import base_loss, micro_grad
+from .checks import Expected, check_batch, check_inputs, check_params
 from .checks import check_state as _check_state
-from .layout import SLOT, ShardState
-from .flat import flat as to_flat, split_leaves
+from .flat import SLOT, ShardState
+from .flat import flat as to_flat
 from .rng import rng_init, with_rng
 from .optimizer import check_optimizer
-from .state import TrainState, register_accessor
+from .state import TrainState
+from .transform import HOOKS, STAGE_HOOKS, InitContext, StepContext, Transform
 
 __all__ = ["Step", "Transform", "StepContext", "InitContext", "Stage", "train_step", "STAGES", "PIPELINE", "HOOKS",
            "check_inputs", "with_rng"]
 
 LossFn = Callable[[Any, Any, Any], Any]
-
-
-class Transform:
-    """Base class of step transforms: ``Step -> Step`` features that own one state slot.
-
-    The protocol is closed: a transform implements only the methods declared here,
-    and a step calls nothing else on it.
-
-    * ``name`` (its slot in ``state.slots``; a step holds at most one transform of
-      each name) and ``order`` (sorts transforms within a stage, ties by name, so
-      the wrapping order never matters).
-    * ``init(params, buffers)`` returns its slot's initial state (``None``: no slot,
-      and the state's structure does not depend on the transform); ``post_init(state,
-      init) -> state`` adjusts the complete initial state once, eagerly (``init`` is the
-      :class:`InitContext`: what the step's transforms declared).
-    * ``params_fields`` (class attribute): the fields of the slot (``NamedTuple`` field
-      names or dict keys) that hold a tree shaped like the params and updated with them
-      (an EMA's ``params``, Lookahead's slow weights). A sharded data-parallel step holds
-      1/N of each on each rank and hands the transform this rank's shard, as it does the
-      params and the optimizer moments; other fields stay whole and replicated.
-    * ``shards_state`` (class attribute): whether the transform cuts the state over
-      ranks (the sharded ``data_parallel``): a step with one takes only sharded states.
-    * ``accessors`` (class attribute): ``{attribute: fn(slot)}`` conveniences on
-      :class:`TrainState` (``state.ema`` comes from ``ft.ema``'s class).
-    * ``rng_offset()``: added to each step's random seed on this process (the
-      rank, under data parallelism); 0 by default.
-    * ``agree(value) -> int``: the least host int any process of the transform's
-      group holds (a bounded collective; data parallelism's MIN all-reduce), ``value``
-      by default: how the ranks decide together, e.g. when to switch to the compiled step.
-    * One hook per stage (see :data:`PIPELINE`):
-
-      - ``wrap_loss(loss_fn, ctx) -> loss_fn`` (stage ``loss``): ``loss_fn(params,
-        buffers, batch) -> (objective, out)``, differentiated w.r.t. ``params``.
-      - ``wrap_grad(grad_fn, ctx) -> grad_fn`` (stage ``grad``): ``grad_fn(params,
-        buffers, batch) -> (grads, out)``; ``out`` holds ``loss``, ``denom``, ``aux``,
-        ``weight`` and ``buffers``, all summable.
-      - ``wrap_update(update_fn, ctx) -> update_fn`` (stage ``update``):
-        ``update_fn(grads, opt_state, params) -> (params, opt_state)``, the
-        optimizer's update; a sharded-state transform updates its shard only.
-      - ``reduce(ctx)``, ``check(ctx)``, ``transform(ctx)``, ``commit(ctx)``,
-        ``after(ctx)``: read and write the :class:`StepContext`.
-
-      Wrapping hooks compose with the lowest ``order`` outermost.
-
-    Applying a transform to a step returns a new step; the original is unchanged.
-
-    Example, a transform that adds Gaussian noise to the gradients, with a count
-    in its slot and ``state.noise_count`` to read it::
-
-        import torch, functrain as ft
-
-        class GradNoise(ft.Transform):
-            name = "grad_noise"
-            order = 50                      # after clip (10) in the "transform" stage
-            accessors = {"noise_count": lambda slot: slot["count"]}
-
-            def __init__(self, std):
-                self.std = std
-
-            def init(self, params, buffers):
-                return {"count": torch.zeros((), dtype=torch.int64)}
-
-            def transform(self, ctx):
-                ctx.grads = ft.tree.tree_map(
-                    lambda g: g + self.std * torch.randn_like(g), ctx.grads)
-                ctx.set_slot(self, {"count": ctx.slot(self)["count"] + 1})
-
-        step = GradNoise(1e-3)(ft.clip(1.0)(ft.train_step(loss_fn, ft.optim.sgd(0.1))))
-    """
-
-    name: str = ""
-    order: int = 0
-    accessors: ClassVar[dict[str, Callable[[Any], Any]]] = {}
-    params_fields: ClassVar[tuple[str, ...]] = ()
-    shards_state: ClassVar[bool] = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        for attr, hook in _NOT_HOOKS.items():
-            if callable(cls.__dict__.get(attr)):
-                where = f"; the hook is {hook!r}" if hook else ""
-                raise TypeError(f"{cls.__qualname__}.{attr}: Transform has no hook {attr!r}{where}. "
-                                f"The hooks are {', '.join(HOOKS)} (see functrain.core.step.PIPELINE)")
-        accessors = cls.__dict__.get("accessors")
-        if accessors:
-            if not isinstance(accessors, dict):
-                raise TypeError(f"{cls.__qualname__}.accessors must be a dict {{attribute: fn(slot)}}; "
-                                f"got {type(accessors).__name__}")
-            if not isinstance(cls.__dict__.get("name", cls.name), str) or not cls.name:
-                raise TypeError(f"{cls.__qualname__} declares accessors, so it needs a class-level slot name")
-            for attr, fn in accessors.items():
-                register_accessor(attr, cls.name, fn, owner=f"{cls.__module__}.{cls.__qualname__}")
-
-    def init(self, params: Any, buffers: Any) -> Any:
-        """The slot's initial state (``None``: the transform keeps no state and gets no slot)."""
-        return None
-
-    def post_init(self, state: TrainState, init: "InitContext") -> TrainState:
-        """Adjust the complete initial state once, eagerly (data_parallel broadcasts it from rank 0)."""
-        return state
-
-    def rng_offset(self) -> int:
-        """What this process adds to each step's random seed (data_parallel: its rank); 0 by default."""
-        return 0
-
-    def agree(self, value: int) -> int:
-        """The least ``value`` held by any process this transform spans: a bounded host collective (the
-        data-parallel transforms all-reduce a CPU int with MIN over their group); ``value`` by default (this
-        process alone). Every process must call it at the same point. Background compilation asks it once per
-        step, until it switches, whether every rank's compiled step is ready, so replicated ranks switch at
-        the same step."""
-        return value
-
-    def wrap_loss(self, loss_fn: Callable, ctx: StepContext) -> Callable:
-        """Stage ``loss``: return a replacement of ``loss_fn(params, buffers, batch) -> (objective, out)``."""
-        return loss_fn
-
-    def wrap_grad(self, grad_fn: Callable, ctx: StepContext) -> Callable:
-        """Stage ``grad``: return a replacement of ``grad_fn(params, buffers, batch) -> (grads, out)``."""
-        return grad_fn
-
-    def reduce(self, ctx: StepContext) -> None:
-        """Stage ``reduce``: combine the sum-form gradients and counts across processes."""
-
-    def check(self, ctx: StepContext) -> None:
-        """Stage ``check``: unscale, decide finiteness (:meth:`StepContext.skip_unless_finite`)."""
-
-    def transform(self, ctx: StepContext) -> None:
-        """Stage ``transform``: change the normalised gradients ``ctx.grads``."""
-
-    def wrap_update(self, update_fn: Callable, ctx: StepContext) -> Callable:
-        """Stage ``update``: return a replacement of ``update_fn(grads, opt_state, params) -> (params, opt_state)``.
-
-        The default is the optimizer's own update. A transform that keeps the
-        optimizer state sharded would slice ``grads``/``params`` to its shard, call
-        ``update_fn`` on them and gather the new params; ``commit`` then keeps or
-        drops the result as for any update.
-        """
-        return update_fn
-
-    def commit(self, ctx: StepContext) -> None:
-        """Stage ``commit``: after the built-in keep-or-drop select of params and optimizer state."""
-
-    def after(self, ctx: StepContext) -> None:
-        """Stage ``after``: read the committed params (``ema``)."""
-
-    def __call__(self, step: "Step") -> "Step":
-        if not isinstance(step, Step):
-            raise TypeError(f"{type(self).__name__} transforms a functrain Step (from ft.train_step); "
-                            f"got {type(step).__name__}")
-        return step.with_transform(self)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r})"
 
 
 def _uses(t: Transform, hook: str) -> bool:
@@ -220,18 +65,10 @@ def _loss_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
 
 
 def _grad_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
-    loss_fn = ctx._loss_fn
+    loss_fn, flatten = ctx._loss_fn, step._flatten
 
     def base_grad(params, buffers, batch):
-        # traced: torch.func composes with Dynamo; but a trace that reuses repeated blocks (invoke_subgraph, which
-        # has no torch.func rule) differentiates with torch.autograd.grad, which make_fx traces as well
-        if torch.compiler.is_compiling() and not regions.active():
-            leaves, as_params, as_grads = split_leaves(params)  # a flat state: the per-leaf views
-            fn = tensor_aux(loss_fn)
-            grads, (_, out) = grad_and_value(lambda ls, b, x: fn(as_params(ls), b, x), has_aux=True)(
-                leaves, buffers, batch)
-            return as_grads(grads), {"denom": 1.0, "weight": 1.0, **out}
-        return autograd_grad(loss_fn, params, buffers, batch, step._flat)
+        return micro_grad(loss_fn, params, buffers, batch, flatten)
 
     grad_fn: Callable = base_grad
     for hook in reversed(hooks):
@@ -244,12 +81,10 @@ def _grad_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
 
 def _normalise_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
     # one division by the global denominator (micro-batches or items)
-    one = isinstance(ctx.denom, float) and ctx.denom == 1.0
-    if not one:
-        leaves, spec = step._flat(ctx.grads)
+    if not (isinstance(ctx.denom, float) and ctx.denom == 1.0):
+        leaves, spec = step._flatten(ctx.grads)
         ctx.grads = T.tree_unflatten(spec, torch._foreach_mul(leaves, 1.0 / ctx.denom)) if leaves else ctx.grads
-    # eagerly, ÷ 1.0 is a copy of a tensor made for this step (traced, a division the graph folds)
-    ctx.metrics["loss"] = ctx.loss if one and not torch.compiler.is_compiling() else ctx.loss / ctx.denom
+    ctx.metrics["loss"] = divide(ctx.loss, ctx.denom)
     for k, v in ctx.aux.items():
         ctx.metrics[k] = v / ctx.weight
     if ctx._counts_items:  # the loss is a sum over items: report the global count
@@ -290,28 +125,25 @@ class Stage(NamedTuple):
     run: Callable[["Step", StepContext, tuple], None]
 
 
-PIPELINE: tuple[Stage, ...] = (
-    Stage("loss", "wrap_loss", _loss_stage),            # loss_fn -> (objective, out); buffers copied
-    Stage("grad", "wrap_grad", _grad_stage),            # grad_and_value / autograd.grad; accumulate
-    Stage("reduce", "reduce", _hooks_stage),            # data_parallel
-    Stage("normalise", None, _normalise_stage),         # ÷ the global denominator
-    Stage("check", "check", _hooks_stage),              # unscale, finite?
-    Stage("transform", "transform", _hooks_stage),      # clip, clip_value
-    Stage("update", "wrap_update", _update_stage),      # the optimizer
-    Stage("commit", "commit", _commit_stage),           # select(apply, new, old); loss-scale growth
-    Stage("after", "after", _hooks_stage),              # ema
-)
-"""The stages in the order every step runs them: the single source of that order."""
+# The built-in work of each stage (its hooks run inside it); the order is transform.STAGE_HOOKS's.
+_BUILT_IN: dict[str, Callable[["Step", StepContext, tuple], None]] = {
+    "loss": _loss_stage,            # loss_fn -> (objective, out); buffers copied
+    "grad": _grad_stage,            # the micro-batch gradient (core.grad.micro_grad); accumulate wraps it
+    "reduce": _hooks_stage,         # data_parallel
+    "normalise": _normalise_stage,  # ÷ the global denominator
+    "check": _hooks_stage,          # unscale, finite?
+    "transform": _hooks_stage,      # clip, clip_value
+    "update": _update_stage,        # the optimizer
+    "commit": _commit_stage,        # select(apply, new, old); loss-scale growth
+    "after": _hooks_stage,          # ema
+}
+
+PIPELINE: tuple[Stage, ...] = tuple(Stage(name, hook, _BUILT_IN[name]) for name, hook in STAGE_HOOKS)
+"""The stages in the order every step runs them (:data:`functrain.core.transform.STAGE_HOOKS`), each with its
+built-in work: what :meth:`Step.apply` iterates."""
 
 STAGES: tuple[str, ...] = tuple(s.name for s in PIPELINE)
 """The stage names, in order: ``("loss", "grad", ..., "after")``."""
-
-HOOKS: tuple[str, ...] = tuple(s.hook for s in PIPELINE if s.hook)
-"""The stage hooks a :class:`Transform` may implement, in stage order."""
-
-# Method names a transform might define expecting a call that never comes: refused when the class is made.
-_NOT_HOOKS = {"loss": "wrap_loss", "grad": "wrap_grad", "normalise": None, "update": "wrap_update",
-              "rng_rank": "rng_offset"}
 
 
 class Step:
@@ -320,12 +152,19 @@ class Step:
     Build one with :func:`train_step`, wrap it in transforms, compile it with
     :func:`functrain.compile`. ``step.init(params, buffers)`` makes the initial
     :class:`TrainState`. Calling the step never changes its inputs.
+
+    Attributes: ``loss_fn``, ``optimizer``, ``transforms`` (in the order applied) and
+    :attr:`micro_batches`.
     """
+
+    loss_fn: LossFn
+    optimizer: Any
+    transforms: tuple[Transform, ...]
 
     def __init__(self, loss_fn: LossFn, optimizer: Any, transforms: Iterable[Transform] = ()):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        self.transforms: tuple[Transform, ...] = tuple(transforms)
+        self.transforms = tuple(transforms)
         ordered = sorted(self.transforms, key=lambda t: (t.order, t.name))  # never by wrapping order
         self._ordered = tuple(ordered)
         # PIPELINE, resolved for this step's transforms: (built-in, the bound hooks that run there)
@@ -334,8 +173,8 @@ class Step:
         self._offsets = tuple(t.rng_offset for t in ordered if _uses(t, "rng_offset"))
         self._agree = tuple(t.agree for t in ordered if _uses(t, "agree"))
         self._shards_state = any(t.shards_state for t in self.transforms)
-        self._layout: Layout | None = None  # check_state's expectations, found once
-        self._flat = FlatDict()  # flattens the params (and the gradients, shaped alike) eagerly
+        self._expected: Expected | None = None  # check_state's expectations, found once
+        self._flatten = TreespecCache()  # flattens the params (and the gradients, shaped alike) eagerly
 
     # -- building ---------------------------------------------------------------------------
     def with_transform(self, transform: Transform) -> "Step":
@@ -349,6 +188,12 @@ class Step:
                 raise ValueError(f"transform {transform.name!r} is already applied to this step ({t!r}); "
                                  f"each transform may be applied once")
         return Step(self.loss_fn, self.optimizer, self.transforms + (transform,))
+
+    @property
+    def micro_batches(self) -> int:
+        """How many micro-batches one call's batch holds: the product of the transforms'
+        :attr:`Transform.micro_batches` (``accumulate(4)``: 4; 1 without accumulation)."""
+        return math.prod(t.micro_batches for t in self.transforms)
 
     def __repr__(self) -> str:
         names = ", ".join(t.name for t in self.transforms)
@@ -388,8 +233,8 @@ class Step:
                             if t.params_fields and t.name in slots})
         for t in self._ordered:
             state = t.post_init(state, init)
-        if self._layout is None:  # what check_state expects, known for free here
-            self._layout = Layout.of(state)
+        if self._expected is None:  # what check_state expects, known for free here
+            self._expected = Expected.of(state)
         return state
 
     def check_state(self, state: Any) -> None:
@@ -423,7 +268,7 @@ class Step:
         _check_state(self, state)
 
     def _refuse_foreign_shards(self, state: Any) -> None:
-        # a state sharded over ranks (functrain.core.layout's ShardState slot) runs only in a sharded
+        # a state sharded over ranks (functrain.core.flat's ShardState slot) runs only in a sharded
         # data_parallel step, and a sharded step takes only such a state: say so before the generic
         # slot mismatch would
         slots = getattr(state, "slots", None)

@@ -11,16 +11,87 @@ import math
 import numbers
 from typing import Any, Iterable
 
-__all__ = ["BadValue", "describe", "is_real", "is_int", "check_real", "check_int", "check_choice", "path_str"]
+__all__ = ["BadValue", "describe", "bounded_repr", "is_real", "is_int", "check_real", "check_int", "check_choice", "path_str"]
 
 
 class BadValue(TypeError, ValueError):
     """An argument of the wrong type or out of range (both a TypeError and a ValueError)."""
 
 
-def describe(value: Any) -> str:
-    """``'abc' (str)``: a value and its type, for error messages."""
-    return f"{value!r} ({type(value).__name__})"
+REPR_LIMIT = 300  # characters of a value quoted in an error message
+
+
+def describe(value: Any, limit: int = REPR_LIMIT) -> str:
+    """``'abc' (str)``: a value and its type, for error messages; the value's repr is cut at ``limit`` characters.
+
+    Example::
+
+        >>> describe("abc")
+        "'abc' (str)"
+        >>> big = [list(range(10))] * 10**6
+        >>> describe(big, limit=40)
+        '[[0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 1, ... (list)'
+    """
+    return f"{bounded_repr(value, limit)} ({type(value).__name__})"
+
+
+def bounded_repr(value: Any, limit: int = REPR_LIMIT) -> str:
+    """``repr(value)`` cut at ``limit`` characters (``...`` marks the cut), built without building the whole.
+
+    Containers (lists, tuples, dicts, sets) are walked with a budget of characters, so a value that shares
+    its parts (a YAML document of nested aliases: a few hundred bytes whose repr is hundreds of megabytes)
+    costs ``limit`` characters, not its full repr. Other objects use their own ``repr``, cut; an int too
+    large to print is described by its size.
+
+    Example::
+
+        >>> bounded_repr({"a": "x" * 1000}, limit=20)
+        "{'a': 'xxxxxxxxxxxxx..."
+    """
+    out: list[str] = []
+    budget = [max(int(limit), 8)]
+
+    def put(text: str) -> bool:
+        if len(text) > budget[0]:
+            out.append(text[:budget[0]])
+            budget[0] = 0
+            return False
+        out.append(text)
+        budget[0] -= len(text)
+        return True
+
+    def walk(x: Any, depth: int) -> bool:
+        if isinstance(x, (str, bytes, bytearray)):
+            return put(repr(x[:budget[0] + 1]))
+        if isinstance(x, int) and not isinstance(x, bool) and x.bit_length() > 1000:
+            return put(f"<int of {x.bit_length()} bits>")
+        if type(x) in (list, tuple, set, frozenset, dict) and depth < 50:
+            items = list(x.items()) if isinstance(x, dict) else x
+            if isinstance(x, (set, frozenset)) and not x:
+                return put(f"{type(x).__name__}()")
+            left, right = {list: "[]", tuple: "()", dict: "{}", set: "{}"}.get(type(x), ("frozenset({", "})"))
+            if not put(left):
+                return False
+            for i, item in enumerate(items):
+                if i and not put(", "):
+                    return False
+                if isinstance(x, dict):
+                    if not (walk(item[0], depth + 1) and put(": ") and walk(item[1], depth + 1)):
+                        return False
+                elif not walk(item, depth + 1):
+                    return False
+            if type(x) is tuple and len(x) == 1 and not put(","):
+                return False
+            return put(right)
+        try:
+            text = repr(x)
+        except Exception as e:  # noqa: BLE001 - a broken __repr__ must not hide the real error
+            text = f"<{type(x).__name__} (repr failed: {type(e).__name__})>"
+        return put(text)
+
+    if not walk(value, 0):
+        return "".join(out) + "..."
+    return "".join(out)
 
 
 def is_real(value: Any) -> bool:

@@ -14,7 +14,7 @@
 * has a position (``state_dict()`` / ``load_state_dict()``) that a checkpoint
   records, and resumes from it without loading the skipped samples.
 
-``ft.gather_for_eval`` (:mod:`.evaluation`) collects per-batch evaluation results
+``ft.gather_for_eval`` (:mod:`.gather`) collects per-batch evaluation results
 from all ranks and removes the padding, reading :attr:`ShardedLoader.last_batch_info`.
 
 The loader owns the position; where the batches come from is one of three
@@ -306,8 +306,12 @@ class ShardedLoader:
         return (f"{size} samples, fewer than one batch of {self.batch_size} on each of {self.world_size} "
                 f"rank(s) ({per} samples) with drop_last=True")
 
-    def check_nonempty(self, what: str = "dataset") -> None:
+    def check_nonempty(self, what: str = "dataset", remedy: str | None = None) -> None:
         """Raise ``ValueError`` (naming the sizes) if an epoch has no batch: call it before training.
+
+        ``remedy`` replaces the advice that ends the message (by default: a smaller ``batch_size``, fewer
+        ranks, more data or ``drop_last=False``), for a caller whose users set other knobs (the Trainer's
+        users cannot set ``drop_last``, say).
 
         Example::
 
@@ -319,8 +323,10 @@ class ShardedLoader:
         reason = self._too_small()
         if reason is None:
             reason = f"{self._source.size if self._source.size is not None else 'no'} samples"
-        raise ValueError(f"the {what} yields no batch per rank: it has {reason}; use a smaller batch_size "
-                         f"(now {self.batch_size}), fewer ranks (now {self.world_size}), more data or drop_last=False")
+        if remedy is None:
+            remedy = (f"use a smaller batch_size (now {self.batch_size}), fewer ranks (now {self.world_size}), more "
+                      f"data or drop_last=False")
+        raise ValueError(f"the {what} yields no batch per rank: it has {reason}; {remedy}")
 
     # ---- order ---------------------------------------------------------------------------------------------
     def global_order(self, epoch: int | None = None) -> torch.Tensor:

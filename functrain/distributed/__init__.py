@@ -5,15 +5,16 @@ variables (:mod:`.group`); :func:`data_parallel` is the step transform that
 reduces gradients across it (:mod:`.data_parallel`, sharded state in
 :mod:`.sharding`); the small host-side collectives the other packages use live in
 :mod:`.comm`; :func:`launch` runs a function on N local processes (:mod:`.spawn`) and
-``python -m functrain.launch`` wraps torchrun (:mod:`.cli`); both blame the
+``python -m functrain.launch`` wraps torchrun (:mod:`.cli`, its agent in :mod:`.agent`); both blame the
 rank that failed first with one classifier and end their ranks when they die
 (:mod:`.faults`).
 """
 from .data_parallel import DataParallel, data_parallel
 from .sharding import ShardedDataParallel, gather_state
 from .group import ProcessInfo, default_timeout, device, init, is_initialized, process_info, rank, world_size
+from .faults import PeerFailed
 from .spawn import LaunchError, free_port, launch
 
 __all__ = ["ProcessInfo", "process_info", "init", "is_initialized", "rank", "world_size", "device",
            "default_timeout", "data_parallel", "DataParallel", "ShardedDataParallel", "gather_state",
-           "launch", "free_port", "LaunchError"]
+           "launch", "free_port", "LaunchError", "PeerFailed"]

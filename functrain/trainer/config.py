@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..core.validate import BadValue, check_choice, check_int, check_real, describe, is_real
+from ..checkpoint.bounded import load_yaml, loads_json
+from ..checkpoint.safe_io import replace_file
+from ..core.validate import BadValue, bounded_repr, check_choice, check_int, check_real, describe, is_real
 from .trackers import TRACKERS, check_trackers
 
 __all__ = ["TrainConfig"]
@@ -17,6 +20,11 @@ _PRECISIONS = ("no", "bf16", "fp16")
 _SCHEDULES = ("constant", "warmup_cosine", "warmup_linear")
 _SHARDS = ("none", "optimizer", "params")
 _SEED_MAX = 2**63 - 1  # the generator seeds of step.init and ft.shard
+# save_timeout: a week. Far past any real save, and safe for the timers it feeds: datetime.timedelta overflows
+# near 1e14 s and gloo's nanosecond clocks near 9.2e9 s (a 1e300 s timeout used to pass here, then fail at
+# train() with an OverflowError on several processes)
+_SAVE_TIMEOUT_MAX = 7 * 24 * 3600.0
+_CONFIG_MAX_BYTES = 1 << 20  # a config file is a few hundred bytes
 
 
 @dataclass(frozen=True)
@@ -24,9 +32,26 @@ class TrainConfig:
     """The hyper-parameters of :class:`functrain.Trainer`, checked when constructed.
 
     Field names follow the trainers users know (``train_batch_size``,
-    ``gradient_accumulate_every``, ...). ``train_batch_size`` is the batch of one
-    micro-step on one process; an optimizer update sees ``train_batch_size *
-    gradient_accumulate_every * processes`` samples. ``num_samples`` must be a
+    ``gradient_accumulate_every``, ...: denoising-diffusion-pytorch's); a name this
+    config does not have is refused with the functrain name that does the job
+    (``amp`` -> ``mixed_precision``) or says it is not provided (``calculate_fid``).
+
+    Batch size, one rule: an optimizer update sees ``train_batch_size *
+    gradient_accumulate_every`` samples *per process* (so ``* processes`` in all):
+    ``train_batch_size`` is one micro-step of one process. ``split_batches=True``
+    makes it global, as denoising-diffusion-pytorch's Trainer (accelerate's
+    ``split_batches``): each process takes ``train_batch_size / processes`` samples per
+    micro-step, an update sees ``train_batch_size * gradient_accumulate_every`` samples
+    whatever the process count (the Trainer refuses a ``train_batch_size`` that does not
+    divide by the processes, and ``eval_batch_size`` is global too).
+
+    EMA: ``ema(ema_decay, every=ema_update_every)`` counted in applied updates, copying
+    the params for the first ``ema_update_after_step`` updates, then warming the decay
+    up as ``1 - (1 + t / ema_inv_gamma) ** -ema_power`` (``t`` updates after the copies),
+    capped at ``ema_decay``: ema-pytorch's defaults, with which denoising-diffusion-pytorch
+    trains (``ema_power=None``: the constant ``ema_decay`` from the first update).
+
+    ``num_samples`` must be a
     perfect square: samples are tiled into a ``sqrt(n) x sqrt(n)`` grid. Every
     field is checked here (a :class:`ValueError` that is also a ``TypeError``
     names the field, what is allowed and the value), not later in ``train()``.
@@ -67,7 +92,7 @@ class TrainConfig:
         >>> TrainConfig(num_samples=10)
         Traceback (most recent call last):
         ...
-        ValueError: TrainConfig.num_samples must be a perfect square (samples are tiled into a square grid); got 10
+        functrain.core.validate.BadValue: TrainConfig.num_samples must be a perfect square (samples are tiled into a square grid); got 10
     """
 
     train_batch_size: int = 16
@@ -79,6 +104,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     ema_update_every: int = 10
     ema_decay: float = 0.995
+    ema_update_after_step: int = 100
+    ema_power: float | None = 2 / 3
+    ema_inv_gamma: float = 1.0
     save_and_sample_every: int = 1000
     num_samples: int = 25
     mixed_precision: str = "no"
@@ -99,6 +127,13 @@ class TrainConfig:
     shard: str = "none"
     compile_background: bool = True
     compile_switch_at: int | None = None
+    split_batches: bool = False
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "TrainConfig":
+        # before the dataclass __init__ sees the names: an unknown one gets its functrain name, not
+        # Python's bare "unexpected keyword argument"
+        check_names(kwargs, "TrainConfig")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         def name(n: str) -> str:
@@ -108,9 +143,13 @@ class TrainConfig:
                   "save_and_sample_every", "num_samples", "log_every", "keep_checkpoints",
                   "max_consecutive_nonfinite"):
             object.__setattr__(self, n, check_int(name(n), getattr(self, n), minimum=1, what="a positive int"))
-        for n in ("train_lr", "max_grad_norm", "save_timeout"):
+        for n in ("train_lr", "max_grad_norm"):
             object.__setattr__(self, n, check_real(name(n), getattr(self, n), lo=0.0, lo_open=True,
                                                   what="a positive number (finite)"))
+        object.__setattr__(self, "save_timeout", check_real(
+            name("save_timeout"), self.save_timeout, lo=0.0, hi=_SAVE_TIMEOUT_MAX, lo_open=True,
+            what=f"a positive number of seconds, at most {_SAVE_TIMEOUT_MAX:g} (a week: the other processes' wait "
+                 f"for a save stays a bounded wait, within what the collectives' timers can hold)"))
         object.__setattr__(self, "weight_decay", check_real(name("weight_decay"), self.weight_decay, lo=0.0,
                                                             what="a finite number >= 0"))
         root = math.isqrt(self.num_samples)
@@ -119,6 +158,17 @@ class TrainConfig:
                            f"grid); got {self.num_samples}")
         object.__setattr__(self, "ema_decay", check_real(name("ema_decay"), self.ema_decay, lo=0.0, hi=1.0,
                                                          lo_open=True, hi_open=True, what="in (0, 1)"))
+        object.__setattr__(self, "ema_update_after_step", check_int(
+            name("ema_update_after_step"), self.ema_update_after_step, minimum=0,
+            what="an int >= 0 (updates that copy the params before the EMA averages)"))
+        if self.ema_power is not None:
+            object.__setattr__(self, "ema_power", check_real(name("ema_power"), self.ema_power, lo=0.0, lo_open=True,
+                                                             what="a number > 0 (finite), or None: no warm-up"))
+        object.__setattr__(self, "ema_inv_gamma", check_real(name("ema_inv_gamma"), self.ema_inv_gamma, lo=0.0,
+                                                             lo_open=True, what="a positive number (finite)"))
+        if self.ema_power is None and self.ema_inv_gamma != 1.0:
+            raise BadValue(f"TrainConfig.ema_inv_gamma shapes the EMA warm-up, which ema_power turns on; with "
+                           f"ema_power=None it would be unused; got {self.ema_inv_gamma}")
         betas = tuple(self.adam_betas) if isinstance(self.adam_betas, (list, tuple)) else None
         if betas is None or len(betas) != 2 or not all(is_real(b) and 0.0 <= b < 1.0 for b in betas):
             raise BadValue(f"TrainConfig.adam_betas must be two numbers in [0, 1); got {describe(self.adam_betas)}")
@@ -132,7 +182,7 @@ class TrainConfig:
             raise BadValue(f"TrainConfig.results_folder must be a non-empty path (str or os.PathLike); got "
                            f"{describe(folder)}")
         object.__setattr__(self, "results_folder", os.fspath(folder))
-        for n in ("compile", "skip_nonfinite", "compile_background"):
+        for n in ("compile", "skip_nonfinite", "compile_background", "split_batches"):
             check_choice(name(n), getattr(self, n), (True, False))
         if self.compile_switch_at is not None:
             object.__setattr__(self, "compile_switch_at", check_int(
@@ -171,7 +221,7 @@ class TrainConfig:
         objects = [t for t in trackers if not isinstance(t, str)]
         if objects:
             raise BadValue(f"TrainConfig.trackers holds tracker names only (the config is saved as JSON); pass "
-                           f"tracker objects as Trainer(trackers=[...]); got {describe(objects[0])[:120]}")
+                           f"tracker objects as Trainer(trackers=[...]); got {describe(objects[0], 120)}")
         try:
             check_trackers(trackers)
         except ValueError as e:
@@ -190,10 +240,7 @@ class TrainConfig:
         """Build from a dict; an unknown key raises ``ValueError`` naming it."""
         if not isinstance(data, dict):
             raise ValueError(f"TrainConfig.from_dict expects a mapping; got {type(data).__name__}")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"TrainConfig: unknown fields {unknown}; known: {sorted(names)}")
+        check_names(data, "TrainConfig.from_dict")
         values = dict(data)
         for key in ("adam_betas", "trackers"):
             if isinstance(values.get(key), list):
@@ -205,7 +252,11 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write as YAML (``.yaml``/``.yml``, needs PyYAML) or JSON (anything else), atomically."""
+        """Write as YAML (``.yaml``/``.yml``, needs PyYAML) or JSON (anything else), atomically.
+
+        Written through a new temporary file renamed over ``path``; a symbolic link at ``path`` is refused
+        (:class:`functrain.checkpoint.LinkRefused`, an ``OSError``), nothing is written through it.
+        """
         path = os.fspath(path)
         if path.endswith((".yaml", ".yml")):
             import yaml
@@ -213,28 +264,101 @@ class TrainConfig:
             text = yaml.safe_dump(self.to_dict(), sort_keys=False)
         else:
             text = json.dumps(self.to_dict(), indent=2) + "\n"
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace_file(path, text.encode("utf-8"), fsync=True, what="the run's config")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "TrainConfig":
-        """Read a YAML or JSON file written by :meth:`save` (or by hand)."""
-        path = os.fspath(path)
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        if path.endswith((".yaml", ".yml")):
-            import yaml
+        """Read a YAML or JSON file written by :meth:`save` (or by hand).
 
-            data = yaml.safe_load(text)
+        Plain data only, bounded: at most 1 MiB; YAML through a safe loader that refuses every tag but
+        plain data (``!!python/...`` included) and documents whose aliases expand past 10,000 values, JSON
+        under :func:`functrain.checkpoint.bounded.loads_json`'s memory bound. A refusal is a ``ValueError``
+        naming the file, the line and why.
+        """
+        path = os.fspath(path)
+        with open(path, "rb") as f:
+            raw = f.read(_CONFIG_MAX_BYTES + 1)
+        if len(raw) > _CONFIG_MAX_BYTES:
+            raise BadValue(f"{path}: more than {_CONFIG_MAX_BYTES} bytes: not a TrainConfig file")
+        if path.endswith((".yaml", ".yml")):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise BadValue(f"{path}: not UTF-8 text ({e})") from None
+            data = load_yaml(text, path, error=BadValue)
         else:
-            data = json.loads(text)
+            data = loads_json(raw, path, error=BadValue)
         return cls.from_dict(data)
 
     def diff(self, other: "TrainConfig") -> dict:
         """``{field: (self's value, other's value)}`` for every field that differs."""
         a, b = self.to_dict(), other.to_dict()
         return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
+
+# Names of other trainers (denoising-diffusion-pytorch's Trainer first, then accelerate / Hugging Face /
+# ema-pytorch) and what does their job here; anything else gets difflib's closest field names.
+_RENAMED = {
+    "lr": "train_lr", "learning_rate": "train_lr",
+    "batch_size": "train_batch_size", "per_device_train_batch_size": "train_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulate_every",
+    "num_steps": "train_num_steps", "max_steps": "train_num_steps",
+    "betas": "adam_betas", "clip_grad_norm": "max_grad_norm", "grad_clip": "max_grad_norm",
+    "beta": "ema_decay", "ema_beta": "ema_decay", "update_every": "ema_update_every",
+    "update_after_step": "ema_update_after_step", "inv_gamma": "ema_inv_gamma", "power": "ema_power",
+    "results_dir": "results_folder", "output_dir": "results_folder", "save_every": "save_and_sample_every",
+    "warmup": "warmup_steps", "lr_warmup_steps": "warmup_steps",
+}
+_NO_FID = "not provided: ft.Trainer computes no FID (Trainer(eval_dataset=...) logs the held-out loss of the " \
+          "params and the EMA; an on_save hook can score the sample grids)"
+_ELSEWHERE = {
+    "amp": "use mixed_precision='bf16' or 'fp16' (amp=True, mixed_precision_type=X is mixed_precision=X)",
+    "mixed_precision_type": "use mixed_precision ('no', 'bf16' or 'fp16')",
+    "fp16": "use mixed_precision='fp16'", "bf16": "use mixed_precision='bf16'",
+    "calculate_fid": _NO_FID, "num_fid_samples": _NO_FID, "inception_block_idx": _NO_FID,
+    "save_best_and_latest_only": "not provided: keep_checkpoints=N keeps the newest N checkpoints (and never "
+                                 "removes the newest finite one)",
+    "augment_horizontal_flip": "an argument of the dataset, ft.data.ImageFolder(folder, image_size, "
+                               "augment_horizontal_flip=True); a folder given to ft.Trainer flips, as the package's "
+                               "Trainer does",
+    "convert_image_to": "an argument of the dataset, ft.data.ImageFolder(folder, image_size, convert_image_to='RGB')",
+    "folder": "the dataset argument: ft.Trainer(model, folder, config)",
+    "diffusion_model": "the model argument: ft.Trainer(model, dataset, config)",
+}
+
+
+def _hint(name: Any, known: list[str]) -> str:
+    if not isinstance(name, str):
+        return "field names are strings"
+    if name in _RENAMED:
+        return f"use {_RENAMED[name]}"
+    if name in _ELSEWHERE:
+        return _ELSEWHERE[name]
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    return f"did you mean {' or '.join(close)}?" if close else "no such field"
+
+
+def check_names(names: Any, where: str) -> None:
+    """Raise :class:`BadValue` for names that are not :class:`TrainConfig` fields, saying what to use instead.
+
+    Args:
+        names: the names given (keyword arguments, or a dict's keys).
+        where: what was given them, for the message (``"TrainConfig"``, ``"TrainConfig.from_dict"``).
+
+    Example::
+
+        >>> from functrain.trainer.config import check_names
+        >>> check_names({"amp": True}, "TrainConfig")
+        Traceback (most recent call last):
+        ...
+        functrain.core.validate.BadValue: TrainConfig has no field 'amp': use mixed_precision='bf16' or 'fp16' ...
+    """
+    known = [f.name for f in fields(TrainConfig)]
+    unknown = [n for n in names if n not in known]
+    if len(unknown) == 1 and where == "TrainConfig":
+        raise BadValue(f"TrainConfig has no field {bounded_repr(unknown[0])}: {_hint(unknown[0], known)}")
+    if unknown:  # bounded: a document may hold many (or huge) names
+        hints = "; ".join(f"{bounded_repr(n, 80)}: {_hint(n, known)}" for n in unknown[:8])
+        more = f"; {len(unknown) - 8} more" if len(unknown) > 8 else ""
+        raise BadValue(f"{where}: unknown fields {bounded_repr(sorted(map(str, unknown[:64])))} ({hints}{more}); "
+                       f"the fields are {known}")

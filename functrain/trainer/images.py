@@ -13,11 +13,14 @@ from typing import Sequence
 
 import numpy as np
 
+from ..checkpoint.safe_io import replace_file
+
 __all__ = ["write_png", "image_grid", "loss_curve", "text_bitmap", "caption", "write_sample_grid", "sample_path"]
 
 
 def write_png(path: str | os.PathLike, image: np.ndarray) -> None:
-    """Write an ``(H, W)`` gray or ``(H, W, 3)`` RGB uint8 array as a PNG file."""
+    """Write an ``(H, W)`` gray or ``(H, W, 3)`` RGB uint8 array as a PNG file (atomically; a symbolic link at
+    ``path`` is refused with :class:`functrain.checkpoint.LinkRefused`)."""
     image = np.asarray(image)
     if image.dtype != np.uint8 or image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] != 3):
         raise ValueError(f"write_png expects uint8 (H, W) or (H, W, 3); got {image.dtype} {image.shape}")
@@ -30,11 +33,8 @@ def write_png(path: str | os.PathLike, image: np.ndarray) -> None:
 
     png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, color, 0, 0, 0))
            + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
-    path = os.fspath(path)
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:  # then renamed: a viewer never sees half an image
-        f.write(png)
-    os.replace(tmp, path)
+    # a new temporary file, then renamed: a viewer never sees half an image, and no link is written through
+    replace_file(os.fspath(path), png, what="an image")
 
 
 def image_grid(images: np.ndarray, pad: int = 1, scale: int = 1) -> np.ndarray:

@@ -56,6 +56,9 @@ import time
 import warnings
 from typing import Any, Iterable
 
+from ..checkpoint.bounded import loads_json
+from ..checkpoint.safe_io import LinkRefused, check_dir, open_append, open_read, replace_file
+
 __all__ = ["Tracker", "TrackerWarning", "JsonlTracker", "TensorBoardTracker", "WandbTracker", "MlflowTracker",
            "TRACKERS", "check_trackers", "make_trackers"]
 
@@ -90,10 +93,15 @@ class _RunsFile:
 
     def read(self) -> dict:
         try:
-            with open(self.path, encoding="utf-8") as f:
-                data = json.load(f)
+            with open_read(self.path, "the trackers' run ids") as f:
+                raw = f.read(_RUNS_MAX_BYTES + 1)
+            if len(raw) > _RUNS_MAX_BYTES:
+                raise ValueError(f"more than {_RUNS_MAX_BYTES} bytes")
+            data = loads_json(raw, self.path)
         except FileNotFoundError:
             return {}
+        except LinkRefused:
+            raise
         except (OSError, ValueError) as e:
             warnings.warn(f"{self.path} is unreadable ({e}); tracker runs start afresh", TrackerWarning, stacklevel=3)
             return {}
@@ -108,10 +116,11 @@ class _RunsFile:
         entry = data.get(name) if isinstance(data.get(name), dict) else {}
         entry.update(values)
         data[name] = entry
-        tmp = f"{self.path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, self.path)  # no fsync: losing the last update costs at most one re-logged step
+        # no fsync: losing the last update costs at most one re-logged step
+        replace_file(self.path, json.dumps(data, indent=1).encode("utf-8"), what="the trackers' run ids")
+
+
+_RUNS_MAX_BYTES = 1 << 20  # a few run ids and steps
 
 
 class _Resumable(Tracker):
@@ -152,24 +161,36 @@ class JsonlTracker(Tracker):
     """One JSON object per line in ``folder/metrics.jsonl``: ``{"step": n, "loss": ..., ...}``.
 
     Appends, so a resumed run continues the same file; lines for steps after the
-    resume point are dropped first, so the file never repeats a step.
+    resume point are dropped first, so the file never repeats a step (the kept
+    lines go into a new file renamed over the old one: it is never rewritten in
+    place). A symbolic link at ``metrics.jsonl`` is refused
+    (:class:`functrain.checkpoint.LinkRefused`): nothing is written through it.
     """
 
     def __init__(self, folder: str, resume_step: int = 0):
         os.makedirs(folder, exist_ok=True)
         self.path = os.path.join(folder, "metrics.jsonl")
-        if os.path.exists(self.path):
+        what = "the metrics log"
+        try:
+            f = open_read(self.path, what)
+        except FileNotFoundError:
+            f = None
+        if f is not None:
             kept = []
-            with open(self.path, encoding="utf-8") as f:
-                for line in f:
+            with f:
+                for raw in f:
+                    line = raw.decode("utf-8", "replace")
                     try:
-                        if json.loads(line).get("step", 0) <= resume_step:
-                            kept.append(line if line.endswith("\n") else line + "\n")
-                    except json.JSONDecodeError:
+                        record = json.loads(line) if len(line) < _LINE_MAX else None
+                        step = record.get("step", 0) if isinstance(record, dict) else None
+                    except (json.JSONDecodeError, RecursionError):
                         break  # a torn last line from a killed run
-            with open(self.path, "w", encoding="utf-8") as f:
-                f.writelines(kept)
-        self._file = open(self.path, "a", encoding="utf-8")
+                    if step is None:
+                        break  # not one of our records: the rest is not ours to keep
+                    if isinstance(step, (int, float)) and step <= resume_step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+            replace_file(self.path, "".join(kept).encode("utf-8"), what=what)
+        self._file = open_append(self.path, what)
 
     def log(self, step: int, metrics: dict) -> None:
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -180,6 +201,9 @@ class JsonlTracker(Tracker):
 
     def where(self) -> str:
         return f"metrics: {self.path}"
+
+
+_LINE_MAX = 1 << 20  # one record is a few hundred bytes
 
 
 class TensorBoardTracker(Tracker):
@@ -193,6 +217,7 @@ class TensorBoardTracker(Tracker):
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
         self.logdir = os.path.join(folder, "tensorboard")
+        check_dir(self.logdir, "TensorBoard's event files")
         self.writer = SummaryWriter(self.logdir, purge_step=resume_step + 1 if resume_step > 0 else None)
 
     def log(self, step: int, metrics: dict) -> None:
@@ -438,7 +463,8 @@ def make_trackers(names: Iterable[Any], folder: str, config: dict | None = None,
     W&B and MLflow), ``resume_step`` the step training resumes from (0 for a fresh
     run). A name that is not known raises ``ValueError`` at once; a tracker that
     cannot be created (package missing, store refused, ...) is skipped with one
-    :class:`TrackerWarning`; a tracker that fails later is switched off with one warning.
+    :class:`TrackerWarning` (but a symbolic link where a tracker writes its file raises
+    :class:`functrain.checkpoint.LinkRefused`); a tracker that fails later is switched off with one warning.
     Every returned tracker has ``log``, ``close`` and ``where()`` (a line for the
     summary, or ``None``).
 
@@ -461,6 +487,10 @@ def make_trackers(names: Iterable[Any], folder: str, config: dict | None = None,
                 tracker = MlflowTracker(folder, config, resume_step)
             else:
                 tracker = item
+        except LinkRefused:  # a link planted in the results folder: an error, not a tracker to skip
+            for t in out:
+                t.close()
+            raise
         except Exception as e:
             extra = {"wandb": "trackers", "mlflow": "trackers", "tensorboard": "tensorboard"}.get(label)
             hint = f" (pip install 'functrain[{extra}]')" if isinstance(e, ImportError) and extra else ""

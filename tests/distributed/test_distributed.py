@@ -36,3 +36,12 @@ def test_a_non_positive_dist_timeout_is_refused(monkeypatch):
         monkeypatch.setenv("FUNCTRAIN_DIST_TIMEOUT", raw)
         with pytest.raises(ValueError, match="FUNCTRAIN_DIST_TIMEOUT must be a number > 0"):
             default_timeout()
+
+
+def test_ft_launch_stays_the_function_after_the_test_command_collected_everything():
+    """The test command imports every module of functrain/ for its doctests; importing the ``python -m`` entry
+    point ``functrain/launch.py`` as a module would rebind ``ft.launch`` from the launcher function to it."""
+    import functrain as ft
+    from functrain.distributed import spawn
+
+    assert ft.launch is spawn.launch and callable(ft.launch)

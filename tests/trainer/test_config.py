@@ -30,6 +30,10 @@ def test_num_samples_must_be_a_perfect_square():
     ("max_grad_norm", -1.0, "max_grad_norm"),
     ("save_and_sample_every", 0, "save_and_sample_every"),
     ("trackers", ("jsonl", "comet"), "unknown.*comet"),
+    ("ema_update_after_step", -1, r"ema_update_after_step must be an int >= 0 \(updates that copy"),
+    ("ema_power", 0.0, r"ema_power must be a number > 0 \(finite\), or None: no warm-up; got 0.0"),
+    ("ema_inv_gamma", float("inf"), "ema_inv_gamma must be a positive number"),
+    ("split_batches", "yes", r"split_batches must be one of \(True, False\); got 'yes'"),
 ])
 def test_bad_values_are_named(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -45,6 +49,47 @@ def test_save_load_roundtrip(tmp_path_factory, batch, accum, lr, samples, precis
     cfg.save(path)
     back = ft.TrainConfig.load(path)
     assert back == cfg and back.diff(cfg) == {}
+
+
+@pytest.mark.parametrize("name,match", [
+    ("amp", r"TrainConfig has no field 'amp': use mixed_precision='bf16' or 'fp16'"),
+    ("mixed_precision_type", r"has no field 'mixed_precision_type': use mixed_precision"),
+    ("calculate_fid", r"has no field 'calculate_fid': not provided: ft.Trainer computes no FID \(Trainer\(eval_dataset"),
+    ("num_fid_samples", "not provided: ft.Trainer computes no FID"),
+    ("save_best_and_latest_only", "not provided: keep_checkpoints=N keeps the newest N"),
+    ("augment_horizontal_flip", r"an argument of the dataset, ft.data.ImageFolder\(folder, image_size, augment_"),
+    ("convert_image_to", r"ft.data.ImageFolder\(folder, image_size, convert_image_to='RGB'\)"),
+    ("lr", "has no field 'lr': use train_lr$"),
+    ("update_after_step", "use ema_update_after_step$"),
+    ("train_batchsize", "has no field 'train_batchsize': did you mean train_batch_size"),  # difflib
+    ("ema_decy", "did you mean ema_decay"),
+    ("qqq", "has no field 'qqq': no such field$"),
+])
+def test_names_users_bring_get_the_functrain_name(name, match):
+    """denoising-diffusion-pytorch's (and accelerate's, ema-pytorch's) names are answered with the field that does
+    their job, or with 'not provided'; anything else with difflib's closest fields. A TypeError as before (and a
+    ValueError), raised before the dataclass sees the name."""
+    with pytest.raises(TypeError, match=match):
+        ft.TrainConfig(**{name: True})
+    with pytest.raises(ValueError, match=match):
+        ft.TrainConfig(train_batch_size=8, **{name: True})
+    with pytest.raises(ValueError, match=rf"unknown fields \['{name}'\].*'{name}': "):
+        ft.TrainConfig.from_dict({name: True})
+
+
+def test_several_unknown_names_are_all_answered():
+    with pytest.raises(ValueError, match=r"TrainConfig: unknown fields \['amp', 'calculate_fid'\] \('amp': use "
+                                         r"mixed_precision.*'calculate_fid': not provided.*the fields are \["):
+        ft.TrainConfig(amp=True, calculate_fid=False)
+    assert ft.TrainConfig(train_lr=1e-3).replace(seed=2).seed == 2  # replace() goes through the same check
+    with pytest.raises(ValueError, match="has no field 'lr': use train_lr"):
+        ft.TrainConfig().replace(lr=1.0)
+
+
+def test_ema_inv_gamma_without_the_warm_up_is_refused():
+    with pytest.raises(ValueError, match=r"ema_inv_gamma shapes the EMA warm-up.*ema_power=None it would be unused"):
+        ft.TrainConfig(ema_power=None, ema_inv_gamma=2.0)
+    assert ft.TrainConfig(ema_power=None).ema_power is None
 
 
 def test_diff_and_unknown_keys(tmp_path):
@@ -158,3 +203,66 @@ def test_background_compile_fields():
     for off in ({"compile": False}, {"compile_background": False}):
         with pytest.raises(ValueError, match=r"compile_switch_at=5 is when a background compile takes over"):
             ft.TrainConfig(compile_switch_at=5, **off)
+
+
+# -- hostile or mistaken config files -------------------------------------------------------------
+# nested aliases: 339 bytes whose value, walked as a tree, has 9**9 leaves (a 254 MB error message before)
+_BOMB = 'train_batch_size:\n- &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
+    f'- &{n} [{",".join(["*" + p] * 9)}]\n' for p, n in zip("abcdefgh", "bcdefghi"))
+
+
+def test_a_yaml_of_nested_aliases_is_refused_quickly_with_a_short_message(tmp_path):
+    import resource
+    import subprocess
+    import sys
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_BOMB)
+    assert len(_BOMB.encode()) < 400
+    script = ("import resource, sys, time, functrain as ft\n"
+              "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+              "t = time.perf_counter()\n"
+              "try:\n    ft.TrainConfig.load(sys.argv[1])\nexcept ValueError as e:\n    msg = str(e)\n"
+              "print(len(msg), time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)\n"
+              "print(msg)\n")
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, message = out.stdout.split("\n", 1)
+    length, seconds, grown_kib = first.split()
+    assert int(length) < 1000 and float(seconds) < 2.0 and int(grown_kib) < 64 * 1024, first
+    assert "expands to more than" in message and "bomb.yaml" in message, message
+
+
+def test_yaml_python_tags_are_refused_with_a_clear_error(tmp_path):
+    path = tmp_path / "evil.yaml"
+    marker = tmp_path / "ran"
+    path.write_text(f"train_lr: 0.001\nseed: !!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(ValueError, match=r"evil.yaml: line 2: the tag '!!python/object/apply:os.system' is not "
+                                         r"allowed: a config holds plain data only"):
+        ft.TrainConfig.load(path)
+    assert not marker.exists()
+    recursive = tmp_path / "loop.yaml"
+    recursive.write_text("trackers: &t [*t]\n")
+    with pytest.raises(ValueError, match="recursive alias"):
+        ft.TrainConfig.load(recursive)
+    big = tmp_path / "big.json"
+    big.write_text('{"seed": 1, "pad": "' + "x" * (2 << 20) + '"}')
+    with pytest.raises(ValueError, match="more than 1048576 bytes"):
+        ft.TrainConfig.load(big)
+
+
+def test_save_timeout_is_bounded_at_construction():
+    """1e300 s used to pass here and fail later, at train() on several processes (OverflowError)."""
+    with pytest.raises(ValueError, match=r"save_timeout must be a positive number of seconds, at most 604800 "
+                                         r"\(a week.*got 1e\+300"):
+        ft.TrainConfig(save_timeout=1e300)
+    with pytest.raises(ValueError, match="at most 604800"):
+        ft.TrainConfig(save_timeout=604800.5)
+    assert ft.TrainConfig(save_timeout=604800).save_timeout == 604800.0
+    import datetime
+
+    datetime.timedelta(seconds=ft.TrainConfig(save_timeout=604800).save_timeout)  # what train() builds

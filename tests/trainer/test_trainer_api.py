@@ -37,7 +37,8 @@ def _data(n=64, d=4, seed=0):
 
 def _config(folder, **kw):
     base = dict(train_batch_size=8, train_num_steps=12, save_and_sample_every=6, results_folder=str(folder),
-                compile=False, log_every=1, ema_update_every=1, ema_decay=0.9, trackers=("jsonl",), train_lr=1e-2)
+                compile=False, log_every=1, ema_update_every=1, ema_decay=0.9, trackers=("jsonl",), train_lr=1e-2,
+                ema_update_after_step=0, ema_power=None)  # the plain ft.ema(0.9) the hand-built steps use
     return ft.TrainConfig(**{**base, **kw})
 
 
@@ -169,6 +170,12 @@ def test_a_ready_step_is_used_as_is(tmp_path):
         ft.Trainer(model, data, config, step=step, optimizer=ft.optim.sgd(0.1))
     with pytest.raises(ValueError, match=r"accumulates 2 micro-batches but TrainConfig.gradient_accumulate_every=1"):
         ft.Trainer(model, data, config, step=ft.accumulate(2)(step))
+    # a streaming accumulation takes one micro-batch per call (Transform.micro_batches): the trainer loads
+    # train_batch_size rows per call for it, never gradient_accumulate_every times as many
+    with pytest.raises(ValueError, match=r"accumulates 1 micro-batches but TrainConfig.gradient_accumulate_every=2"):
+        ft.Trainer(model, data, config.replace(gradient_accumulate_every=2),
+                   step=ft.accumulate(2, streaming=True)(step))
+    ft.Trainer(model, data, config, step=ft.accumulate(2, streaming=True)(step))
     with pytest.raises(TypeError, match="takes a functrain Step"):
         ft.Trainer(model, data, config, step=lambda state, batch: (state, {}))
 
@@ -258,7 +265,10 @@ def test_eval_loss_with_params_and_ema_each_sample_once(tmp_path):
     assert last["eval_loss_ema"] == pytest.approx(_per_sample_mse(state.ema, held_out), rel=1e-6)
     assert last["eval_loss"] != last["eval_loss_ema"]
     # the history of evaluations is kept in the checkpoint (and plotted)
-    history = ft.load_extra(ft.CheckpointManager(tmp_path / "checkpoints").path(12))["history"]
+    from functrain.trainer.plots import MetricHistory  # (the checkpoint holds the history packed)
+
+    history = MetricHistory.from_json(ft.load_extra(ft.CheckpointManager(tmp_path / "checkpoints").path(12))[
+        "history"]).as_dict()
     assert [s for s, _ in history["eval_loss"]] == [4, 8, 12] == [s for s, _ in history["eval_loss_ema"]]
     assert [v for _, v in history["eval_loss"]] == [r["eval_loss"] for r in evals]
 
@@ -421,7 +431,7 @@ def test_metrics_plot_is_written_at_every_save_with_labelled_step_axes(tmp_path)
     assert seen[6] is not None and seen[6][:8] == b"\x89PNG\r\n\x1a\n"  # written at the first save already
     assert seen[12] is not None and seen[12] != seen[6]  # and redrawn at the last
     history = ft.load_extra(ft.CheckpointManager(tmp_path / "checkpoints").path(12))["history"]
-    assert [s for s, _ in history["loss"]] == list(range(1, 13))
+    assert [s for s, _ in MetricHistory.from_json(history).as_dict()["loss"]] == list(range(1, 13))
     fig = metrics_figure(MetricHistory.from_json(history),
                          metrics=["loss", "eval_loss", "eval_loss_ema", "grad_norm", "lr"])
     for ax, name in zip(fig.axes, ["loss", "eval_loss", "eval_loss_ema", "grad_norm", "lr"]):

@@ -23,7 +23,7 @@ pytest.importorskip("safetensors")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "trainer_job.py")
-ROOT = os.path.dirname(os.path.dirname(HERE))
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository (tests/trainer -> tests -> root)
 
 
 class Linear(torch.nn.Module):
@@ -45,7 +45,8 @@ def _data(nan_rows=(), n=64):
 
 def _config(folder, **kw):
     base = dict(train_batch_size=8, train_num_steps=60, save_and_sample_every=5, keep_checkpoints=3,
-                results_folder=str(folder), compile=False, log_every=10, ema_update_every=1, trackers=())
+                results_folder=str(folder), compile=False, log_every=10, ema_update_every=1, ema_update_after_step=0,
+                trackers=())
     return ft.TrainConfig(**{**base, **kw})
 
 
@@ -185,6 +186,36 @@ def test_sigterm_on_two_processes_saves_in_time_with_rare_log_steps(tmp_path):
     assert took < 25, f"{took:.1f} s from SIGTERM to exit: beyond the bound"
 
 
+def test_sigterm_after_the_steps_slow_down_saves_within_a_step_and_says_so(tmp_path):
+    """150 fast steps, then 1 s steps; SIGTERM to the launcher (--term-timeout 10): the ranks must not keep
+    running on an agreement interval learnt from the fast steps. Both stop at the same step within about a
+    step of the signal, rank 0 saves it, and the launcher exits 143 (every rank ended by itself: saved)."""
+    args = ("--nproc", 2, "--term-timeout", 10, JOB, tmp_path, "--no-compile", "--steps", 1000, "--log-every", 50,
+            "--save-every", 150, "--step-sleep", 1.0, "--slow-after", 150, "--precision", "no")
+    proc = subprocess.Popen([sys.executable, "-m", "functrain.launch", *map(str, args)],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        _wait_for(os.path.join(tmp_path, "checkpoints", "step_00000150", "COMPLETE.json"), proc)
+        time.sleep(2.5)  # two slow steps in
+        sent = time.time()
+        proc.send_signal(signal.SIGTERM)  # to the launcher: forwarded to the ranks, SIGKILL 10 s later
+        out, _ = proc.communicate(timeout=120)
+        took = time.time() - sent
+    finally:
+        _kill(proc)
+    steps = ft.CheckpointManager(tmp_path / "checkpoints").steps()
+    assert steps[-1] > 150, f"no checkpoint after the SIGTERM (steps {steps}):\n{out[-3000:]}"
+    done = re.findall(r"DONE step=(\d+) rank=(\d+)", out)
+    assert sorted(rank for _, rank in done) == ["0", "1"], out[-3000:]
+    assert {int(step) for step, _ in done} == {steps[-1]}, done
+    saved = os.stat(tmp_path / "checkpoints" / f"step_{steps[-1]:08d}" / "COMPLETE.json").st_mtime - sent
+    print(f"SIGTERM at ~step {150 + 2}: saved step {steps[-1]} {saved:.1f} s later, exit after {took:.1f} s")
+    assert saved < 3 * 1.0 + 4, f"the checkpoint came {saved:.1f} s after SIGTERM: more than about a step"
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "every rank ended by itself" in out, out[-3000:]
+
+
 def test_a_slow_sample_fn_beyond_the_collective_timeout_is_not_a_failure(tmp_path):
     out = subprocess.run(_cmd(tmp_path, 2, "--no-compile", "--steps", 4, "--save-every", 2, "--slow", 8),
                          env=_env(FUNCTRAIN_DIST_TIMEOUT="3"), capture_output=True, text=True, timeout=240)
@@ -217,3 +248,38 @@ def test_a_second_run_on_the_same_folder_is_refused_and_the_first_is_intact(tmp_
     mgr = ft.CheckpointManager(run / "checkpoints")
     assert mgr.steps() == list(range(2, 31, 2))
     assert T.tree_equal(ft.load(mgr.path(30)), ft.load(ft.CheckpointManager(ref / "checkpoints").path(30)))
+
+
+def test_a_too_small_dataset_gets_advice_a_trainer_user_can_follow(tmp_path):
+    """The Trainer always drops an incomplete last batch: "use drop_last=False" is advice its users cannot take."""
+    with pytest.raises(ValueError) as e:
+        ft.Trainer(Linear(), _data(n=12), _config(tmp_path, train_batch_size=8, gradient_accumulate_every=2))
+    message = str(e.value)
+    assert "drop_last=False" not in message, message
+    assert "TrainConfig.train_batch_size (now 8)" in message and "gradient_accumulate_every (now 2" in message
+    assert "fewer processes (now 1)" in message and "add data" in message, message
+
+
+def test_two_sharded_runs_on_one_folder_blame_rank_0_whose_lock_failed(tmp_path):
+    """The second 2-process run fails: rank 0 cannot take the lock (its own error, naming the holder); rank 1
+    only follows it (PeerFailed, a secondary failure), so the launcher's summary blames rank 0."""
+    args = ("--no-compile", "--save-every", 2, "--shard", "optimizer", "--precision", "no")
+    first = subprocess.Popen(_cmd(tmp_path, 2, "--steps", 100000, "--step-sleep", 0.1, *args), env=_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_for(os.path.join(tmp_path, "checkpoints", "step_00000002", "SHARDED.json"), first)  # it runs
+        started = time.monotonic()
+        second = subprocess.run(_cmd(tmp_path, 2, "--steps", 100000, *args), env=_env(), capture_output=True,
+                                text=True, timeout=180)
+        took = time.monotonic() - started
+        assert first.poll() is None, "the first run ended before the second was started"
+    finally:
+        _kill(first)
+    assert second.returncode != 0
+    summary = [ln for ln in second.stderr.splitlines() if "failed first:" in ln]
+    assert summary and re.search(r"rank 0 \(local rank 0, pid \d+\) failed first: FolderLocked: .* is in use by "
+                                 r"process \d+", summary[-1]), (took, second.stderr[-3000:])
+    # rank 1 only echoed rank 0's failure: a secondary one (stopped by the launcher, or PeerFailed), never an
+    # error of its own that could be blamed
+    others = [ln for ln in second.stderr.splitlines() if ln.strip().startswith("other ranks stopped: 1 (")]
+    assert others and ("SIGTERM" in others[-1] or "PeerFailed" in others[-1]), second.stderr[-3000:]

@@ -98,6 +98,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--precision", default="no", choices=["no", "bf16", "fp16"])
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--compile-blocking", action="store_true",
+                        help="compile before the first step (TrainConfig.compile_background=False) instead of "
+                             "training eagerly while the step compiles in the background")
     parser.add_argument("--shard", default="none", choices=["none", "optimizer", "params"],
                         help="TrainConfig.shard: split the optimizer state and EMA (optimizer), and the params "
                              "too (params), over the processes")
@@ -108,6 +111,7 @@ def main() -> None:
         train_num_steps=args.steps, adam_betas=(0.9, 0.99), max_grad_norm=1.0, ema_update_every=1,
         ema_decay=0.99, save_and_sample_every=args.save_every, num_samples=25, mixed_precision=args.precision,
         results_folder=args.results, seed=0, log_every=20, compile=not args.no_compile,
+        compile_background=not args.compile_blocking,
         lr_schedule="warmup_cosine", warmup_steps=min(50, args.steps // 10), min_lr=1e-4,
         eval_every=0, eval_batch_size=32,  # evaluate at every save, on the held-out split
         shard=args.shard)

@@ -1,0 +1,270 @@
+"""Compile jobs: one graph being compiled somewhere, for :mod:`functrain.compiler.background`.
+
+A job says where its graph stands (:meth:`Job.poll`: ``RUNNING``, ``READY`` or ``FAILED``, a host int the
+ranks agree on with a MIN) and, when it was compiled in this process, hands over the code. Kinds: a
+worker process (:class:`WorkerJob`, the default: it compiles into the shared on-disk caches, the training
+thread loads from them), a daemon thread (:class:`ThreadJob`, for comparison), the training thread itself
+(:class:`InlineJob`: backends whose code cannot travel), a cache hit (:class:`LoadedJob`) and a trace that
+failed (:class:`FailedJob`). Every job is bounded: ``FUNCTRAIN_COMPILE_TIMEOUT`` seconds (default 3600),
+and a worker is killed with its compiler children when its job ends early, when it is garbage-collected
+and at exit.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+from .backend import compile_graph
+from .capture import Captured
+
+__all__ = ["Job", "FailedJob", "InlineJob", "LoadedJob", "ThreadJob", "WorkerJob", "TIMEOUT_ENV", "RUNNING", "READY",
+           "FAILED"]
+
+TIMEOUT_ENV = "FUNCTRAIN_COMPILE_TIMEOUT"
+_TIMEOUT = 3600.0
+RUNNING, READY, FAILED = 0, 1, -1  # a job's status, and what the ranks agree on (their MIN)
+
+
+def _timeout() -> float:
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return _TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0; got {raw!r}")
+    return value
+
+
+class Job:
+    """One graph compiling somewhere; :meth:`poll` says ``RUNNING``, ``READY`` or ``FAILED``."""
+
+    status = RUNNING
+    source = "here"  # where the code is made (Progress.source)
+    reason: str | None = None
+    seconds: float | None = None  # the compile itself, where it is known
+    said = False  # its failure was warned about
+    finished: float | None = None  # when the code was ready
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+
+    def _ready(self, seconds: float | None) -> int:
+        self.finished = time.perf_counter()
+        self.seconds = seconds
+        self.status = READY
+        return READY
+
+    def poll(self) -> int:
+        return self.status
+
+    def wait(self) -> int:
+        """Block until the job ends (bounded by its timeout); its status."""
+        while self.poll() == RUNNING:
+            time.sleep(0.02)
+        return self.status
+
+    def code(self) -> Callable | None:
+        """The compiled callable if it was made in this process, else ``None`` (load it from the caches)."""
+        return None
+
+    def close(self) -> None:
+        """Stop the job if it still runs."""
+
+    def _fail(self, reason: str) -> int:
+        self.status, self.reason = FAILED, reason
+        return FAILED
+
+
+class FailedJob(Job):
+    """A graph that will not compile (its trace failed)."""
+
+    def __init__(self, reason: str):
+        super().__init__()
+        self._fail(reason)
+
+
+class InlineJob(Job):
+    """Compiled on the training thread (a backend whose code cannot travel between processes): at once, or
+    (``now=False``: packages, which AOTInductor builds from the real inputs) by the switch itself."""
+
+    def __init__(self, cap: Captured, backend: Any, now: bool = True):
+        super().__init__()
+        self.fn = None
+        try:
+            if now:
+                self.fn = compile_graph(backend, cap.gm, cap.metas)
+        except Exception as e:  # noqa: BLE001 - a failed compile: train on eagerly, say why
+            self._fail(f"the backend failed to compile the step: {type(e).__name__}: {_first(e)}")
+        else:
+            self._ready(time.perf_counter() - self.started)
+
+    def code(self) -> Callable | None:
+        return self.fn
+
+
+class LoadedJob(Job):
+    """Loaded from the caches on the training thread (an earlier process compiled the graph)."""
+
+    source = "cache"
+
+    def __init__(self, fn: Callable):
+        super().__init__()
+        self.fn = fn
+        self._ready(0.0)
+
+    def code(self) -> Callable | None:
+        return self.fn
+
+
+class ThreadJob(Job):
+    """Compiled in a daemon thread of this process (``FUNCTRAIN_COMPILE_WORKER=thread``: for comparison only)."""
+
+    source = "thread"
+
+    def __init__(self, cap: Captured, backend: Any, nice: int, timeout: float):
+        super().__init__()
+        self.fn: Callable | None = None
+        self.timeout = timeout
+        gm, metas = cap.gm, cap.metas
+
+        def run() -> None:
+            try:
+                if hasattr(os, "setpriority"):
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+            except OSError:
+                pass
+            try:
+                fn = compile_graph(backend, gm, metas)
+            except Exception as e:  # noqa: BLE001
+                self._fail(f"the compile thread failed: {type(e).__name__}: {_first(e)}")
+            else:
+                self.fn = fn
+                self._ready(time.perf_counter() - self.started)
+
+        threading.Thread(target=run, name="functrain-compile", daemon=True).start()
+
+    def poll(self) -> int:
+        if self.status == RUNNING and time.perf_counter() - self.started > self.timeout:
+            return self._fail(f"the compile thread did not finish within {self.timeout:g} s ({TIMEOUT_ENV})")
+        return self.status
+
+    def code(self) -> Callable | None:
+        return self.fn
+
+
+_LIVE: "weakref.WeakSet[WorkerJob]" = weakref.WeakSet()
+_atexit_registered = False
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the worker and its compiler children (its own group)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # pragma: no cover - a process that ignores SIGKILL (D state)
+        pass
+
+
+def _kill_all() -> None:
+    for job in list(_LIVE):
+        job.close()
+
+
+class WorkerJob(Job):
+    """Compiled by a worker process (:mod:`functrain.compiler.worker`) into the shared caches.
+
+    The process starts with the job object (it imports torch and inductor while this process traces the
+    graph); :meth:`send` gives it the graph. A job never sent is closed, and the worker exits or is killed."""
+
+    source = "worker"
+
+    def __init__(self, timeout: float):
+        global _atexit_registered
+        super().__init__()
+        self.timeout = timeout
+        self.log = tempfile.TemporaryFile()  # the worker's stderr (no file left behind)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        self.proc = subprocess.Popen([sys.executable, "-m", "functrain.compiler.worker", str(os.getpid())],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
+                                     start_new_session=True)
+        self.pid = self.proc.pid
+        _LIVE.add(self)
+        if not _atexit_registered:
+            atexit.register(_kill_all)
+            _atexit_registered = True
+        weakref.finalize(self, _kill_tree, self.proc)
+
+    def send(self, payload: bytes) -> None:
+        """Give the worker its job (from a thread: a pipe write blocks until the worker reads it)."""
+
+        def feed(stdin: Any = self.proc.stdin) -> None:
+            try:
+                stdin.write(payload)
+                stdin.close()
+            except (BrokenPipeError, OSError):
+                pass  # the worker died: poll() says how
+
+        threading.Thread(target=feed, name="functrain-compile-feed", daemon=True).start()
+
+    def poll(self) -> int:
+        if self.status != RUNNING:
+            return self.status
+        code = self.proc.poll()
+        if code is None:
+            if time.perf_counter() - self.started > self.timeout:
+                self.close()
+                return self._fail(f"the compile worker (pid {self.pid}) did not finish within {self.timeout:g} s "
+                                  f"({TIMEOUT_ENV}); it was stopped")
+            return RUNNING
+        answer = self.proc.stdout.read().decode(errors="replace").strip().splitlines()
+        self.proc.stdout.close()
+        _LIVE.discard(self)
+        result = None
+        if answer:
+            import json
+            try:
+                result = json.loads(answer[-1])
+            except ValueError:
+                result = None
+        if code == 0 and isinstance(result, dict) and result.get("ok"):
+            return self._ready(float(result.get("seconds") or 0.0))
+        if code < 0:
+            why = f"was killed by signal {signal.Signals(-code).name}"
+        elif isinstance(result, dict) and result.get("error"):
+            why = f"failed: {result['error']}"
+        else:
+            why = f"exited with status {code} without an answer"
+        return self._fail(f"the compile worker (pid {self.pid}) {why}{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        try:
+            self.log.seek(0)
+            text = self.log.read().decode(errors="replace").strip()
+        except (OSError, ValueError):
+            return ""
+        return f"; its log ends:\n{text[-1500:]}" if text else ""
+
+    def close(self) -> None:
+        _kill_tree(self.proc)
+        _LIVE.discard(self)
+
+
+def _first(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:500] if text else type(error).__name__

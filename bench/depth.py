@@ -97,29 +97,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depths", default="2,4,8,16,32")
     p.add_argument("--no-gpt2", action="store_true")
     p.add_argument("--timeout", type=float, default=3600.0)
-    p.add_argument("--reuse", default="on", choices=["on", "off"], help="ft.compile(reuse_blocks=...) (default on)")
+    p.add_argument("--reuse", default="on", choices=["on", "off", "both"],
+                   help="ft.compile(reuse_blocks=...) (default on); both: on then off at each depth (paired)")
     p.add_argument("--out-json", default=None)
     args = p.parse_args(argv)
     todo = [d.strip() for d in args.depths.split(",") if d.strip()] + ([] if args.no_gpt2 else ["gpt2"])
-    env = {"FT_BENCH_REUSE": args.reuse}
+    modes = ["on", "off"] if args.reuse == "both" else [args.reuse]
     root = tempfile.mkdtemp(prefix="ft-depth-")
     rows = []
     for what in todo:
-        before = load()
-        r = run_one(what, root, args.timeout, env)
-        r["load_before"], r["load_after"] = before, load()
-        rows.append(r)
-        print(json.dumps(r), flush=True)
-    print(f"\nreuse_blocks={args.reuse}\n| model | nodes (all graphs) | regions | trace s | first call s | step ms | load |\n"
-          "|---|---|---|---|---|---|---|")
+        for mode in modes:
+            before = load()
+            r = run_one(what, root, args.timeout, {"FT_BENCH_REUSE": mode})
+            r["load_before"], r["load_after"], r["reuse"] = before, load(), mode
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    print("\n| model | reuse_blocks | nodes (all graphs) | regions | trace s | first call s | step ms | load |\n"
+          "|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['what']} | error | | | | | |")
+            print(f"| {r['what']} | {r['reuse']} | error | | | | | |")
             continue
         name = "GPT-2 small" if r["what"] == "gpt2" else f"T{r['what']}"
-        print(f"| {name} | {r['nodes']} | {r['regions']} | {r['trace_s']:.1f} | {r['first_call_s']:.1f} | "
-              f"{1e3 * r['step_s']:.1f} | "
-              f"{r['load_before']:.1f}-{r['load_after']:.1f} |")
+        print(f"| {name} | {r['reuse']} | {r['nodes']} | {r['regions']} | {r['trace_s']:.1f} | {r['first_call_s']:.1f} | "
+              f"{1e3 * r['step_s']:.1f} | {r['load_before']:.1f}-{r['load_after']:.1f} |")
     if args.out_json:
         with open(args.out_json, "w") as f:
             json.dump(rows, f, indent=1)

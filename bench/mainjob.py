@@ -11,7 +11,8 @@ Variants (``--variants``, default all, in this order within each round):
 * ``background``: the same without the flag (the default: eager steps while a worker compiles);
 * ``eager``: ``--no-compile``;
 * ``accelerate``: the Accelerate anchor (``/work/shared/bench/anchors/diffusion_accelerate.py``, eager,
-  ``accelerate launch --multi_gpu --num_processes 2 --main_process_port <a free port>``, ``FT_EXAMPLES=examples``).
+  ``accelerate launch --multi_gpu --num_processes 2 --main_process_port <a free port>``, ``FT_EXAMPLES=examples``;
+  the ``accelerate`` beside this Python, else ``FT_ACCELERATE``, default ``/work/venvs/ddpm/bin/accelerate``).
 
 Each variant runs *cold* (a new, empty cache folder) then *warm* (the same folder again, so inductor's /
 AOTAutograd's on-disk caches and functrain's probe memo can hit; for ``eager`` and ``accelerate`` the second
@@ -42,6 +43,9 @@ LOSS = re.compile(rb"loss[=: ]+[-+0-9.eE]+")
 
 
 ANCHOR = "/work/shared/bench/anchors/diffusion_accelerate.py"
+# accelerate is not installed beside this Python (functrain's torch 2.13): the machine's venv that has it
+# (torch 2.14.1; the anchor's model comes from examples/, functrain from PYTHONPATH)
+ACCELERATE = os.environ.get("FT_ACCELERATE", "/work/venvs/ddpm/bin/accelerate")
 VARIANTS = ("blocking", "background", "eager", "accelerate")
 ACC = re.compile(rb"ACC-RESULT first_step_s=([0-9.]+) total_s=([0-9.]+)")
 
@@ -55,7 +59,7 @@ def _free_port() -> int:
 def _command(variant: str, results: str, steps: int, nproc: int) -> list[str]:
     if variant == "accelerate":
         exe = os.path.join(os.path.dirname(sys.executable), "accelerate")
-        launcher = [exe] if os.path.exists(exe) else [sys.executable, "-m", "accelerate.commands.launch"]
+        launcher = [exe if os.path.exists(exe) else ACCELERATE, "launch"]
         return [*launcher, "--multi_gpu", "--num_processes", str(nproc), "--num_machines", "1", "--mixed_precision",
                 "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()), ANCHOR, "--steps",
                 str(steps), "--out", results]
@@ -171,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{ratio(r['first_step_s'], eager, 'first_step_s')} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{k: v for k, v in r.items() if k != "tail"} for r in rows], f, default=str, indent=1)
+            json.dump([{k: v for k, v in r.items() if k != "tail" or r["rc"] != 0} for r in rows], f, default=str,
+                      indent=1)
     return 0 if all(r["rc"] == 0 for r in rows) else 1
 
 

@@ -290,9 +290,12 @@ class Background:
         except Exception as e:  # noqa: BLE001 - a graph torch cannot serialize: compile it here instead
             if worker is not None:
                 worker.close()
+            # compiled on the training thread at the switch, which every rank reaches at the same call: compiling
+            # it now would block this rank alone while its peers wait in a collective (past their timeout)
             warnings.warn(f"ft.compile: this step's graph cannot be sent to a compile worker ({type(e).__name__}: "
-                          f"{_first(e)}); compiling it on the training thread", RuntimeWarning, stacklevel=5)
-            return InlineJob(cap, backend)
+                          f"{_first(e)}); compiling it on the training thread at the switch (the steps wait)",
+                          RuntimeWarning, stacklevel=5)
+            return InlineJob(cap, backend, now=False)
         worker = worker if worker is not None else WorkerJob(_timeout())
         worker.send(payload)
         return worker
@@ -330,7 +333,7 @@ class Background:
         d = self.direct
         t0 = time.perf_counter()
         fn = job.code()
-        if fn is None and d.packages is None:
+        if fn is None and d.packages is None and not isinstance(job, InlineJob):  # (inline: compiled just below)
             try:
                 fn = d.backend.load(cap.gm, cap.metas)
             except Exception as e:  # noqa: BLE001 - a missing, corrupt or foreign entry: never used; rebuilt

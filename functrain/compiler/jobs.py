@@ -96,7 +96,8 @@ class FailedJob(Job):
 
 class InlineJob(Job):
     """Compiled on the training thread (a backend whose code cannot travel between processes): at once, or
-    (``now=False``: packages, which AOTInductor builds from the real inputs) by the switch itself."""
+    (``now=False``: packages, which AOTInductor builds from the real inputs, and graphs that cannot be sent to
+    a worker) by the switch itself, which every rank reaches at the same call."""
 
     def __init__(self, cap: Captured, backend: Any, now: bool = True):
         super().__init__()

@@ -112,13 +112,64 @@ def apply_settings(s: dict, stack: contextlib.ExitStack) -> None:
             stack.enter_context(module.patch(changed))
 
 
+# Operator namespaces a graph may hold and a worker rebuilds by name: torch's own, registered in every process that
+# imports torch. GraphPickler's default allows aten and fbgemm only, so a data-parallel step's graph (functional
+# collectives: torch.ops._c10d_functional) could not travel and was compiled on the training thread, blocking that
+# rank past its peers' collective timeout.
+_SENDABLE_OPS = ("torch.ops.aten.", "torch.ops.fbgemm.", "torch.ops.prims.", "torch.ops._c10d_functional.",
+                 "torch.ops.higher_order.")
+
+
+def _sendable(name: str) -> bool:
+    return name.startswith(_SENDABLE_OPS)
+
+
 def job_payload(gm: torch.fx.GraphModule, metas: tuple, inductor: dict) -> bytes:
     """The job for a worker: ``gm`` (traced, constants lifted), its inputs' ``metas``, the inductor
     arguments (``{"mode", "options", "donate"}`` of :class:`~functrain.compiler.options.Options`)."""
-    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx._graph_pickler import GraphPickler, Options
 
-    return pickle.dumps({"format": FORMAT, "graph": GraphPickler.dumps(gm), "metas": metas, "inductor": inductor,
-                         "settings": settings()}, protocol=pickle.HIGHEST_PROTOCOL)
+    graph = GraphPickler.dumps(gm, Options(ops_filter=_sendable))
+    return pickle.dumps({"format": FORMAT, "graph": graph, "metas": metas, "inductor": inductor,
+                         "settings": settings(), "process_group": _process_group(gm)},
+                        protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _process_group(gm: torch.fx.GraphModule) -> dict | None:
+    """The process group the graph's functional collectives run on, as the worker stands it in: ``{"name",
+    "rank", "size"}`` of the default group (inductor resolves the group while it lowers a collective; the
+    generated code only names it). ``None``: no collective. A collective on another group cannot be sent
+    (``ValueError``: the caller compiles the graph at the switch instead)."""
+    names = set()
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not str(node.target).startswith("_c10d_functional."):
+            continue
+        for i, arg in enumerate(schema.arguments):
+            if arg.name == "group_name":
+                names.add(node.args[i] if i < len(node.args) else node.kwargs.get("group_name"))
+    if not names:
+        return None
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    default = _get_default_group()
+    if names != {default.group_name}:
+        raise ValueError(f"the graph's collectives run on process groups {sorted(map(str, names))}; a compile "
+                         f"worker stands in the default group {default.group_name!r} only")
+    return {"name": default.group_name, "rank": default.rank(), "size": default.size()}
+
+
+def _stand_in(group: dict) -> None:
+    """A process group in this (worker) process of the parent's name, rank and size, that runs nothing
+    (torch's ``fake`` backend): what inductor needs to lower the graph's collectives."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_group
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=int(group["rank"]), world_size=int(group["size"]))
+    name = _get_default_group().group_name
+    if name != group["name"]:
+        raise RuntimeError(f"the worker's stand-in process group is named {name!r}, the graph's {group['name']!r}")
 
 
 def _prepare() -> None:
@@ -140,6 +191,8 @@ def _run(data: bytes) -> dict:
     from .backend import compile_graph, make_backend
     from .options import Options
 
+    if job.get("process_group"):
+        _stand_in(job["process_group"])
     with contextlib.ExitStack() as stack:
         apply_settings(job["settings"], stack)
         gm = GraphPickler.loads(job["graph"], FakeTensorMode())

@@ -20,7 +20,7 @@ __all__ = ["watch_compile", "compile_log", "compile_notes"]
 
 def watch_compile(step: Any, r: Any) -> None:
     """If ``ft.run`` will compile ``step`` in the background, time each of its paths in ``r`` (the loop's
-    ``_RunState``: ``rates``, ``progress``), and its first step is no compile (``r.compiled`` is false)."""
+    ``RunState``: ``rates``, ``progress``), and its first step is no compile (``r.compiled`` is false)."""
     if not isinstance(step, CompiledStep) or not step.options.in_background(True):
         return
     runner = step.donating(background=True)  # the very call form ft.run will use (made once, kept)

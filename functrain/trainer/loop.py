@@ -25,7 +25,7 @@ from ..compiler.api import compile as compile_step
 from ..data import shard
 from ..distributed import PeerFailed, gather_state
 from ..distributed.comm import check_same
-from ..driver import PhaseRates, run
+from ..driver import run
 from ..core.module import functionalize
 from ..core.state import TrainState
 from .config import TrainConfig
@@ -36,6 +36,7 @@ from .plots import MetricHistory, write_metrics_plot
 from .summary import run_summary
 from .build import build_step, checked_loss, model_loss
 from .compiling import compile_log, compile_notes, watch_compile
+from .run_state import RunState
 from .inputs import batch_line, ema_copy, load_weights, process_batch, resolve_dataset, with_augmentation
 from .trackers import check_trackers, make_trackers
 
@@ -214,7 +215,7 @@ class Trainer:
         self._signalled = False  # SIGTERM (not should_stop): the grace period is short, so no weights export
         self._save_group: Any = None
         self._stop_group: Any = None  # gloo: the per-step stop votes (CPU numbers, never a device sync)
-        self._run: _RunState | None = None
+        self._run: RunState | None = None
         self.state: TrainState | None = None  # what the last train() returned
         self._ema_module: torch.nn.Module | None = None
         if self.world > 1 and self.rank == 0:  # the batch rule, said once
@@ -369,7 +370,7 @@ class Trainer:
                 c.save(os.path.join(self.folder, "config.json"))
             start = int(state.step)  # the only read of the device counter: the loop's index mirrors it on the host
             trackers = make_trackers(self.tracker_items, self.folder, c.to_dict(), start) if self.rank == 0 else []
-            self._run = run_state = _RunState(start, trackers, compiled=isinstance(self.run_step, CompiledStep))
+            self._run = run_state = RunState(start, trackers, compiled=isinstance(self.run_step, CompiledStep))
             watch_compile(self.run_step, run_state)
             previous = signal.signal(signal.SIGTERM, self._on_sigterm)
             state = run(self.run_step, state, self.loader, num_steps=max(c.train_num_steps - start, 0),
@@ -435,7 +436,7 @@ class Trainer:
         self._ema_module = ema_copy(self.module, self._ema_module, ema_params, state)
         return self._ema_module
 
-    def summary(self, r: "_RunState") -> str:
+    def summary(self, r: "RunState") -> str:
         """The end-of-run text: final metrics, time (compile apart), where the results are."""
         outputs = {"weights": self.weights.get("model"), "EMA weights": self.weights.get("ema"),
                    "metrics plot": self.plot_path,  # (metrics.jsonl: the jsonl tracker's own line)
@@ -598,61 +599,3 @@ class Trainer:
 _NOT_PLOTTED = ("steps_per_s", "compile_s", "skipped", "skipped_updates", "eval_samples", "switched_at",
                 "steps_per_s_eager", "steps_per_s_compiled")
 _SUMMARY = ("loss", "eval_loss", "eval_loss_ema", "grad_norm", "lr", "skipped_updates")
-
-
-class _RunState:
-    """What one ``train()`` call tracks between the hooks of ``ft.run`` (host values only)."""
-
-    def __init__(self, start: int, trackers: list, compiled: bool):
-        self.start = self.n = self.saved_at = start
-        self.trackers = trackers
-        self.compiled = compiled
-        self.t0 = time.perf_counter()
-        self.first_at: float | None = None  # when the first step returned (after compiling)
-        self.compile_s = 0.0
-        self.reported: set = set()
-        self.last: dict = {}  # the last logged metrics (and evaluation), for the summary
-        self.unsent: tuple[int, dict] | None = None  # a log step's record, sent to the trackers after its step
-        self.logged_at = start
-        self.pending: list = []  # `skipped` flags (device tensors) not read yet
-        self.pending_until = start  # the step of the newest pending flag
-        self.in_a_row = 0  # skipped updates in a row, as of the last read
-        self.rates: PhaseRates | None = None  # a background compile: each path's throughput
-        self.progress: Any = None  # and its Progress
-        self.pending_vote: tuple | None = None  # (work, tensor): the stop vote started at the previous step
-
-    def vote(self, flag: bool, group: Any) -> bool:
-        """Whether any rank wanted to stop at the previous step; then start this step's vote.
-
-        Every rank starts exactly one vote per step (an all-reduce on ``group``, not waited for) and reads
-        it at its next step, so votes pair up by step and every rank gets the same answer at the same step,
-        whatever the step time does. Reading it rarely waits: the step in between has synchronised the
-        ranks already. A stop ends the voting (no vote is left pending).
-        """
-        stop = False
-        if self.pending_vote is not None:
-            work, t = self.pending_vote
-            self.pending_vote = None
-            work.wait()
-            stop = bool(t.numpy()[0] > 0)  # a CPU number: no device sync, no _local_scalar_dense
-        if not stop:
-            t = torch.tensor([1.0 if flag else 0.0])
-            work = torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group, async_op=True)
-            self.pending_vote = (work, t)
-        return stop
-
-    def end_vote(self) -> None:
-        """Wait for the vote of the last step (started by every rank) so that none is left in flight."""
-        if self.pending_vote is not None:
-            self.pending_vote[0].wait()
-            self.pending_vote = None
-
-    def emit(self, step: int, metrics: dict) -> None:
-        """Send one record to every tracker."""
-        for t in self.trackers:
-            t.log(step, metrics)
-
-    def first_done(self, now: float) -> None:
-        """Note when the first step (which compiles) returned; later calls change nothing."""
-        if self.first_at is None:
-            self.first_at, self.compile_s = now, now - self.t0

@@ -22,7 +22,26 @@ __all__ = ["FolderLock", "FolderLocked", "hold_dir", "try_hold_dir"]
 
 
 class FolderLocked(RuntimeError):
-    """Another live process holds the :class:`FolderLock` of a folder."""
+    """Another live process holds the :class:`FolderLock` of a folder (a ``RuntimeError``).
+
+    Args:
+        message: the error's text, naming the folder, the holder and what to do.
+        folder: the locked folder, kept as the attribute ``folder``.
+        holder: what the holder wrote in the lock file (``{"pid", "host", "since"}``), or ``None``
+            when unreadable; kept as ``holder``.
+
+    Example::
+
+        >>> import os, tempfile
+        >>> from functrain.checkpoint import FolderLock, FolderLocked
+        >>> folder = tempfile.mkdtemp()
+        >>> with FolderLock(folder):
+        ...     try:
+        ...         FolderLock(folder).acquire()
+        ...     except FolderLocked as e:
+        ...         print(e.folder == folder, e.holder["pid"] == os.getpid())
+        True True
+    """
 
     __module__ = "functrain.checkpoint"  # its public home, in reprs and tracebacks
 
@@ -43,6 +62,15 @@ class FolderLock:
     time, which the holder writes into the lock file). The kernel drops the lock
     when its holder exits or is killed, so a lock left by a dead process is taken
     over without any cleanup. Use it as a context manager or call ``release()``.
+
+    Args:
+        folder: the folder to lock (created if needed); a ``.lock`` that is a symbolic link is
+            refused (:class:`LinkRefused`).
+
+    Attributes:
+        folder: the folder's absolute path.
+        path: the lock file, ``folder/.lock``.
+        held: whether this object holds the lock.
 
     Example::
 

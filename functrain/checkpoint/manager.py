@@ -23,7 +23,23 @@ _DAMAGED, _REFUSED, _FAILED = 1, 2, 3  # a rank's verdict on a candidate checkpo
 
 
 class Restored(NamedTuple):
-    """What :meth:`CheckpointManager.load_latest` returns."""
+    """What :meth:`CheckpointManager.load_latest` returns.
+
+    Attributes:
+        state: the loaded state.
+        extra: the ``extra`` JSON value saved with it.
+        step: the checkpoint's step number, an int.
+        path: the checkpoint folder.
+
+    Example::
+
+        >>> import tempfile, torch, functrain as ft
+        >>> manager = ft.CheckpointManager(tempfile.mkdtemp())
+        >>> _ = manager.save(5, {"w": torch.ones(1)}, extra={"epoch": 0})
+        >>> restored = manager.load_latest()
+        >>> restored.step, restored.extra, restored.state["w"]
+        (5, {'epoch': 0}, tensor([1.]))
+    """
 
     __module__ = "functrain.checkpoint"  # its public home, in reprs and docs
 
@@ -54,6 +70,30 @@ class CheckpointManager:
     folder appears complete with its ``SHARDED.json`` last, and then rank 0
     alone prunes. ``load_latest`` (on every rank, with each rank's template)
     reads such checkpoints too, into a template of any world size.
+
+    Args:
+        folder: the folder of the numbered checkpoints (created by the first save).
+        keep: how many checkpoints to keep, an int >= 1 (default 3), or ``None``: keep all.
+        checksum: ``"crc32"`` (default) or ``"sha256"``, as in :func:`save`.
+        fsync: as in :func:`save` (default ``True``).
+
+    Attributes:
+        folder: the folder's absolute path.
+        keep, checksum, fsync: the settings above.
+
+    Raises:
+        ValueError: ``keep`` is not an int >= 1 or ``None``, or an unknown ``checksum``.
+
+    Example::
+
+        >>> import tempfile, torch, functrain as ft
+        >>> manager = ft.CheckpointManager(tempfile.mkdtemp(), keep=2)
+        >>> for step in (10, 20, 30):
+        ...     _ = manager.save(step, {"w": torch.full((1,), float(step))})
+        >>> manager.steps()
+        [20, 30]
+        >>> manager.load_latest(template={"w": torch.zeros(1)}).state["w"]
+        tensor([30.])
     """
 
     __module__ = "functrain.checkpoint"  # its public home, in reprs and tracebacks

@@ -90,19 +90,60 @@ def _strategy(value: Any) -> st.SearchStrategy:
 
 # -- strategies -------------------------------------------------------------------------------
 def shapes(min_dims: int = 0, max_dims: int = 3, min_side: int = 1, max_side: int = 5) -> st.SearchStrategy:
-    """Tensor shapes: tuples of ``min_dims..max_dims`` sizes in ``[min_side, max_side]``."""
+    """Tensor shapes: tuples of ``min_dims..max_dims`` sizes in ``[min_side, max_side]``.
+
+    Args:
+        min_dims: the fewest dimensions, an int >= 0 (default 0: scalars too).
+        max_dims: the most dimensions (default 3).
+        min_side: the smallest size of a dimension (default 1).
+        max_side: the largest size of a dimension (default 5).
+
+    Returns:
+        A hypothesis ``SearchStrategy`` of tuples of ints.
+
+    Example::
+
+        >>> from hypothesis import given, settings
+        >>> import functrain.testing as ftt
+        >>> @settings(max_examples=10, deadline=None, derandomize=True, database=None)
+        ... @given(ftt.shapes(min_dims=1, max_dims=2, max_side=3))
+        ... def check(shape):
+        ...     assert 1 <= len(shape) <= 2 and all(1 <= s <= 3 for s in shape)
+        >>> check()
+    """
     return st.lists(st.integers(min_side, max_side), min_size=min_dims, max_size=max_dims).map(tuple)
 
 
 def tensors(shape: Any = None, dtype: torch.dtype = torch.float32, *, scale: float = 1.0,
             elements: st.SearchStrategy | None = None, device: Any = "cpu") -> st.SearchStrategy:
-    """Tensors of ``shape`` (a tuple, a strategy of tuples, or ``None`` for :func:`shapes`).
+    """Tensors of a drawn or given shape.
 
     By default the values come from a drawn seed (``randn * scale`` for floating
     dtypes, ``randint(0, 10)`` for integers, coin flips for bool): fast for any size,
-    and hypothesis shrinks the shape and the seed. With ``elements`` (a strategy of
-    Python numbers, e.g. ``st.floats(allow_nan=True)``) every element is drawn by
-    hypothesis instead, which finds edge values (inf, NaN, subnormals) but is slower.
+    and hypothesis shrinks the shape and the seed. With ``elements`` every element is
+    drawn by hypothesis instead, which finds edge values (inf, NaN, subnormals) but is slower.
+
+    Args:
+        shape: a tuple, a strategy of tuples, or ``None`` (default: :func:`shapes`).
+        dtype: the dtype (default ``torch.float32``).
+        scale: the standard deviation of floating values (default 1.0).
+        elements: ``None`` (default: seeded values), or a strategy of Python numbers
+            (e.g. ``st.floats(allow_nan=True)``) for every element.
+        device: where the tensors are made (default ``"cpu"``).
+
+    Returns:
+        A hypothesis ``SearchStrategy`` of tensors.
+
+    Example::
+
+        >>> from hypothesis import given, settings
+        >>> import functrain.testing as ftt
+        >>> import torch
+        >>> @settings(max_examples=10, deadline=None, derandomize=True, database=None)
+        ... @given(ftt.tensors((2, 3), torch.int64))
+        ... def check(t):
+        ...     assert t.shape == (2, 3) and t.dtype == torch.int64 and 0 <= t.min() and t.max() < 10
+        >>> check()
     """
     shape_st = shapes() if shape is None else _strategy(shape)
 
@@ -125,8 +166,27 @@ def tensors(shape: Any = None, dtype: torch.dtype = torch.float32, *, scale: flo
 
 
 def pytrees(leaves: st.SearchStrategy | None = None, *, max_depth: int = 2, max_children: int = 3) -> st.SearchStrategy:
-    """Nested dicts, lists and tuples (each non-empty, at most ``max_children`` wide and
-    ``max_depth`` deep) of ``leaves`` (default :func:`tensors`, float32 of random shapes)."""
+    """Nested dicts, lists and tuples of tensors: pytrees to test tree code on.
+
+    Args:
+        leaves: the strategy of the leaves (default ``None``: :func:`tensors`, float32 of random shapes).
+        max_depth: the most levels of nesting (default 2).
+        max_children: the widest a container is (default 3); every container is non-empty.
+
+    Returns:
+        A hypothesis ``SearchStrategy`` of pytrees (a single leaf too).
+
+    Example::
+
+        >>> from hypothesis import given, settings
+        >>> import functrain.testing as ftt
+        >>> import optree, torch
+        >>> @settings(max_examples=10, deadline=None, derandomize=True, database=None)
+        ... @given(ftt.pytrees())
+        ... def check(tree):
+        ...     assert all(torch.is_tensor(x) for x in optree.tree_leaves(tree))
+        >>> check()
+    """
     leaf = tensors() if leaves is None else leaves
     keys = st.text(alphabet="abcdefgh", min_size=1, max_size=3)
     tree = leaf
@@ -141,9 +201,30 @@ def pytrees(leaves: st.SearchStrategy | None = None, *, max_depth: int = 2, max_
 
 def batches(features: Any = 4, targets: Any = 1, *, multiple_of: Any = 1, max_multiplier: int = 4,
             scale: float = 1.0, as_dict: bool = False) -> st.SearchStrategy:
-    """Regression batches ``(x, y)`` (or ``{"x": x, "y": y}``) of float32 ``randn * scale``:
-    ``x`` is ``(rows, features)``, ``y`` is ``(rows, targets)`` and ``rows = multiple_of * k``
-    for a drawn ``k`` in ``[1, max_multiplier]``. Sizes may be ints or strategies."""
+    """Regression batches ``(x, y)`` (or ``{"x": x, "y": y}``) of float32 ``randn * scale``.
+
+    Args:
+        features: the columns of ``x`` (default 4), an int or a strategy.
+        targets: the columns of ``y`` (default 1), an int or a strategy.
+        multiple_of: the rows are ``multiple_of * k`` for a drawn ``k`` (default 1), an int or a strategy.
+        max_multiplier: the largest ``k``, from 1 (default 4).
+        scale: the standard deviation of ``x`` (default 1.0).
+        as_dict: ``True`` gives ``{"x": x, "y": y}`` (default ``False``: a tuple).
+
+    Returns:
+        A hypothesis ``SearchStrategy`` of batches: ``x`` is ``(rows, features)``, ``y`` is ``(rows, targets)``.
+
+    Example::
+
+        >>> from hypothesis import given, settings
+        >>> import functrain.testing as ftt
+        >>> @settings(max_examples=10, deadline=None, derandomize=True, database=None)
+        ... @given(ftt.batches(features=3, multiple_of=4))
+        ... def check(batch):
+        ...     x, y = batch
+        ...     assert x.shape[1] == 3 and y.shape[1] == 1 and len(x) == len(y) and len(x) % 4 == 0
+        >>> check()
+    """
 
     @st.composite
     def draw_batch(draw):
@@ -157,9 +238,25 @@ def batches(features: Any = 4, targets: Any = 1, *, multiple_of: Any = 1, max_mu
 
 
 class Problem(NamedTuple):
-    """A drawn training problem: initial ``params`` and ``buffers``, a pure
-    ``loss_fn(params, buffers, batch)``, a ``batch`` whose rows divide by ``n``, and,
-    for :func:`token_problems`, ``mean_loss_fn``: the same loss as a plain token mean."""
+    """A drawn training problem (what :func:`mlp_problems` and :func:`token_problems` give).
+
+    Attributes:
+        params: the initial params, ``{name: tensor}``.
+        buffers: the initial buffers (``{}`` for the built-in problems).
+        loss_fn: a pure ``loss_fn(params, buffers, batch)``.
+        batch: a batch whose rows divide by ``n``.
+        n: the number of micro-batches to accumulate over.
+        mean_loss_fn: for :func:`token_problems`, the same loss as a plain token mean (the
+            reference for ``aux["num_items"]``); ``None`` otherwise (default).
+
+    Example::
+
+        >>> import torch, functrain.testing as ftt
+        >>> batch = (torch.ones(4, 2), torch.zeros(4, 1))
+        >>> p = ftt.Problem({"w0": torch.ones(2, 1), "b0": torch.zeros(1)}, {}, ftt.mlp_loss, batch, n=2)
+        >>> [x.shape[0] for x, _ in p.micro_batches()], float(p.loss_fn(p.params, p.buffers, p.batch))
+        ([2, 2], 4.0)
+    """
 
     params: dict
     buffers: dict
@@ -175,7 +272,24 @@ class Problem(NamedTuple):
 
 
 def mlp_loss(params: dict, buffers: dict, batch: Any) -> torch.Tensor:
-    """The loss of :func:`mlp_problems`: a tanh MLP over params ``w0, b0, w1, ...``, MSE to ``y``."""
+    """The loss of :func:`mlp_problems`: a tanh MLP over params ``w0, b0, w1, ...``, MSE to ``y``.
+
+    Args:
+        params: ``{"w0", "b0", "w1", "b1", ...}``: weights ``(in, out)`` and biases ``(out,)``; tanh
+            between layers, none after the last.
+        buffers: unused (the problems have none).
+        batch: ``(x, y)`` or ``{"x": x, "y": y}``.
+
+    Returns:
+        The mean-squared error, a scalar tensor.
+
+    Example::
+
+        >>> import torch, functrain.testing as ftt
+        >>> params = {"w0": torch.ones(2, 1), "b0": torch.zeros(1)}
+        >>> ftt.mlp_loss(params, {}, (torch.ones(3, 2), torch.ones(3, 1)))
+        tensor(1.)
+    """
     x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch
     depth = len(params) // 2
     for i in range(depth):
@@ -187,13 +301,35 @@ def mlp_loss(params: dict, buffers: dict, batch: Any) -> torch.Tensor:
 
 def mlp_problems(n: Any = None, *, min_width: int = 1, max_width: int = 8, max_hidden: int = 2,
                  max_micro_rows: int = 4, as_dict: bool = False) -> st.SearchStrategy:
-    """A small tanh MLP regression :class:`Problem` with a mean-squared-error loss.
+    """A small tanh MLP regression :class:`Problem` with a mean-squared-error loss (:func:`mlp_loss`).
 
     Params are ``{"w0", "b0", "w1", ...}`` (weights ``randn / sqrt(fan_in)``, so
-    activations and gradients are of order one), the batch is ``(x, y)`` (or a dict
-    with ``as_dict``) with ``n * m`` rows; ``n`` (an int or strategy, default
-    ``1..4``) is the number of micro-batches to accumulate over. Every layer is
-    ``min_width..max_width`` wide.
+    activations and gradients are of order one); the batch is ``(x, y)`` (or a dict)
+    with ``n * m`` rows.
+
+    Args:
+        n: the number of micro-batches to accumulate over, an int or a strategy (default
+            ``None``: ``1..4``).
+        min_width: the narrowest layer (default 1).
+        max_width: the widest layer (default 8).
+        max_hidden: the most hidden layers (default 2).
+        max_micro_rows: the most rows ``m`` per micro-batch (default 4).
+        as_dict: a ``{"x", "y"}`` batch (default ``False``: a tuple).
+
+    Returns:
+        A hypothesis ``SearchStrategy`` of :class:`Problem`.
+
+    Example::
+
+        >>> from hypothesis import given, settings
+        >>> import functrain.testing as ftt
+        >>> import functrain as ft, torch
+        >>> @settings(max_examples=5, deadline=None, derandomize=True, database=None)
+        ... @given(ftt.mlp_problems(n=2))
+        ... def check(problem):
+        ...     step = ft.train_step(problem.loss_fn, ft.optim.sgd(0.1))
+        ...     ftt.assert_pure(step, step.init(problem.params), problem.batch)
+        >>> check()
     """
     n_st = st.integers(1, 4) if n is None else _strategy(n)
 
@@ -222,26 +358,82 @@ def _lm_token_losses(params: dict, batch: dict) -> tuple[torch.Tensor, torch.Ten
 
 
 def token_sum_loss(params: dict, buffers: dict, batch: dict):
-    """The loss of :func:`token_problems`: summed token cross-entropy, with ``aux["num_items"]``."""
+    """The loss of :func:`token_problems`: summed next-token cross-entropy, with ``aux["num_items"]``.
+
+    Args:
+        params: ``{"embed", "head", "bias"}`` of the tiny language model.
+        buffers: unused.
+        batch: ``{"tokens": int64 (rows, len + 1), "mask": bool (rows, len)}``.
+
+    Returns:
+        ``(sum over the unmasked positions, {"num_items": their count})``.
+
+    Example::
+
+        >>> import torch, functrain.testing as ftt
+        >>> params = {"embed": torch.zeros(3, 2), "head": torch.zeros(2, 3), "bias": torch.zeros(3)}
+        >>> batch = {"tokens": torch.tensor([[0, 1, 2]]), "mask": torch.tensor([[True, False]])}
+        >>> loss, aux = ftt.token_sum_loss(params, {}, batch)   # one token, uniform over 3: log 3
+        >>> round(float(loss), 4), int(aux["num_items"])
+        (1.0986, 1)
+    """
     losses, mask = _lm_token_losses(params, batch)
     return torch.where(mask, losses, 0.0).sum(), {"num_items": mask.sum()}
 
 
 def token_mean_loss(params: dict, buffers: dict, batch: dict) -> torch.Tensor:
-    """The reference for :func:`token_sum_loss`: the token mean over the whole batch."""
+    """The reference for :func:`token_sum_loss`: the token mean over the whole batch.
+
+    Args:
+        params: as :func:`token_sum_loss`.
+        buffers: unused.
+        batch: as :func:`token_sum_loss`.
+
+    Returns:
+        The mean next-token cross-entropy over the unmasked positions, a scalar tensor.
+
+    Example::
+
+        >>> import torch, functrain.testing as ftt
+        >>> params = {"embed": torch.zeros(3, 2), "head": torch.zeros(2, 3), "bias": torch.zeros(3)}
+        >>> batch = {"tokens": torch.tensor([[0, 1, 2]]), "mask": torch.tensor([[True, True]])}
+        >>> round(float(ftt.token_mean_loss(params, {}, batch)), 4)
+        1.0986
+    """
     losses, mask = _lm_token_losses(params, batch)
     return torch.where(mask, losses, 0.0).sum() / mask.sum()
 
 
 def token_problems(n: Any = None, *, max_vocab: int = 12, max_dim: int = 6, max_len: int = 7,
                    max_micro_rows: int = 3) -> st.SearchStrategy:
-    """A tiny language model (embedding, tanh, linear head) on padded sequences of drawn
-    lengths ``0..max_len`` (at least one predicted token in the batch).
+    """A tiny language model (embedding, tanh, linear head) on padded sequences of drawn lengths.
 
-    ``loss_fn`` returns the *sum* of next-token cross-entropies over the non-padded
-    positions with ``aux["num_items"]`` = their count; ``mean_loss_fn`` is the big-batch
-    token mean (the reference for item-count normalisation). The batch is
-    ``{"tokens": int64 (rows, len + 1), "mask": bool (rows, len)}`` with ``n * m`` rows.
+    ``loss_fn`` (:func:`token_sum_loss`) returns the *sum* of next-token cross-entropies
+    over the non-padded positions with ``aux["num_items"]`` = their count; ``mean_loss_fn``
+    (:func:`token_mean_loss`) is the big-batch token mean. The batch is
+    ``{"tokens": int64 (rows, len + 1), "mask": bool (rows, len)}`` with ``n * m`` rows,
+    sequence lengths ``0..max_len`` and at least one predicted token.
+
+    Args:
+        n: the number of micro-batches, an int or a strategy (default ``None``: ``1..4``).
+        max_vocab: the largest vocabulary, from 2 (default 12).
+        max_dim: the largest embedding width (default 6).
+        max_len: the longest sequence (default 7).
+        max_micro_rows: the most rows ``m`` per micro-batch (default 3).
+
+    Returns:
+        A hypothesis ``SearchStrategy`` of :class:`Problem`.
+
+    Example::
+
+        >>> from hypothesis import given, settings
+        >>> import functrain.testing as ftt
+        >>> @settings(max_examples=5, deadline=None, derandomize=True, database=None)
+        ... @given(ftt.token_problems(n=2))
+        ... def check(problem):
+        ...     _, aux = problem.loss_fn(problem.params, problem.buffers, problem.batch)
+        ...     assert int(aux["num_items"]) == int(problem.batch["mask"].sum()) > 0
+        >>> check()
     """
     n_st = st.integers(1, 4) if n is None else _strategy(n)
 
@@ -262,7 +454,22 @@ def token_problems(n: Any = None, *, max_vocab: int = 12, max_dim: int = 6, max_
 
 # -- helpers ------------------------------------------------------------------------------------
 def clone_tree(tree: Any) -> Any:
-    """A copy of ``tree`` whose tensor leaves are fresh clones (other leaves shared)."""
+    """A copy of ``tree`` whose tensor leaves are fresh clones (other leaves shared).
+
+    Args:
+        tree: any pytree.
+
+    Returns:
+        The copy, detached from autograd.
+
+    Example::
+
+        >>> import torch, functrain.testing as ftt
+        >>> tree = {"w": torch.ones(2), "n": 3}
+        >>> copy = ftt.clone_tree(tree)
+        >>> copy["w"] is tree["w"], bool(torch.equal(copy["w"], tree["w"])), copy["n"]
+        (False, True, 3)
+    """
     return optree.tree_map(lambda x: x.detach().clone() if torch.is_tensor(x) else x, tree)
 
 
@@ -271,8 +478,25 @@ def _batch_at(batch: Any, i: int) -> Any:
 
 
 def run_steps(step: Callable, state: Any, batch: Any, steps: int = 1) -> tuple[Any, list]:
-    """Run ``steps`` steps from ``state``; ``batch`` is one batch or ``callable(i) -> batch``.
-    Returns the final state and the list of per-step metrics."""
+    """Run ``steps`` steps from ``state``.
+
+    Args:
+        step: the step, ``step(state, batch) -> (state, metrics)``.
+        state: the initial state.
+        batch: one batch, or ``callable(i) -> batch`` for step ``i``.
+        steps: how many steps (default 1).
+
+    Returns:
+        ``(final state, [metrics of each step])``.
+
+    Example::
+
+        >>> import torch, functrain as ft, functrain.testing as ftt
+        >>> step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.5))
+        >>> state, history = ftt.run_steps(step, step.init({"w": torch.zeros(1)}), lambda i: torch.ones(1), 3)
+        >>> state.params["w"], len(history)
+        (tensor([-1.5000]), 3)
+    """
     history = []
     for i in range(steps):
         state, metrics = step(state, _batch_at(batch, i))
@@ -302,11 +526,38 @@ def _describe_diff(path: str, a: Any, b: Any, rtol: float, atol: float) -> str |
 
 
 def assert_same_state(actual: Any, expected: Any, rtol: float = 0.0, atol: float = 0.0, *, what: str = "state") -> None:
-    """Assert two pytrees (states, metrics, anything) match: the same structure and, leaf
-    by leaf, bitwise-equal tensors when ``rtol == atol == 0`` (the default), else
-    ``allclose(actual, expected, rtol, atol)`` with NaNs equal (integer and bool
-    leaves always exactly). ``expected`` is the reference. Flat params (:func:`functrain.flat`) are
-    compared by name: a flat state matches the plain state it stands for."""
+    """Assert two pytrees (states, metrics, anything) match, leaf by leaf.
+
+    Flat params (:func:`functrain.flat`) are compared by name: a flat state matches the
+    plain state it stands for.
+
+    Args:
+        actual: the pytree under test.
+        expected: the reference.
+        rtol: the relative tolerance (default 0.0).
+        atol: the absolute tolerance (default 0.0). With ``rtol == atol == 0`` tensors must be
+            bitwise equal (``-0.0`` vs ``0.0`` and NaN payloads count); else
+            ``allclose(actual, expected, rtol, atol)`` with NaNs equal. Integer and bool leaves
+            are always compared exactly.
+        what: the name of the compared thing in the message (default ``"state"``).
+
+    Returns:
+        ``None``.
+
+    Raises:
+        AssertionError: the structures differ, or leaves differ: the message names the first
+            five differing leaves, how many elements differ, the largest difference and where.
+
+    Example::
+
+        >>> import torch, functrain.testing as ftt
+        >>> ftt.assert_same_state({"w": torch.tensor([1.0])}, {"w": torch.tensor([1.0 + 1e-7])}, atol=1e-6)
+        >>> ftt.assert_same_state({"w": torch.tensor([1.0])}, {"w": torch.tensor([2.0])})
+        Traceback (most recent call last):
+        ...
+        AssertionError: state: 1 leaves differ from the reference:
+          w: 1/1 elements differ (bitwise); max |diff| = 1; first at (0,): 1.0 vs reference 2.0
+    """
     pa, la, sa = optree.tree_flatten_with_path(unflat(actual))
     _, lb, sb = optree.tree_flatten_with_path(unflat(expected))
     if sa != sb:
@@ -323,10 +574,32 @@ def assert_same_state(actual: Any, expected: Any, rtol: float = 0.0, atol: float
 
 
 def assert_pure(step: Callable, state: Any, batch: Any) -> tuple[Any, dict]:
-    """Assert ``step`` is pure on ``(state, batch)``: the inputs are bitwise unchanged by a
-    call, a second call with the same inputs gives bitwise the same state and metrics,
-    and (for a seeded state) torch's global RNG is left as it was. Returns the output.
-    (A ``ft.compile(step, donate=True)`` step consumes its input by design.)"""
+    """Assert ``step`` is pure on ``(state, batch)``.
+
+    The inputs must be bitwise unchanged by a call, a second call with the same inputs must
+    give bitwise the same state and metrics, and (for a seeded state) torch's global RNG
+    must be left as it was. (A ``ft.compile(step, donate=True)`` step consumes its input by
+    design.)
+
+    Args:
+        step: the step, ``step(state, batch) -> (state, metrics)``.
+        state: the input state.
+        batch: the input batch.
+
+    Returns:
+        The first call's output ``(state, metrics)``.
+
+    Raises:
+        AssertionError: naming which of the three properties failed, and the leaves.
+
+    Example::
+
+        >>> import torch, functrain as ft, functrain.testing as ftt
+        >>> step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.adam(0.1))
+        >>> new, metrics = ftt.assert_pure(step, step.init({"w": torch.ones(2)}), torch.ones(2))
+        >>> int(new.step)
+        1
+    """
     state0, batch0, rng0 = clone_tree(state), clone_tree(batch), torch.get_rng_state()
     out = step(state, batch)
     assert_same_state(state, state0, what="the input state after a step (the step wrote into its input)")
@@ -342,18 +615,41 @@ def assert_compiled_equals_eager(step: Step, state: Any, batch: Any, steps: int 
                                  atol: float = 1e-6, *, backend: Any = None, resync: bool = False,
                                  metrics_tol: tuple[float, float] | None = None, compiled: CompiledStep | None = None,
                                  **compile_kwargs: Any) -> CompiledStep:
-    """Assert ``ft.compile(step)`` gives the eager step's states and metrics (allclose) for
-    ``steps`` steps, compiling on the first call and never recompiling afterwards.
+    """Assert ``ft.compile(step)`` gives the eager step's states and metrics for ``steps`` steps,
+    compiling on the first call and never recompiling afterwards.
 
-    ``batch`` is one batch or ``callable(i) -> batch``. ``backend="aot_eager"`` checks
-    capture as one graph (fullgraph), no recompiles and equality in about a second;
-    the default inductor backend also checks its code generation (tens of seconds on a
-    CPU). ``resync=True`` compares one step at a time (the eager step starts from the
-    compiled state each step), for low-precision compute where different kernels'
-    last-bit rounding would otherwise grow along the trajectory; ``metrics_tol=(rtol,
-    atol)`` then sets the metrics' own tolerance (a loss computed in fp16 is only good to
-    fp16's precision). Pass ``compiled`` to reuse a :class:`~functrain.CompiledStep` of
-    ``step``. Returns the compiled step.
+    Args:
+        step: the eager :class:`~functrain.Step`.
+        state: the initial state.
+        batch: one batch, or ``callable(i) -> batch``.
+        steps: how many steps to compare (default 3).
+        rtol: the relative tolerance of the states (default ``1e-5``).
+        atol: the absolute tolerance of the states (default ``1e-6``).
+        backend: the compile backend (default ``None``: inductor, which also checks its code
+            generation, tens of seconds on a CPU); ``"aot_eager"`` checks capture as one graph
+            (fullgraph), no recompiles and equality in about a second.
+        resync: ``True`` compares one step at a time (the eager step starts from the compiled
+            state each step), for low-precision compute where different kernels' last-bit
+            rounding would otherwise grow along the trajectory (default ``False``).
+        metrics_tol: ``(rtol, atol)`` of the metrics (default ``None``: the states'); a loss
+            computed in fp16 is only good to fp16's precision.
+        compiled: a :class:`~functrain.CompiledStep` of ``step`` to reuse (default ``None``: compile one).
+        **compile_kwargs: more arguments of :func:`functrain.compile`.
+
+    Returns:
+        The compiled step.
+
+    Raises:
+        AssertionError: nothing was compiled, a recompile happened, or a state or metric differs.
+
+    Example::
+
+        >>> import torch, functrain as ft, functrain.testing as ftt
+        >>> step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1))
+        >>> compiled = ftt.assert_compiled_equals_eager(step, step.init({"w": torch.ones(2)}), torch.ones(2),
+        ...                                             steps=2, backend="aot_eager")
+        >>> compiled.compiles
+        1
     """
     if compiled is None:
         compiled = ft_compile(step, backend=backend, **compile_kwargs)
@@ -381,11 +677,34 @@ def assert_compiled_equals_eager(step: Step, state: Any, batch: Any, steps: int 
 def assert_order_independent(base_step: Step, transforms: Sequence[Any], state_args: Any, batch: Any,
                              steps: int = 2, rtol: float = 0.0, atol: float = 0.0) -> int:
     """Assert that every wrapping order of ``transforms`` around ``base_step`` gives the same
-    states and metrics after ``steps`` steps (bitwise by default; see
-    :func:`assert_same_state`). ``state_args`` is ``(params,)``, ``(params, buffers)`` or
-    a dict of :meth:`~functrain.Step.init` arguments; ``batch`` is one batch or
-    ``callable(i) -> batch``. The transforms are applied as given to every order, so
-    they must be reusable (as functrain's are). Returns the number of orders checked."""
+    states and metrics after ``steps`` steps.
+
+    The transforms are applied as given to every order, so they must be reusable (as
+    functrain's are).
+
+    Args:
+        base_step: the step to wrap.
+        transforms: the transforms, each ``transform(step) -> step``.
+        state_args: ``(params,)``, ``(params, buffers)`` or a dict of :meth:`~functrain.Step.init`
+            arguments.
+        batch: one batch, or ``callable(i) -> batch``.
+        steps: how many steps each order runs (default 2).
+        rtol: as :func:`assert_same_state` (default 0.0: bitwise).
+        atol: as :func:`assert_same_state` (default 0.0).
+
+    Returns:
+        The number of orders checked (``len(transforms)!``).
+
+    Raises:
+        AssertionError: naming the two orders and the differing leaves.
+
+    Example::
+
+        >>> import torch, functrain as ft, functrain.testing as ftt
+        >>> step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1))
+        >>> ftt.assert_order_independent(step, [ft.clip(1.0), ft.ema(0.9)], ({"w": torch.ones(3)},), torch.ones(3))
+        2
+    """
     reference, count = None, 0
     for count, order in enumerate(itertools.permutations(transforms), start=1):
         step = base_step

@@ -266,7 +266,11 @@ class Problem(NamedTuple):
     mean_loss_fn: Callable | None = None
 
     def micro_batches(self) -> list:
-        """The batch split into its ``n`` micro-batches along dim 0 (as ``accumulate`` splits it)."""
+        """The batch split into its ``n`` micro-batches along dim 0 (as ``accumulate`` splits it).
+
+        Returns:
+            A list of ``n`` batches of the batch's structure.
+        """
         leaves, spec = optree.tree_flatten(self.batch)
         return [optree.tree_unflatten(spec, [leaf.chunk(self.n)[i] for leaf in leaves]) for i in range(self.n)]
 

@@ -99,7 +99,15 @@ class FolderLock:
         return self._fd is not None
 
     def acquire(self) -> "FolderLock":
-        """Take the lock, or raise :class:`FolderLocked` if another process holds it."""
+        """Take the lock without waiting (again on a held lock: nothing happens).
+
+        Returns:
+            This lock.
+
+        Raises:
+            FolderLocked: another live process holds it; the message names it.
+            LinkRefused: ``folder/.lock`` is a symbolic link.
+        """
         if self._fd is not None:
             return self
         os.makedirs(self.folder, exist_ok=True)
@@ -126,7 +134,11 @@ class FolderLock:
         return self
 
     def release(self) -> None:
-        """Drop the lock (the lock file stays; its next holder overwrites it)."""
+        """Drop the lock (the lock file stays; its next holder overwrites it); nothing happens if it is not held.
+
+        Returns:
+            ``None``.
+        """
         fd, self._fd = self._fd, None
         if fd is not None:
             try:
@@ -136,7 +148,11 @@ class FolderLock:
             os.close(fd)  # closing the last descriptor releases the flock
 
     def holder(self) -> dict | None:
-        """``{"pid", "host", "since"}`` of the process that holds (or last held) the lock, if written."""
+        """Who holds (or last held) the lock, as written in the lock file.
+
+        Returns:
+            ``{"pid", "host", "since"}``, or ``None`` when there is no readable lock file (a link included).
+        """
         try:
             fd = open_fd(self.path, os.O_RDONLY, what="the results folder's lock")
         except OSError:  # (a link included: its holder is unknown)

@@ -348,7 +348,11 @@ class FlatParams(Mapping):
         self.layout = layout
 
     def tree(self) -> Any:
-        """The params tree, each leaf a view of its buffer (no copy)."""
+        """The params tree, each leaf a view of its buffer (no copy).
+
+        Returns:
+            The tree in the structure the params were flattened from.
+        """
         return self.layout.tree(self.buffers)
 
     def _dict_index(self) -> dict:

@@ -339,14 +339,25 @@ class ShardedLoader:
     def check_nonempty(self, what: str = "dataset", remedy: str | None = None) -> None:
         """Raise ``ValueError`` (naming the sizes) if an epoch has no batch: call it before training.
 
-        ``remedy`` replaces the advice that ends the message (by default: a smaller ``batch_size``, fewer
-        ranks, more data or ``drop_last=False``), for a caller whose users set other knobs (the Trainer's
-        users cannot set ``drop_last``, say).
+        Args:
+            what: what the data is, for the message (default ``"dataset"``).
+            remedy: the advice that ends the message (default ``None``: a smaller ``batch_size``,
+                fewer ranks, more data or ``drop_last=False``), for a caller whose users set other
+                knobs (the Trainer's users cannot set ``drop_last``, say).
+
+        Returns:
+            ``None`` when an epoch has a batch.
+
+        Raises:
+            ValueError: an epoch yields no batch on each rank.
 
         Example::
 
-            loader = ft.shard(eval_set, batch_size=64)
-            loader.check_nonempty("eval dataset")
+            >>> import torch, functrain as ft
+            >>> ft.shard(torch.arange(3.0), batch_size=4, drop_last=True, rank=0, world_size=1).check_nonempty("eval set")
+            Traceback (most recent call last):
+            ...
+            ValueError: the eval set yields no batch per rank: it has 3 samples, fewer than one batch of 4 on each of 1 rank(s) (4 samples) with drop_last=True; use a smaller batch_size (now 4), fewer ranks (now 1), more data or drop_last=False
         """
         if self._source.num_batches() != 0:
             return
@@ -360,17 +371,38 @@ class ShardedLoader:
 
     # ---- order ---------------------------------------------------------------------------------------------
     def global_order(self, epoch: int | None = None) -> torch.Tensor:
-        """Map-style only: the padded global order of ``epoch`` (default: the current one), on every rank the same.
+        """Map-style only: the padded global order of an epoch, on every rank the same.
 
-        ``len(self) * world_size * batch_size`` dataset indices; rank ``r``'s batch ``k`` is
-        ``order[k*W*B + r*B : k*W*B + (r+1)*B]``. Positions ``>= len(dataset)`` are wrap-around padding.
+        Rank ``r``'s batch ``k`` is ``order[k*W*B + r*B : k*W*B + (r+1)*B]``. Positions
+        ``>= len(dataset)`` are wrap-around padding.
+
+        Args:
+            epoch: the epoch (default ``None``: the current one).
+
+        Returns:
+            An int64 tensor of ``len(self) * world_size * batch_size`` dataset indices.
         """
         return self._source.global_order(self.epoch if epoch is None else epoch)
 
     def batch_indices(self, epoch: int | None = None) -> list[list[int]]:
-        """This rank's dataset indices of each batch of ``epoch`` (default: the current one); loads no data.
+        """This rank's dataset indices of each batch of an epoch; loads no data.
 
-        For a rank-aware sampler this calls its ``set_epoch(epoch)``. ``TypeError`` for an iterable dataset.
+        For a rank-aware sampler this calls its ``set_epoch(epoch)``.
+
+        Args:
+            epoch: the epoch (default ``None``: the current one).
+
+        Returns:
+            A list (one per batch) of lists of dataset indices.
+
+        Raises:
+            TypeError: an iterable dataset (it has no indices).
+
+        Example::
+
+            >>> import torch, functrain as ft
+            >>> ft.shard(torch.arange(6.0), batch_size=2, shuffle=False, rank=1, world_size=2).batch_indices()
+            [[2, 3], [0, 1]]
         """
         return self._source.batch_indices(self.epoch if epoch is None else epoch)
 
@@ -398,12 +430,26 @@ class ShardedLoader:
 
     # ---- position ------------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch`` from its first batch (the shuffle order is that of ``seed + epoch``)."""
+        """Start epoch ``epoch`` from its first batch (the shuffle order is that of ``seed + epoch``).
+
+        Args:
+            epoch: the epoch, an int >= 0.
+
+        Returns:
+            ``None``.
+
+        Raises:
+            BadValue: ``epoch`` is not an int >= 0.
+        """
         self.epoch, self.batch = check_int("ShardedLoader.set_epoch: epoch", epoch, minimum=0), 0
 
     def state_dict(self) -> dict:
-        """The position, as plain ints: ``epoch``, ``batch`` (yielded this epoch, per rank), ``seed``,
-        ``samples`` (global samples consumed this epoch), ``world_size``, ``batch_size``."""
+        """The position, as plain ints (for a checkpoint's ``extra``).
+
+        Returns:
+            ``{"epoch", "batch" (yielded this epoch, per rank), "seed", "samples" (global samples
+            consumed this epoch), "world_size", "batch_size"}``.
+        """
         bs = self.batch_size or 0
         return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed,
                 "samples": self.batch * self.world_size * bs, "world_size": self.world_size, "batch_size": bs}
@@ -413,7 +459,28 @@ class ShardedLoader:
         the batches from that position on (map-style and rank-aware; iterables read and discard).
 
         The same ``world_size`` and ``batch_size`` resume at ``batch``; another one resumes at the
-        global sample ``samples`` (see the module docs). The ``seed`` is restored too.
+        global sample ``samples`` (a warning says so when that is not a whole global batch: those
+        samples are seen again). The ``seed`` is restored too.
+
+        Args:
+            state: a dict from :meth:`state_dict` (``epoch``, ``batch``, ``seed`` and ``samples`` are needed).
+
+        Returns:
+            ``None``.
+
+        Raises:
+            ValueError: a key is missing, or ``batch`` is past the end of the epoch.
+            BadValue: a value is not a non-negative int.
+
+        Example::
+
+            >>> import torch, functrain as ft
+            >>> loader = ft.shard(torch.arange(6.0), batch_size=2, shuffle=False, rank=0, world_size=1)
+            >>> first = next(iter(loader))
+            >>> resumed = ft.shard(torch.arange(6.0), batch_size=2, shuffle=False, rank=0, world_size=1)
+            >>> resumed.load_state_dict(loader.state_dict())
+            >>> [b.tolist() for b in resumed]
+            [[2.0, 3.0], [4.0, 5.0]]
         """
         where = "ShardedLoader.load_state_dict"
         for key in ("epoch", "batch", "seed", "samples"):

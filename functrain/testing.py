@@ -93,57 +93,41 @@ def shapes(min_dims: int = 0, max_dims: int = 3, min_side: int = 1, max_side: in
     """Tensor shapes: tuples of ``min_dims..max_dims`` sizes in ``[min_side, max_side]``.
 
     Args:
-        min_dims: the fewest dimensions, an int >= 0 (default 0: scalars too).
-        max_dims: the most dimensions (default 3).
-        min_side: the smallest size of a dimension (default 1).
-        max_side: the largest size of a dimension (default 5).
+        min_dims, max_dims: the fewest and most dimensions (default 0 and 3; 0: scalars too).
+        min_side, max_side: the smallest and largest size of a dimension (default 1 and 5).
 
     Returns:
         A hypothesis ``SearchStrategy`` of tuples of ints.
 
-    Example::
-
-        >>> from hypothesis import given, settings
-        >>> import functrain.testing as ftt
-        >>> @settings(max_examples=10, deadline=None, derandomize=True, database=None)
-        ... @given(ftt.shapes(min_dims=1, max_dims=2, max_side=3))
-        ... def check(shape):
-        ...     assert 1 <= len(shape) <= 2 and all(1 <= s <= 3 for s in shape)
-        >>> check()
+    Example:
+        >>> import functrain.testing as ftt; from hypothesis import find
+        >>> find(ftt.shapes(min_dims=2), lambda shape: True)   # the simplest shape it draws
+        (1, 1)
     """
     return st.lists(st.integers(min_side, max_side), min_size=min_dims, max_size=max_dims).map(tuple)
 
 
 def tensors(shape: Any = None, dtype: torch.dtype = torch.float32, *, scale: float = 1.0,
             elements: st.SearchStrategy | None = None, device: Any = "cpu") -> st.SearchStrategy:
-    """Tensors of a drawn or given shape.
-
-    By default the values come from a drawn seed (``randn * scale`` for floating
-    dtypes, ``randint(0, 10)`` for integers, coin flips for bool): fast for any size,
-    and hypothesis shrinks the shape and the seed. With ``elements`` every element is
-    drawn by hypothesis instead, which finds edge values (inf, NaN, subnormals) but is slower.
+    """Tensors of ``shape``: ``randn * scale`` (floating), ``randint(0, 10)`` (integer) or coin flips
+    (bool) from a drawn seed, fast for any size (hypothesis shrinks the shape and the seed).
 
     Args:
         shape: a tuple, a strategy of tuples, or ``None`` (default: :func:`shapes`).
         dtype: the dtype (default ``torch.float32``).
         scale: the standard deviation of floating values (default 1.0).
-        elements: ``None`` (default: seeded values), or a strategy of Python numbers
-            (e.g. ``st.floats(allow_nan=True)``) for every element.
+        elements: a strategy of Python numbers drawing every element (finds inf, NaN, subnormals;
+            slower), or ``None`` (default: the seeded values).
         device: where the tensors are made (default ``"cpu"``).
 
     Returns:
         A hypothesis ``SearchStrategy`` of tensors.
 
-    Example::
-
-        >>> from hypothesis import given, settings
-        >>> import functrain.testing as ftt
-        >>> import torch
-        >>> @settings(max_examples=10, deadline=None, derandomize=True, database=None)
-        ... @given(ftt.tensors((2, 3), torch.int64))
-        ... def check(t):
-        ...     assert t.shape == (2, 3) and t.dtype == torch.int64 and 0 <= t.min() and t.max() < 10
-        >>> check()
+    Example:
+        >>> import torch, functrain.testing as ftt; from hypothesis import find
+        >>> t = find(ftt.tensors((2, 3), torch.int64), lambda t: bool(t.sum() > 30))
+        >>> t.shape, t.dtype
+        (torch.Size([2, 3]), torch.int64)
     """
     shape_st = shapes() if shape is None else _strategy(shape)
 
@@ -166,26 +150,21 @@ def tensors(shape: Any = None, dtype: torch.dtype = torch.float32, *, scale: flo
 
 
 def pytrees(leaves: st.SearchStrategy | None = None, *, max_depth: int = 2, max_children: int = 3) -> st.SearchStrategy:
-    """Nested dicts, lists and tuples of tensors: pytrees to test tree code on.
+    """Nested dicts, lists and tuples (each non-empty) of tensors: pytrees to test tree code on.
 
     Args:
-        leaves: the strategy of the leaves (default ``None``: :func:`tensors`, float32 of random shapes).
+        leaves: the strategy of the leaves (default ``None``: :func:`tensors`, float32, random shapes).
         max_depth: the most levels of nesting (default 2).
-        max_children: the widest a container is (default 3); every container is non-empty.
+        max_children: the widest a container is (default 3).
 
     Returns:
         A hypothesis ``SearchStrategy`` of pytrees (a single leaf too).
 
-    Example::
-
-        >>> from hypothesis import given, settings
-        >>> import functrain.testing as ftt
-        >>> import optree, torch
-        >>> @settings(max_examples=10, deadline=None, derandomize=True, database=None)
-        ... @given(ftt.pytrees())
-        ... def check(tree):
-        ...     assert all(torch.is_tensor(x) for x in optree.tree_leaves(tree))
-        >>> check()
+    Example:
+        >>> import functrain.testing as ftt; from hypothesis import find
+        >>> tree = find(ftt.pytrees(), lambda tree: isinstance(tree, dict))
+        >>> list(tree), tree["a"].dtype
+        (['a'], torch.float32)
     """
     leaf = tensors() if leaves is None else leaves
     keys = st.text(alphabet="abcdefgh", min_size=1, max_size=3)
@@ -204,26 +183,20 @@ def batches(features: Any = 4, targets: Any = 1, *, multiple_of: Any = 1, max_mu
     """Regression batches ``(x, y)`` (or ``{"x": x, "y": y}``) of float32 ``randn * scale``.
 
     Args:
-        features: the columns of ``x`` (default 4), an int or a strategy.
-        targets: the columns of ``y`` (default 1), an int or a strategy.
-        multiple_of: the rows are ``multiple_of * k`` for a drawn ``k`` (default 1), an int or a strategy.
-        max_multiplier: the largest ``k``, from 1 (default 4).
+        features, targets: the columns of ``x`` and ``y`` (default 4 and 1), ints or strategies.
+        multiple_of: the rows are ``multiple_of * k`` (default 1), an int or a strategy.
+        max_multiplier: the largest drawn ``k``, from 1 (default 4).
         scale: the standard deviation of ``x`` (default 1.0).
         as_dict: ``True`` gives ``{"x": x, "y": y}`` (default ``False``: a tuple).
 
     Returns:
-        A hypothesis ``SearchStrategy`` of batches: ``x`` is ``(rows, features)``, ``y`` is ``(rows, targets)``.
+        A hypothesis ``SearchStrategy`` of batches: ``x`` is ``(rows, features)``, ``y`` ``(rows, targets)``.
 
-    Example::
-
-        >>> from hypothesis import given, settings
-        >>> import functrain.testing as ftt
-        >>> @settings(max_examples=10, deadline=None, derandomize=True, database=None)
-        ... @given(ftt.batches(features=3, multiple_of=4))
-        ... def check(batch):
-        ...     x, y = batch
-        ...     assert x.shape[1] == 3 and y.shape[1] == 1 and len(x) == len(y) and len(x) % 4 == 0
-        >>> check()
+    Example:
+        >>> import functrain.testing as ftt; from hypothesis import find
+        >>> x, y = find(ftt.batches(features=3, multiple_of=2), lambda batch: True)
+        >>> x.shape, y.shape
+        (torch.Size([2, 3]), torch.Size([2, 1]))
     """
 
     @st.composite
@@ -241,16 +214,14 @@ class Problem(NamedTuple):
     """A drawn training problem (what :func:`mlp_problems` and :func:`token_problems` give).
 
     Attributes:
-        params: the initial params, ``{name: tensor}``.
-        buffers: the initial buffers (``{}`` for the built-in problems).
+        params, buffers: the initial params and buffers, ``{name: tensor}`` (buffers ``{}`` here).
         loss_fn: a pure ``loss_fn(params, buffers, batch)``.
-        batch: a batch whose rows divide by ``n``.
-        n: the number of micro-batches to accumulate over.
+        batch: a batch whose rows divide by ``n``, the number of micro-batches to accumulate over.
+        n: see ``batch``.
         mean_loss_fn: for :func:`token_problems`, the same loss as a plain token mean (the
             reference for ``aux["num_items"]``); ``None`` otherwise (default).
 
-    Example::
-
+    Example:
         >>> import torch, functrain.testing as ftt
         >>> batch = (torch.ones(4, 2), torch.zeros(4, 1))
         >>> p = ftt.Problem({"w0": torch.ones(2, 1), "b0": torch.zeros(1)}, {}, ftt.mlp_loss, batch, n=2)
@@ -279,19 +250,16 @@ def mlp_loss(params: dict, buffers: dict, batch: Any) -> torch.Tensor:
     """The loss of :func:`mlp_problems`: a tanh MLP over params ``w0, b0, w1, ...``, MSE to ``y``.
 
     Args:
-        params: ``{"w0", "b0", "w1", "b1", ...}``: weights ``(in, out)`` and biases ``(out,)``; tanh
-            between layers, none after the last.
-        buffers: unused (the problems have none).
+        params: weights ``w{i}`` ``(in, out)`` and biases ``b{i}`` ``(out,)``; tanh between layers.
+        buffers: unused.
         batch: ``(x, y)`` or ``{"x": x, "y": y}``.
 
     Returns:
         The mean-squared error, a scalar tensor.
 
-    Example::
-
+    Example:
         >>> import torch, functrain.testing as ftt
-        >>> params = {"w0": torch.ones(2, 1), "b0": torch.zeros(1)}
-        >>> ftt.mlp_loss(params, {}, (torch.ones(3, 2), torch.ones(3, 1)))
+        >>> ftt.mlp_loss({"w0": torch.ones(2, 1), "b0": torch.zeros(1)}, {}, (torch.ones(3, 2), torch.ones(3, 1)))
         tensor(1.)
     """
     x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch
@@ -305,35 +273,24 @@ def mlp_loss(params: dict, buffers: dict, batch: Any) -> torch.Tensor:
 
 def mlp_problems(n: Any = None, *, min_width: int = 1, max_width: int = 8, max_hidden: int = 2,
                  max_micro_rows: int = 4, as_dict: bool = False) -> st.SearchStrategy:
-    """A small tanh MLP regression :class:`Problem` with a mean-squared-error loss (:func:`mlp_loss`).
-
-    Params are ``{"w0", "b0", "w1", ...}`` (weights ``randn / sqrt(fan_in)``, so
-    activations and gradients are of order one); the batch is ``(x, y)`` (or a dict)
-    with ``n * m`` rows.
+    """A small tanh MLP regression :class:`Problem` with an MSE loss (:func:`mlp_loss`), weights
+    ``randn / sqrt(fan_in)`` (activations of order one) and a batch of ``n * m`` rows.
 
     Args:
-        n: the number of micro-batches to accumulate over, an int or a strategy (default
-            ``None``: ``1..4``).
-        min_width: the narrowest layer (default 1).
-        max_width: the widest layer (default 8).
+        n: the micro-batches to accumulate over, an int or a strategy (default ``None``: ``1..4``).
+        min_width, max_width: the narrowest and widest layer (default 1 and 8).
         max_hidden: the most hidden layers (default 2).
-        max_micro_rows: the most rows ``m`` per micro-batch (default 4).
+        max_micro_rows: the most rows per micro-batch (default 4).
         as_dict: a ``{"x", "y"}`` batch (default ``False``: a tuple).
 
     Returns:
         A hypothesis ``SearchStrategy`` of :class:`Problem`.
 
-    Example::
-
-        >>> from hypothesis import given, settings
-        >>> import functrain.testing as ftt
-        >>> import functrain as ft, torch
-        >>> @settings(max_examples=5, deadline=None, derandomize=True, database=None)
-        ... @given(ftt.mlp_problems(n=2))
-        ... def check(problem):
-        ...     step = ft.train_step(problem.loss_fn, ft.optim.sgd(0.1))
-        ...     ftt.assert_pure(step, step.init(problem.params), problem.batch)
-        >>> check()
+    Example:
+        >>> import functrain.testing as ftt; from hypothesis import find
+        >>> problem = find(ftt.mlp_problems(n=2), lambda problem: True)
+        >>> sorted(problem.params), len(problem.batch[0]), problem.n
+        (['b0', 'w0'], 2, 2)
     """
     n_st = st.integers(1, 4) if n is None else _strategy(n)
 
@@ -372,8 +329,7 @@ def token_sum_loss(params: dict, buffers: dict, batch: dict):
     Returns:
         ``(sum over the unmasked positions, {"num_items": their count})``.
 
-    Example::
-
+    Example:
         >>> import torch, functrain.testing as ftt
         >>> params = {"embed": torch.zeros(3, 2), "head": torch.zeros(2, 3), "bias": torch.zeros(3)}
         >>> batch = {"tokens": torch.tensor([[0, 1, 2]]), "mask": torch.tensor([[True, False]])}
@@ -389,15 +345,12 @@ def token_mean_loss(params: dict, buffers: dict, batch: dict) -> torch.Tensor:
     """The reference for :func:`token_sum_loss`: the token mean over the whole batch.
 
     Args:
-        params: as :func:`token_sum_loss`.
-        buffers: unused.
-        batch: as :func:`token_sum_loss`.
+        params, buffers, batch: as :func:`token_sum_loss`.
 
     Returns:
         The mean next-token cross-entropy over the unmasked positions, a scalar tensor.
 
-    Example::
-
+    Example:
         >>> import torch, functrain.testing as ftt
         >>> params = {"embed": torch.zeros(3, 2), "head": torch.zeros(2, 3), "bias": torch.zeros(3)}
         >>> batch = {"tokens": torch.tensor([[0, 1, 2]]), "mask": torch.tensor([[True, True]])}
@@ -410,34 +363,25 @@ def token_mean_loss(params: dict, buffers: dict, batch: dict) -> torch.Tensor:
 
 def token_problems(n: Any = None, *, max_vocab: int = 12, max_dim: int = 6, max_len: int = 7,
                    max_micro_rows: int = 3) -> st.SearchStrategy:
-    """A tiny language model (embedding, tanh, linear head) on padded sequences of drawn lengths.
-
-    ``loss_fn`` (:func:`token_sum_loss`) returns the *sum* of next-token cross-entropies
-    over the non-padded positions with ``aux["num_items"]`` = their count; ``mean_loss_fn``
-    (:func:`token_mean_loss`) is the big-batch token mean. The batch is
-    ``{"tokens": int64 (rows, len + 1), "mask": bool (rows, len)}`` with ``n * m`` rows,
-    sequence lengths ``0..max_len`` and at least one predicted token.
+    """A tiny language model (embedding, tanh, linear head) on padded sequences of drawn lengths
+    ``0..max_len`` (at least one predicted token): ``loss_fn`` :func:`token_sum_loss`, ``mean_loss_fn``
+    :func:`token_mean_loss`, a batch as they take it with ``n * m`` rows.
 
     Args:
-        n: the number of micro-batches, an int or a strategy (default ``None``: ``1..4``).
-        max_vocab: the largest vocabulary, from 2 (default 12).
-        max_dim: the largest embedding width (default 6).
-        max_len: the longest sequence (default 7).
-        max_micro_rows: the most rows ``m`` per micro-batch (default 3).
+        n: the micro-batches, an int or a strategy (default ``None``: ``1..4``).
+        max_vocab, max_dim, max_len: the largest vocabulary (from 2), embedding width and
+            sequence length (default 12, 6 and 7).
+        max_micro_rows: the most rows per micro-batch (default 3).
 
     Returns:
         A hypothesis ``SearchStrategy`` of :class:`Problem`.
 
-    Example::
-
-        >>> from hypothesis import given, settings
-        >>> import functrain.testing as ftt
-        >>> @settings(max_examples=5, deadline=None, derandomize=True, database=None)
-        ... @given(ftt.token_problems(n=2))
-        ... def check(problem):
-        ...     _, aux = problem.loss_fn(problem.params, problem.buffers, problem.batch)
-        ...     assert int(aux["num_items"]) == int(problem.batch["mask"].sum()) > 0
-        >>> check()
+    Example:
+        >>> import functrain.testing as ftt; from hypothesis import find
+        >>> problem = find(ftt.token_problems(n=2), lambda problem: True)
+        >>> _, aux = problem.loss_fn(problem.params, problem.buffers, problem.batch)
+        >>> int(aux["num_items"]) == int(problem.batch["mask"].sum()) > 0
+        True
     """
     n_st = st.integers(1, 4) if n is None else _strategy(n)
 
@@ -458,16 +402,15 @@ def token_problems(n: Any = None, *, max_vocab: int = 12, max_dim: int = 6, max_
 
 # -- helpers ------------------------------------------------------------------------------------
 def clone_tree(tree: Any) -> Any:
-    """A copy of ``tree`` whose tensor leaves are fresh clones (other leaves shared).
+    """A copy of ``tree`` whose tensor leaves are fresh, detached clones (other leaves shared).
 
     Args:
         tree: any pytree.
 
     Returns:
-        The copy, detached from autograd.
+        The copy.
 
-    Example::
-
+    Example:
         >>> import torch, functrain.testing as ftt
         >>> tree = {"w": torch.ones(2), "n": 3}
         >>> copy = ftt.clone_tree(tree)
@@ -482,22 +425,20 @@ def _batch_at(batch: Any, i: int) -> Any:
 
 
 def run_steps(step: Callable, state: Any, batch: Any, steps: int = 1) -> tuple[Any, list]:
-    """Run ``steps`` steps from ``state``.
+    """Run ``steps`` steps of ``step(state, batch) -> (state, metrics)`` from ``state``.
 
     Args:
-        step: the step, ``step(state, batch) -> (state, metrics)``.
-        state: the initial state.
+        step, state: the step and the initial state.
         batch: one batch, or ``callable(i) -> batch`` for step ``i``.
         steps: how many steps (default 1).
 
     Returns:
         ``(final state, [metrics of each step])``.
 
-    Example::
-
+    Example:
         >>> import torch, functrain as ft, functrain.testing as ftt
         >>> step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.5))
-        >>> state, history = ftt.run_steps(step, step.init({"w": torch.zeros(1)}), lambda i: torch.ones(1), 3)
+        >>> state, history = ftt.run_steps(step, step.init({"w": torch.zeros(1)}), torch.ones(1), 3)
         >>> state.params["w"], len(history)
         (tensor([-1.5000]), 3)
     """
@@ -530,30 +471,23 @@ def _describe_diff(path: str, a: Any, b: Any, rtol: float, atol: float) -> str |
 
 
 def assert_same_state(actual: Any, expected: Any, rtol: float = 0.0, atol: float = 0.0, *, what: str = "state") -> None:
-    """Assert two pytrees (states, metrics, anything) match, leaf by leaf.
-
-    Flat params (:func:`functrain.flat`) are compared by name: a flat state matches the
-    plain state it stands for.
+    """Assert two pytrees (states, metrics, anything) match, leaf by leaf; flat params
+    (:func:`functrain.flat`) by name, so a flat state matches the plain state it stands for.
 
     Args:
-        actual: the pytree under test.
-        expected: the reference.
-        rtol: the relative tolerance (default 0.0).
-        atol: the absolute tolerance (default 0.0). With ``rtol == atol == 0`` tensors must be
-            bitwise equal (``-0.0`` vs ``0.0`` and NaN payloads count); else
-            ``allclose(actual, expected, rtol, atol)`` with NaNs equal. Integer and bool leaves
-            are always compared exactly.
+        actual, expected: the pytree under test and the reference.
+        rtol, atol: the tolerances (default 0.0: bitwise equal, ``-0.0`` vs ``0.0`` and NaN payloads
+            count; else ``allclose`` with NaNs equal); integer and bool leaves always exactly.
         what: the name of the compared thing in the message (default ``"state"``).
 
     Returns:
         ``None``.
 
     Raises:
-        AssertionError: the structures differ, or leaves differ: the message names the first
-            five differing leaves, how many elements differ, the largest difference and where.
+        AssertionError: the structures differ, or leaves differ: the message names the first five,
+            how many elements differ, the largest difference and where.
 
-    Example::
-
+    Example:
         >>> import torch, functrain.testing as ftt
         >>> ftt.assert_same_state({"w": torch.tensor([1.0])}, {"w": torch.tensor([1.0 + 1e-7])}, atol=1e-6)
         >>> ftt.assert_same_state({"w": torch.tensor([1.0])}, {"w": torch.tensor([2.0])})
@@ -578,26 +512,19 @@ def assert_same_state(actual: Any, expected: Any, rtol: float = 0.0, atol: float
 
 
 def assert_pure(step: Callable, state: Any, batch: Any) -> tuple[Any, dict]:
-    """Assert ``step`` is pure on ``(state, batch)``.
-
-    The inputs must be bitwise unchanged by a call, a second call with the same inputs must
-    give bitwise the same state and metrics, and (for a seeded state) torch's global RNG
-    must be left as it was. (A ``ft.compile(step, donate=True)`` step consumes its input by
-    design.)
+    """Assert ``step`` is pure: the inputs bitwise unchanged by a call, a second call bitwise the same,
+    torch's global RNG untouched for a seeded state (a ``donate=True`` compiled step consumes its input).
 
     Args:
-        step: the step, ``step(state, batch) -> (state, metrics)``.
-        state: the input state.
-        batch: the input batch.
+        step, state, batch: the step ``step(state, batch) -> (state, metrics)`` and its inputs.
 
     Returns:
         The first call's output ``(state, metrics)``.
 
     Raises:
-        AssertionError: naming which of the three properties failed, and the leaves.
+        AssertionError: naming which property failed, and the leaves.
 
-    Example::
-
+    Example:
         >>> import torch, functrain as ft, functrain.testing as ftt
         >>> step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.adam(0.1))
         >>> new, metrics = ftt.assert_pure(step, step.init({"w": torch.ones(2)}), torch.ones(2))
@@ -619,25 +546,22 @@ def assert_compiled_equals_eager(step: Step, state: Any, batch: Any, steps: int 
                                  atol: float = 1e-6, *, backend: Any = None, resync: bool = False,
                                  metrics_tol: tuple[float, float] | None = None, compiled: CompiledStep | None = None,
                                  **compile_kwargs: Any) -> CompiledStep:
-    """Assert ``ft.compile(step)`` gives the eager step's states and metrics for ``steps`` steps,
-    compiling on the first call and never recompiling afterwards.
+    """Assert ``ft.compile(step)`` gives the eager step's states and metrics (allclose) for ``steps``
+    steps, compiling on the first call and never recompiling afterwards.
 
     Args:
-        step: the eager :class:`~functrain.Step`.
-        state: the initial state.
+        step, state: the eager :class:`~functrain.Step` and the initial state.
         batch: one batch, or ``callable(i) -> batch``.
         steps: how many steps to compare (default 3).
-        rtol: the relative tolerance of the states (default ``1e-5``).
-        atol: the absolute tolerance of the states (default ``1e-6``).
-        backend: the compile backend (default ``None``: inductor, which also checks its code
-            generation, tens of seconds on a CPU); ``"aot_eager"`` checks capture as one graph
-            (fullgraph), no recompiles and equality in about a second.
+        rtol, atol: the tolerances of the states (default ``1e-5`` and ``1e-6``).
+        backend: ``None`` (default: inductor, which also checks its code generation: tens of
+            seconds on a CPU), or ``"aot_eager"``: capture as one graph, no recompiles and
+            equality in about a second.
         resync: ``True`` compares one step at a time (the eager step starts from the compiled
-            state each step), for low-precision compute where different kernels' last-bit
-            rounding would otherwise grow along the trajectory (default ``False``).
-        metrics_tol: ``(rtol, atol)`` of the metrics (default ``None``: the states'); a loss
-            computed in fp16 is only good to fp16's precision.
-        compiled: a :class:`~functrain.CompiledStep` of ``step`` to reuse (default ``None``: compile one).
+            state), for low-precision compute whose last-bit rounding would grow along the
+            trajectory (default ``False``).
+        metrics_tol: ``(rtol, atol)`` of the metrics (default ``None``: the states').
+        compiled: a :class:`~functrain.CompiledStep` of ``step`` to reuse (default ``None``).
         **compile_kwargs: more arguments of :func:`functrain.compile`.
 
     Returns:
@@ -646,13 +570,11 @@ def assert_compiled_equals_eager(step: Step, state: Any, batch: Any, steps: int 
     Raises:
         AssertionError: nothing was compiled, a recompile happened, or a state or metric differs.
 
-    Example::
-
+    Example:
         >>> import torch, functrain as ft, functrain.testing as ftt
         >>> step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1))
-        >>> compiled = ftt.assert_compiled_equals_eager(step, step.init({"w": torch.ones(2)}), torch.ones(2),
-        ...                                             steps=2, backend="aot_eager")
-        >>> compiled.compiles
+        >>> ftt.assert_compiled_equals_eager(step, step.init({"w": torch.ones(2)}), torch.ones(2),
+        ...                                  steps=2, backend="aot_eager").compiles
         1
     """
     if compiled is None:
@@ -680,21 +602,16 @@ def assert_compiled_equals_eager(step: Step, state: Any, batch: Any, steps: int 
 
 def assert_order_independent(base_step: Step, transforms: Sequence[Any], state_args: Any, batch: Any,
                              steps: int = 2, rtol: float = 0.0, atol: float = 0.0) -> int:
-    """Assert that every wrapping order of ``transforms`` around ``base_step`` gives the same
-    states and metrics after ``steps`` steps.
-
-    The transforms are applied as given to every order, so they must be reusable (as
-    functrain's are).
+    """Assert that every wrapping order of ``transforms`` around ``base_step`` gives the same states
+    and metrics after ``steps`` steps (the transforms must be reusable, as functrain's are).
 
     Args:
         base_step: the step to wrap.
         transforms: the transforms, each ``transform(step) -> step``.
-        state_args: ``(params,)``, ``(params, buffers)`` or a dict of :meth:`~functrain.Step.init`
-            arguments.
+        state_args: ``(params,)``, ``(params, buffers)`` or a dict of :meth:`~functrain.Step.init` arguments.
         batch: one batch, or ``callable(i) -> batch``.
         steps: how many steps each order runs (default 2).
-        rtol: as :func:`assert_same_state` (default 0.0: bitwise).
-        atol: as :func:`assert_same_state` (default 0.0).
+        rtol, atol: as :func:`assert_same_state` (default 0.0: bitwise).
 
     Returns:
         The number of orders checked (``len(transforms)!``).
@@ -702,8 +619,7 @@ def assert_order_independent(base_step: Step, transforms: Sequence[Any], state_a
     Raises:
         AssertionError: naming the two orders and the differing leaves.
 
-    Example::
-
+    Example:
         >>> import torch, functrain as ft, functrain.testing as ftt
         >>> step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1))
         >>> ftt.assert_order_independent(step, [ft.clip(1.0), ft.ema(0.9)], ({"w": torch.ones(3)},), torch.ones(3))

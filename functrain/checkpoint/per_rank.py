@@ -198,6 +198,7 @@ def save(path: str | os.PathLike, state: Any, extra: Any = None, *, checksum: st
 
     Raises:
         FileExistsError: something other than a checkpoint is at ``path``.
+        LinkRefused: ``path`` (or a file functrain writes in it) is a symbolic link.
         TypeError: a leaf or node type that cannot be saved, or ``extra`` that is not JSON.
         ValueError: an unknown ``checksum``, or a path without a name.
         CheckpointSpaceError: (an ``OSError``) the checkpoint does not fit (free space or the

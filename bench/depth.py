@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-gpt2", action="store_true")
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--reuse", default="on", choices=["on", "off", "both"],
-                   help="ft.compile(reuse_blocks=...) (default on); both: on then off at each depth (paired)")
+                   help="ft.compile(reuse_blocks=...) (default on here; ft.compile's default is off); both: on then off at each depth (paired)")
     p.add_argument("--out-json", default=None)
     args = p.parse_args(argv)
     todo = [d.strip() for d in args.depths.split(",") if d.strip()] + ([] if args.no_gpt2 else ["gpt2"])

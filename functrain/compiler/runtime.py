@@ -68,7 +68,7 @@ class DirectCall:
     """
 
     def __init__(self, step: Step, backend: CountingBackend, *, memory: str, packages: Any = None,
-                 cuda_graphs: bool = False, reuse_blocks: bool = True):
+                 cuda_graphs: bool = False, reuse_blocks: bool = False):
         self.step = step
         self.backend = backend
         self.memory = memory

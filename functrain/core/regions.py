@@ -2,7 +2,8 @@
 
 A transformer's 32 blocks are 32 copies of one computation, yet a step traced flat holds
 32 copies of its forward and backward, and inductor passes over all of them: compile time
-grows with depth. While ``ft.compile`` traces a step (:func:`reuse_blocks`), a module made
+grows with depth. While ``ft.compile(step, reuse_blocks=True)`` (opt-in: the steady step ran 17-48 % slower
+than the flat graph's in bench/depth.py) traces a step (:func:`reuse_blocks`), a module made
 pure by :func:`functrain.functionalize` calls each of its *repeated blocks* through
 ``torch._higher_order_ops.invoke_subgraph`` (what ``torch.compiler.nested_compile_region``
 asks Dynamo for): the first call of a block traces its graph, the others reuse it, and

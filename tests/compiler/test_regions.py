@@ -74,7 +74,8 @@ def test_blocks_are_found_and_traced_once_whatever_the_depth():
     shallow, deep = _regions(Net(2)), _regions(Net(12))
     # forward and backward regions: as many for 12 blocks as for 2, called once per block and direction
     assert len(deep[0]) == len(shallow[0]) <= 3 and deep[1] == 24 and shallow[1] == 4, (shallow, deep)
-    assert _regions(Net(12), reuse=False) == ([], 0)  # ft.compile(reuse_blocks=False): flat
+    assert _regions(Net(12), reuse=False) == ([], 0)  # ft.compile(reuse_blocks=False), the default: flat
+    assert ft.compile(_step(Net(2))[0]).options.reuse_blocks is False
 
 
 def test_blocks_that_compute_differently_do_not_share_a_region():
@@ -90,7 +91,7 @@ def test_compiled_with_regions_equals_eager_and_never_writes_its_input():
     step, params, buffers = _step(net)
     state = step.init(params, buffers)
     before = T.tree_map(torch.clone, state)
-    cstep = ft.compile(step)
+    cstep = ft.compile(step, reuse_blocks=True)
     assert len(trace(step.apply, state._replace(rng=None), _batch(), "fresh", reuse_blocks=True)
                .gm._modules) >= 2  # (this step does use regions)
     c = e = state
@@ -124,7 +125,7 @@ def test_a_step_whose_blocks_cannot_be_regions_is_traced_flat():
     state = step.init(params, buffers)
     cap = trace(step.apply, state._replace(rng=None), _batch(), "fresh", reuse_blocks=True)
     assert not list(cap.gm.named_children())  # flat, and still one graph
-    c, _ = ft.compile(step, backend="aot_eager")(state, _batch())
+    c, _ = ft.compile(step, backend="aot_eager", reuse_blocks=True)(state, _batch())
     e, _ = step(state, _batch())
     assert T.tree_allclose(c, e, rtol=1e-6, atol=1e-7)
 

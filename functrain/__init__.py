@@ -30,6 +30,7 @@ from .distributed import data_parallel, gather_state, launch
 from . import data  # noqa: F401 - ``ft.data``: the data package
 from .driver import run, to_device
 from .core.module import functionalize, to_module
+from .core.remat import remat
 from .core.flat import FlatParams, flat, unflat
 from .core.state import TrainState
 from .core.step import STAGES, Step, StepContext, Transform, train_step
@@ -40,7 +41,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "TrainState", "Step", "StepContext", "Transform", "STAGES", "train_step",
-    "functionalize", "to_module", "flat", "unflat", "FlatParams", "compile", "CompiledStep", "GraphBreakError", "run", "to_device",
+    "functionalize", "to_module", "remat", "flat", "unflat", "FlatParams", "compile", "CompiledStep", "GraphBreakError", "run", "to_device",
     "accumulate", "clip", "clip_value", "ema", "EmaState", "skip_nonfinite", "mixed_precision", "Policy",
     "LossScaleState", "optim", "tree", "data_parallel", "gather_state", "launch", "distributed", "TrainConfig", "shard", "ShardedLoader", "gather_for_eval", "data", "save", "load", "load_extra", "CheckpointManager",
     "CheckpointError", "Trainer", "Callback", "export_state_dict", "export_weights", "Restored", "register_checkpoint_type", "checkpoint",

@@ -6,6 +6,8 @@ from typing import Any, Callable
 import torch
 from torch.func import functional_call
 
+from .remat import checkpointing_layers, route_checkpointing
+
 __all__ = ["functionalize", "to_module"]
 
 
@@ -18,7 +20,10 @@ def functionalize(module: torch.nn.Module) -> tuple[Callable[..., Any], dict, di
     trainable parameters and ``buffers`` of the buffers. The tensors are detached
     and share storage with the module (no copy); functrain's steps never write
     into them unless you opt into donation (``ft.compile(step, donate=True)``).
-    Tied parameters appear once, as ``named_parameters()`` lists them.
+    Tied parameters appear once, as ``named_parameters()`` lists them. Blocks marked with
+    :func:`functrain.remat` recompute in the backward; so do Hugging Face layers after the model's
+    ``gradient_checkpointing_enable()``: while ``apply_fn`` runs they use functrain's
+    :func:`~functrain.core.remat.checkpoint` (which runs under ``torch.func``, so in a compiled step).
 
     Example::
 
@@ -38,8 +43,15 @@ def functionalize(module: torch.nn.Module) -> tuple[Callable[..., Any], dict, di
     tied = (len(list(module.named_parameters(remove_duplicate=False))) != len(list(module.named_parameters()))
             or len(list(module.named_buffers(remove_duplicate=False))) != len(list(module.named_buffers())))
 
+    # Hugging Face layers with gradient checkpointing on recompute through functrain's remat while the model
+    # runs (torch.utils.checkpoint cannot run under the compiled step's torch.func gradient)
+    layers = checkpointing_layers(module)
+
     def apply_fn(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> Any:
         tensors = {**(buffers or {}), **params}
+        if layers:
+            with route_checkpointing(layers):
+                return functional_call(module, tensors, args, kwargs, tie_weights=tied, strict=False)
         return functional_call(module, tensors, args, kwargs, tie_weights=tied, strict=False)
 
     apply_fn.module = module  # type: ignore[attr-defined]

@@ -259,7 +259,8 @@ POLICIES = {"nothing_saveable": "nothing_saveable", "dots_saveable": "dots_savea
             "dots_with_no_batch_dims_saveable": "dots_with_no_batch_dims_saveable",
             "ops": {aten.addmm.default, aten.gelu}, "torch_policy": torch_policy}
 TRANSFORMS = {"accumulate": lambda: ft.accumulate(2), "bf16": lambda: ft.mixed_precision("bf16"),
-              "clip": lambda: ft.clip(0.05), "ema": lambda: ft.ema(0.5)}
+              "fp16": lambda: ft.mixed_precision("fp16", init_scale=2.0**8, growth_interval=2),
+              "clip": lambda: ft.clip(0.05), "ema": lambda: ft.ema(0.5), "skip_nonfinite": lambda: ft.skip_nonfinite()}
 
 
 def build(*, width=6, depth=2, norm="ln", dropout=False, policy=None, transforms=(), optimizer="adamw", seed=0):

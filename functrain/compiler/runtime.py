@@ -57,6 +57,7 @@ class DirectCall:
 
     Attributes:
         captures: ``{signature key: Captured}``.
+        pending: ``{signature key: Captured}`` traced for :func:`functrain.memory`, not compiled yet.
         last: the capture the last call used.
     """
 
@@ -68,6 +69,7 @@ class DirectCall:
         self.packages = packages
         self.cuda_graphs = cuda_graphs
         self.captures: dict = {}
+        self.pending: dict = {}  # traced by ft.memory, compiled on first use
         self.last: Captured | None = None
         self.trusted: list | None = None  # the tensors of the state the last call returned
 
@@ -110,18 +112,40 @@ class DirectCall:
         key = Signature(spec, leaves, len(optree.tree_leaves(s))).key
         cap = self.captures.get(key)
         if cap is None:
-            cap = self.capture(s, state, batch)
+            cap = self.pending.pop(key, None)  # traced already (ft.memory): compile that capture
+            if cap is None:
+                cap = self._trace(s, state, batch)
+            compile_captured(cap, self.backend, packages=self.packages, cuda_graphs=self.cuda_graphs)
             self.captures[key] = cap
         return cap, leaves
 
     def capture(self, s: Any, state: Any, batch: Any) -> Captured:
         """Trace and compile the graph for ``(s, batch)`` (``s``: the state without its RNG key)."""
-        try:
-            cap = trace(self.step.apply, s, batch, self.memory)
-        except CaptureError as e:
-            raise explain(self.step, e.__cause__ or e, state, batch, tracer="make_fx") from e
+        cap = self._trace(s, state, batch)
         compile_captured(cap, self.backend, packages=self.packages, cuda_graphs=self.cuda_graphs)
         return cap
+
+    def traced(self, state: Any, batch: Any) -> Captured:
+        """The traced, not yet compiled, capture for ``(state, batch)`` (for :func:`functrain.memory`): kept, so
+        the first call with this signature compiles it instead of tracing again (a signature compiled already
+        is traced afresh and not kept)."""
+        self.step.check_state(state)
+        check_batch(batch)
+        s = state._replace(rng=None) if getattr(state, "rng", None) is not None else state
+        leaves, spec = optree.tree_flatten((s, batch))
+        key = Signature(spec, leaves, len(optree.tree_leaves(s))).key
+        if key in self.pending:
+            return self.pending[key]
+        cap = self._trace(s, state, batch)
+        if key not in self.captures:
+            self.pending[key] = cap
+        return cap
+
+    def _trace(self, s: Any, state: Any, batch: Any) -> Captured:
+        try:
+            return trace(self.step.apply, s, batch, self.memory)
+        except CaptureError as e:
+            raise explain(self.step, e.__cause__ or e, state, batch, tracer="make_fx") from e
 
     @property
     def compiles(self) -> int:

@@ -1,10 +1,14 @@
-"""Measure a compiled step's peak memory in this fresh process: a small transformer LM, with or without remat.
+"""Measure a compiled step's peak memory in this fresh process: a small transformer LM (SGD) or an MLP (AdamW and
+an EMA), with or without remat.
 
-    python tests/compiler/peak_job.py --policy none,nothing_saveable [--layers 4] [--seq 256] [--backend inductor]
+    python tests/compiler/peak_job.py --policy none,nothing_saveable [--model lm|mlp] [--layers 4] [--d 128]
+                                      [--seq 256] [--batch 8] [--backend inductor]
 
 Prints one JSON object: per policy, the RSS high-water mark of one donated compiled step above the RSS before it
 (``peak``, bytes), after two warm-up steps (the first compiles) so the compiler's own memory is not counted, and
-the updated params' checksum (``sum``) so the caller can check that the policies computed the same update.
+the updated params' checksum (``sum``) so the caller can check that the policies computed the same update;
+``estimate`` is ft.memory's step peak for the same step, computed before the first step (``compiles`` shows the
+first call compiled that capture rather than tracing again: 1).
 Run it with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed blocks go back to the system and RSS follows the live
 tensors (the caller sets it).
 """
@@ -58,24 +62,39 @@ def status(field: str) -> int:
 
 def measure(policy: str, args) -> dict:
     torch.manual_seed(0)
-    model = LM(args.vocab, args.d, 4, args.layers, args.seq)
+    g = torch.Generator().manual_seed(1)
+    if args.model == "lm":
+        model = LM(args.vocab, args.d, 4, args.layers, args.seq)
+        blocks = model.blocks
+        batch = (torch.randint(0, args.vocab, (args.batch, args.seq), generator=g),
+                 torch.randint(0, args.vocab, (args.batch, args.seq), generator=g))
+    else:  # an MLP of args.layers Linear(d, d) + ReLU blocks, trained with AdamW and an EMA
+        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(args.d, args.d), torch.nn.ReLU())
+                                      for _ in range(args.layers)])
+        blocks = model
+        batch = (torch.randn(args.batch, args.d, generator=g), torch.randn(args.batch, args.d, generator=g))
     if policy != "none":
-        ft.remat(model.blocks, policy)
+        ft.remat(blocks, policy)
     apply_fn, params, buffers = ft.functionalize(model)
     params = {k: v.detach().clone() for k, v in params.items()}
 
     def loss_fn(p, b, batch):
         x, y = batch
-        logits = apply_fn(p, b, x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        out = apply_fn(p, b, x)
+        if args.model == "mlp":
+            return F.mse_loss(out, y)
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
-    step = ft.train_step(loss_fn, ft.optim.sgd(0.1))
+    if args.model == "lm":
+        step = ft.train_step(loss_fn, ft.optim.sgd(0.1))
+    else:
+        step = ft.ema(0.99)(ft.train_step(loss_fn, ft.optim.adamw(1e-3, weight_decay=0.01)))
     state = step.init(params, buffers)
-    g = torch.Generator().manual_seed(1)
-    batch = (torch.randint(0, args.vocab, (args.batch, args.seq), generator=g),
-             torch.randint(0, args.vocab, (args.batch, args.seq), generator=g))
     cstep = ft.compile(step, donate=True, backend=args.backend)
     out = {"policy": policy}
+    est = ft.memory(cstep, state, batch)  # before any step: the capture the first call then compiles
+    out["estimate"] = est.step_peak
+    out["state"] = est.state_total
     for _ in range(2):
         state, _ = cstep(state, batch)
     gc.collect()
@@ -93,6 +112,7 @@ def measure(policy: str, args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--policy", default="none,nothing_saveable")
+    p.add_argument("--model", default="lm", choices=("lm", "mlp"))
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--seq", type=int, default=256)

@@ -11,7 +11,7 @@ donation the new state's large CPU leaves go to recycled buffers (one more state
 step runs); that set is reported apart (``new_state``).
 
 Why this walk and not inductor's own scheduler estimate: it needs no compile (seconds, not minutes), and the
-recomputation functrain's remat adds is tied to the backward (:func:`functrain.core.remat.tie`), so inductor
+recomputation functrain's remat adds is tied to the backward (:func:`functrain.core.recompute.tie`), so inductor
 runs the graph in an order of the same peak: fusion removes short-lived elementwise intermediates, which
 rarely meet at the peak. Measured against the RSS high-water mark of donated inductor steps (bench/memory.py):
 within the ±20% the issue asks on the transformer workloads; collectives' internal buffers (gloo's

@@ -2,10 +2,11 @@
 an EMA), with or without remat.
 
     python tests/compiler/peak_job.py --policy none,nothing_saveable [--model lm|mlp] [--layers 4] [--d 128]
-                                      [--seq 256] [--batch 8] [--backend inductor]
+                                      [--seq 256] [--batch 8] [--backend inductor] [--device cpu|cuda]
 
 Prints one JSON object: per policy, the RSS high-water mark of one donated compiled step above the RSS before it
-(``peak``, bytes), after two warm-up steps (the first compiles) so the compiler's own memory is not counted, and
+(``peak``, bytes; on ``--device cuda`` ``torch.cuda.max_memory_allocated`` above the allocated bytes before it),
+after two warm-up steps (the first compiles) so the compiler's own memory is not counted, and
 the updated params' checksum (``sum``) so the caller can check that the policies computed the same update;
 ``estimate`` is ft.memory's step peak for the same step, computed before the first step (``compiles`` shows the
 first call compiled that capture rather than tracing again: 1).
@@ -89,6 +90,8 @@ def measure(policy: str, args) -> dict:
         step = ft.train_step(loss_fn, ft.optim.sgd(0.1))
     else:
         step = ft.ema(0.99)(ft.train_step(loss_fn, ft.optim.adamw(1e-3, weight_decay=0.01)))
+    device = torch.device(args.device)
+    params, buffers, batch = ft.to_device((params, buffers, batch), device)
     state = step.init(params, buffers)
     cstep = ft.compile(step, donate=True, backend=args.backend)
     out = {"policy": policy}
@@ -98,11 +101,19 @@ def measure(policy: str, args) -> dict:
     for _ in range(2):
         state, _ = cstep(state, batch)
     gc.collect()
-    rest = status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    state, metrics = cstep(state, batch)
-    out["peak"] = status("VmHWM") - rest
+    if device.type == "cuda":  # the caching allocator's own count: what ft.memory rounds for
+        torch.cuda.synchronize()
+        rest = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        state, metrics = cstep(state, batch)
+        torch.cuda.synchronize()
+        out["peak"] = torch.cuda.max_memory_allocated(device) - rest
+    else:
+        rest = status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        state, metrics = cstep(state, batch)
+        out["peak"] = status("VmHWM") - rest
     out["compiles"] = cstep.compiles
     out["sum"] = float(sum(p.double().sum() for p in state.params.values()))
     out["loss"] = float(metrics["loss"])
@@ -119,6 +130,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--backend", default="inductor")
+    p.add_argument("--device", default="cpu")
     args = p.parse_args()
     torch.set_num_threads(1)
     print(json.dumps([measure(policy, args) for policy in args.policy.split(",")]))

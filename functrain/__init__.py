@@ -31,18 +31,20 @@ from . import data  # noqa: F401 - ``ft.data``: the data package
 from .driver import run, to_device
 from .core.module import functionalize, to_module
 from .core.remat import remat
+from .core.rng import HostRandomError
 from .core.flat import FlatParams, flat, unflat
 from .core.state import TrainState
-from .core.step import STAGES, Step, StepContext, Transform, train_step
+from .core.step import STAGES, Step, train_step
+from .core.transform import StepContext, Transform
 from .trainer import Callback, TrainConfig, Trainer
-from .transforms import EmaState, LossScaleState, Policy, accumulate, clip, clip_value, ema, mixed_precision, skip_nonfinite
+from .transforms import EmaState, LossScaleState, Policy, accumulate, clip, clip_value, ema, mixed_precision, random_flip, skip_nonfinite
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TrainState", "Step", "StepContext", "Transform", "STAGES", "train_step",
-    "functionalize", "to_module", "remat", "flat", "unflat", "FlatParams", "compile", "CompiledStep", "GraphBreakError", "memory", "MemoryEstimate", "run", "to_device",
-    "accumulate", "clip", "clip_value", "ema", "EmaState", "skip_nonfinite", "mixed_precision", "Policy",
+    "functionalize", "to_module", "remat", "flat", "unflat", "FlatParams", "compile", "CompiledStep", "GraphBreakError", "HostRandomError", "memory", "MemoryEstimate", "run", "to_device",
+    "accumulate", "clip", "clip_value", "ema", "EmaState", "skip_nonfinite", "random_flip", "mixed_precision", "Policy",
     "LossScaleState", "optim", "tree", "data_parallel", "gather_state", "launch", "distributed", "TrainConfig", "shard", "ShardedLoader", "gather_for_eval", "data", "save", "load", "load_extra", "CheckpointManager",
     "CheckpointError", "Trainer", "Callback", "export_state_dict", "export_weights", "Restored", "register_checkpoint_type", "checkpoint",
 ]

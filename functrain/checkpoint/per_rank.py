@@ -1,7 +1,7 @@
 """Checkpoints of sharded states: every rank writes its own shard, and loading reshards to any world size.
 
 A sharded state (``ft.data_parallel(shard=...)``; it carries a
-:class:`functrain.core.layout.ShardState` slot) is saved by *every* rank of its group
+:class:`functrain.core.flat.ShardState` slot) is saved by *every* rank of its group
 calling ``ft.save(path, state)`` together. The checkpoint is a folder::
 
     path/
@@ -44,9 +44,8 @@ import optree
 import torch
 
 from ..core.validate import path_str
+from ..core.flat import SLOT, FlatLayout, ShardState, reflat, unflat
 from ..distributed.faults import PeerFailed
-from ..core.layout import SLOT, FlatLayout, ShardState
-from ..core.flat import reflat, unflat
 from . import folder
 from .format import FORMAT, MARKER, VERSION, CheckpointError, json_bytes
 
@@ -303,7 +302,7 @@ def _whole(states: list, path: str) -> Any:
     def join(*nodes: Any) -> Any:
         if not layout.is_shard_tree(nodes[0]):
             return nodes[0]  # replicated: every rank holds the same
-        return layout.unflatten({k: torch.cat([n[k] for n in nodes]) for k in layout.keys})
+        return layout.tree({k: torch.cat([n[k] for n in nodes]) for k in layout.keys})
 
     rests = [_without_slot(s) for s in states]
     try:

@@ -42,7 +42,9 @@ class CompiledStep:
         self.step = step
         self.options = options
         self.donate = options.donate
-        self.cache_dir = None if options.cache_dir is None else cache.use_cache_dir(options.cache_dir)
+        # checked before anything compiles or loads (None: inductor's own folder, the Trainer's default)
+        folder = cache.use_cache_dir(options.cache_dir)
+        self.cache_dir = None if options.cache_dir is None else folder
         self._backend: CountingBackend = make_backend(options)
         self._packages = None
         if options.package:

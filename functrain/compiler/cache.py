@@ -7,11 +7,15 @@ config and the torch version: a changed loss, shape, device or torch build is a
 different key, compiled afresh, never a stale entry. functrain adds three things:
 
 * **the folder** (:func:`use_cache_dir`): ``ft.compile(step, cache_dir=...)`` points
-  inductor's cache at ``cache_dir/inductor``. Inductor reads its folder from the
-  process-wide ``TORCHINDUCTOR_CACHE_DIR``, so the first folder a process compiles
-  with is the one it keeps; a different one later is a warning, not a silent switch.
-  The folder must belong to this user and not be world-writable (the cache holds
-  shared libraries the process loads).
+  inductor's cache at ``cache_dir/inductor``; without ``cache_dir`` inductor's own
+  folder is used (``TORCHINDUCTOR_CACHE_DIR``, else ``$TMPDIR/torchinductor_<user>``).
+  Inductor reads its folder from the process-wide ``TORCHINDUCTOR_CACHE_DIR``, so the
+  first folder a process compiles with is the one it keeps; a different one later is
+  a warning, not a silent switch. The cache holds code the process runs, so each
+  folder is checked before anything compiles (:mod:`functrain.compiler.trust`: the
+  folder, the folders above it and everything in it writable by this user only,
+  inductor's default folder included); a folder that fails is not loaded from:
+  functrain's private ``0700`` folder is used instead, with one warning naming it and why.
 * **a lock per graph** (:func:`compile_lock`): N ranks of one machine that start
   together would each compile the same graph from scratch (each misses the cache
   before any has written it). The first to arrive takes an ``flock`` on a file named
@@ -37,7 +41,6 @@ import contextlib
 import hashlib
 import json
 import os
-import stat
 import sys
 import tempfile
 import time
@@ -46,62 +49,173 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["use_cache_dir", "compile_lock", "probe_memo", "graph_key", "check_private_folder", "machine"]
+from . import trust
+
+__all__ = ["use_cache_dir", "trusted_folder", "compile_lock", "probe_memo", "graph_key", "check_private_folder",
+           "machine"]
 
 _MEMO_FORMAT = 1
 _LOCK_TIMEOUT = 600.0
 _active: str | None = None  # the inductor folder this process compiles into (set by use_cache_dir)
+_warned: set = set()  # the untrusted folders already warned about (once per process each)
+_trusted: dict = {}  # folder -> the folder used for it, as trusted_folder decided (once per process)
 
 
-def check_private_folder(path: str, *, create: bool = True) -> str:
-    """``path`` as an absolute folder owned by this user and not world-writable (raises otherwise).
+def check_private_folder(path: str, *, create: bool = True, contents: bool = True) -> str:
+    """``path`` as an absolute folder only this user can write code into (raises ``ValueError`` saying why).
 
-    (New folders are made ``0o700``; a group-writable one is accepted, as a user-private group's umask makes it.)
+    The rule (:mod:`functrain.compiler.trust`): the folder and every folder above it belong to this user
+    (or root), none is writable by a group or by others (a sticky ``/tmp`` above it is fine), and nothing in
+    it belongs to another user, is a symlink, or is writable by others who can reach it (``contents=False``:
+    not walked, for a folder inside one just checked). New folders are made ``0o700``.
+
+    Example::
+
+        >>> import tempfile, os
+        >>> oct(os.stat(check_private_folder(os.path.join(tempfile.mkdtemp(), "c"))).st_mode & 0o777)
+        '0o700'
     """
-    path = os.path.abspath(os.fspath(path))
-    if create:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-    info = os.stat(path)
-    if not stat.S_ISDIR(info.st_mode):
-        raise ValueError(f"ft.compile cache folder {path!r} is not a folder")
-    getuid = getattr(os, "getuid", None)
-    if getuid is not None and info.st_uid != getuid():
-        raise ValueError(f"ft.compile cache folder {path!r} belongs to uid {info.st_uid}, not to this user "
-                         f"(uid {getuid()}): its compiled code would be loaded into this process; use a folder "
-                         f"of your own")
-    if getuid is not None and info.st_mode & stat.S_IWOTH:
-        raise ValueError(f"ft.compile cache folder {path!r} is writable by everyone (mode {oct(info.st_mode & 0o777)}):"
-                         f" anyone could plant code this process loads; chmod go-w it, or use another folder")
-    return path
+    try:
+        return trust.check_folder(path, create=create, contents=contents)
+    except trust.UntrustedFolder as e:
+        raise ValueError(f"ft.compile cache folder {e}; use a folder of your own") from None
 
 
-def use_cache_dir(cache_dir: Any) -> str:
-    """Make ``cache_dir/inductor`` the on-disk compile cache of this process; returns the folder in use.
+def _warn_once(key: Any, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=4)
 
-    Inductor's folder is process-wide (``TORCHINDUCTOR_CACHE_DIR``): the first call decides it,
-    a later call with another folder warns and keeps the first.
+
+def trusted_folder(folder: str, what: str, contents: bool = True) -> str:
+    """``folder`` if only this user can write code into it, else functrain's private folder for the same
+    use (``private_home()/<basename>``), with one warning naming ``folder`` and why."""
+    key = os.path.abspath(folder)
+    if key in _trusted:  # checked in this process: only this user can have written into it since
+        return _trusted[key]
+    try:
+        _trusted[key] = check_private_folder(folder, contents=contents)
+        return _trusted[key]
+    except (ValueError, OSError) as e:
+        instead = check_private_folder(os.path.join(trust.private_home(), os.path.basename(folder)), contents=False)
+        _warn_once(("folder", os.path.abspath(folder)),
+                   f"ft.compile: not loading compiled code from {what} {os.path.abspath(folder)!r}: "
+                   f"{e.args[0] if isinstance(e, ValueError) else e}. Using this user's private folder "
+                   f"{instead!r} instead")
+        return instead
+
+
+def use_cache_dir(cache_dir: Any = None) -> str:
+    """Make the inductor cache of this process a folder only this user can write; returns the folder in use.
+
+    ``cache_dir`` given: ``cache_dir/inductor``; ``None``: inductor's own choice
+    (``TORCHINDUCTOR_CACHE_DIR``, else ``$TMPDIR/torchinductor_<user>``, what ``ft.Trainer`` uses). A
+    folder that fails :func:`check_private_folder` (another user made it, a group can write it, it holds
+    another user's files) is not loaded from: functrain's private folder is used instead, with one warning
+    naming the folder and why. Called before anything compiles (Dynamo reads its own pickles from the
+    folder before a backend runs). Inductor's folder is process-wide: the first call decides it, a later
+    call with another folder warns and keeps the first.
 
     Example::
 
         use_cache_dir("results/compile_cache")   # what ft.compile(step, cache_dir=...) calls
     """
     global _active
-    if not isinstance(cache_dir, (str, os.PathLike)):
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
         raise TypeError(f"ft.compile(cache_dir=...) takes a folder path (str or os.PathLike); "
                         f"got {type(cache_dir).__name__}")
-    root = check_private_folder(cache_dir)
-    folder = check_private_folder(os.path.join(root, "inductor"))
+    if cache_dir is None:
+        current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        if _active is not None and (current is None or os.path.abspath(current) == _active):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = _active
+            return _active  # (changed by someone since: what inductor would use now is checked below)
+        wanted = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or _default_inductor_dir()
+        what = ("TORCHINDUCTOR_CACHE_DIR" if os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+                else "inductor's default cache folder")
+    else:
+        wanted = os.path.join(trusted_folder(os.fspath(cache_dir), "the cache_dir"), "inductor")
+        what = "the cache_dir"  # (its contents, inductor/ with them, were walked just now)
+    wanted = os.path.abspath(wanted)
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if _active is None and current is not None and _inductor_compiled():
         _active = os.path.abspath(current)  # inductor has compiled in this process, into its folder
-    if _active is not None and _active != folder:
+    if _active is not None and _active != wanted and cache_dir is not None:
         warnings.warn(f"ft.compile(cache_dir={os.fspath(cache_dir)!r}): this process already compiles into "
                       f"{_active!r} (inductor's cache folder is process-wide, TORCHINDUCTOR_CACHE_DIR); "
                       f"keeping that one", stacklevel=3)
-        return _active
+        wanted = _active
+    folder = trusted_folder(wanted, what, contents=cache_dir is None or wanted == _active)
+    _guard_defaults(folder)
+    if os.environ.get("TRITON_CACHE_DIR"):  # GPU kernels: Triton's cache, when not inside inductor's folder
+        os.environ["TRITON_CACHE_DIR"] = trusted_folder(os.environ["TRITON_CACHE_DIR"], "TRITON_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
     _active = folder
     return folder
+
+
+def _default_inductor_dir() -> str:
+    """Inductor's default cache folder (``$TMPDIR/torchinductor_<user>``), computed as inductor does,
+    without importing inductor (seconds) when it is not imported yet."""
+    utils = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    if utils is not None:
+        return (_original_default[0] if _original_default else utils.default_cache_dir)()
+    import getpass
+    import re
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
+def _guard_defaults(folder: str) -> None:
+    """Inductor keeps a few things in its *default* folder whatever ``TORCHINDUCTOR_CACHE_DIR`` says
+    (precompiled headers, which gcc includes into every CPU kernel; two on-disk caches): if that folder
+    is not trusted, they go to ``folder`` too (:func:`_redirect_defaults`, applied before inductor compiles)."""
+    global _redirect_to
+    path = _default_inductor_dir()
+    if os.path.abspath(path) == os.path.abspath(folder):  # checked already: it is the folder in use
+        return
+    try:
+        check_private_folder(path)  # (made 0o700 if missing, so that nobody else makes it first)
+        return
+    except (ValueError, OSError) as e:
+        _warn_once(("folder", os.path.abspath(path)),
+                   f"ft.compile: not loading compiled code from inductor's default cache folder "
+                   f"{os.path.abspath(path)!r}: {e.args[0] if isinstance(e, ValueError) else e}. "
+                   f"Using {folder!r} for what inductor keeps there (precompiled headers)")
+    _redirect_to = folder
+    if "torch._inductor.runtime.cache_dir_utils" in sys.modules:
+        _redirect_defaults()
+
+
+def _redirect_defaults() -> None:
+    """Point inductor's ``default_cache_dir`` (each module's binding of it) and its precompiled-header folder
+    at the trusted folder chosen by :func:`_guard_defaults`; called before inductor compiles."""
+    folder = _redirect_to
+    if folder is None:
+        return
+    from torch._inductor.runtime import cache_dir_utils
+    if not _original_default:
+        _original_default.append(cache_dir_utils.default_cache_dir)
+
+    def trusted_default() -> str:
+        return folder
+
+    # default_cache_dir is imported by name into these modules: each binding is replaced
+    for name in ("torch._inductor.runtime.cache_dir_utils", "torch._inductor.runtime.runtime_utils",
+                 "torch._inductor.codecache"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "default_cache_dir"):
+            module.default_cache_dir = trusted_default
+    codecache = sys.modules.get("torch._inductor.codecache")
+    if codecache is not None and hasattr(codecache, "_HEADER_DIR"):  # computed when codecache was imported
+        codecache._HEADER_DIR = os.path.join(folder, "precompiled_headers")
+        codecache._HEADER_LOCK_DIR = os.path.join(codecache._HEADER_DIR, "locks")
+
+
+_original_default: list = []  # inductor's own default_cache_dir, once replaced
+_redirect_to: str | None = None  # where inductor's default folder's contents go when it is not trusted
 
 
 def _inductor_compiled() -> bool:
@@ -112,8 +226,9 @@ def _inductor_compiled() -> bool:
 
 
 def _inductor_dir() -> str:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-    return cache_dir()
+    """The inductor folder this process compiles into, checked (:func:`use_cache_dir`; again if
+    ``TORCHINDUCTOR_CACHE_DIR`` was changed since)."""
+    return use_cache_dir(None)
 
 
 def graph_key(gm: torch.fx.GraphModule, inputs: list) -> str:
@@ -154,6 +269,7 @@ def compile_lock(key: str) -> Iterator[bool]:
         yield False
         return
     timeout = _lock_timeout()
+    _redirect_defaults()  # inductor compiles next: its default folder must be the trusted one by then
     try:
         folder = check_private_folder(os.path.join(_inductor_dir(), "functrain-locks"))
         fd = os.open(os.path.join(folder, key + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -186,12 +302,9 @@ def compile_lock(key: str) -> Iterator[bool]:
 
 # -- the probe memo ---------------------------------------------------------------------------
 def memo_folder() -> str:
-    """Where the probe memo lives: ``FUNCTRAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/functrain``, else ``~/.cache/functrain``."""
-    root = os.environ.get("FUNCTRAIN_CACHE_DIR")
-    if root:
-        return root
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(xdg, "functrain")
+    """Where the probe memo lives: functrain's private folder (:func:`functrain.compiler.trust.private_home`:
+    ``FUNCTRAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/functrain``, else ``~/.cache/functrain``)."""
+    return trust.private_home()
 
 
 def machine() -> dict:
@@ -266,7 +379,7 @@ def probe_memo() -> Iterator[None]:
         yield
         return
     try:
-        folder = check_private_folder(memo_folder())
+        folder = memo_folder()
         machine = json.dumps(_machine(), sort_keys=True, default=str)
     except (OSError, ValueError) as e:
         warnings.warn(f"ft.compile: no probe memo ({e}); inductor probes the CPU's vector ISAs in every "

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 import optree
 import torch
 
+from ..core.rng import HostRandomError, host_random_refused
 from .memory import Memory, Written
 
 __all__ = ["Captured", "Signature", "CaptureError", "trace", "draws_random", "flatten"]
@@ -202,8 +203,10 @@ def trace(apply: Callable, state: Any, batch: Any, memory_kind: str) -> Captured
 
     example = [leaves[i].detach() for i in sig.tensor_pos] + memory.example_buffers()
     try:
-        with _compiling():
+        with _compiling(), host_random_refused("ft.compile"):  # a draw from random/numpy would be frozen
             gm = make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+    except HostRandomError:
+        raise
     except Exception as e:  # noqa: BLE001 - the caller re-runs eagerly to tell a user error from a graph break
         raise CaptureError(f"{type(e).__name__}: {e}") from e
     constants = _lift_constants(gm)

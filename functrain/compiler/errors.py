@@ -43,7 +43,7 @@ def explain(step: Step, error: BaseException, state: Any, batch: Any, *, tracer:
     except Exception as real:  # noqa: BLE001 - surface whatever the step itself raises
         if hasattr(real, "add_note"):  # Python >= 3.11
             real.add_note(f"(raised by the step run eagerly after ft.compile's {tracer} trace of it failed with "
-                          f"{type(error).__name__}: {_first_line(error)})")
+                          f"{_qualname(error)}: {_first_line(error)})")
         raise real from None
     empty = _empty_leaf(batch)
     if empty is not None:
@@ -64,6 +64,12 @@ def explain(step: Step, error: BaseException, state: Any, batch: Any, *, tracer:
             f"A step must have no host sync (.item(), print, Python branches on tensor values) and call "
             f"only traceable code; fix the loss function, or pass fullgraph=False to ft.compile to allow "
             f"graph breaks (slower). The tracer ({tracer}) said:\n{error}") from error
+
+
+def _qualname(error: BaseException) -> str:
+    """``AttributeError``, ``torch._dynamo.exc.Unsupported``: the error's class as its module names it."""
+    cls = type(error)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _empty_leaf(batch: Any) -> tuple[str, tuple] | None:

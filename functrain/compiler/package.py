@@ -15,15 +15,27 @@ machine (host, CPU features, compiler) and the package format. A changed loss,
 shape, device, torch version or machine is another key. Next to each package a JSON
 file holds the full key material, compared in full before loading: a package whose
 material differs, or that fails to load, is rebuilt with a warning, never used.
-Files are written to a temporary name and renamed; the folder must be this user's
-and not world-writable (:func:`functrain.compiler.cache.check_private_folder`).
+
+Trust: the folder must pass :func:`functrain.compiler.cache.check_private_folder`
+(this user's, writable by no one else, nothing in it another user's); otherwise the
+packages are kept in functrain's private folder instead, with a warning. And the
+sidecar's checksum is not trusted by itself (whoever swapped the package could
+rewrite it): the sidecar also holds an HMAC-SHA256 of the key material and the
+package's SHA-256 under a key only this user can read (``package.key``, 32 random
+bytes, ``0600``, in functrain's private ``0700`` folder,
+:func:`functrain.compiler.trust.private_home`). A package is loaded only if the
+HMAC of what is on disk matches: a package this user did not build (copied from
+elsewhere, or changed) is rebuilt with a warning. Files are written to a temporary
+name and renamed.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
 import os
+import stat
 import tempfile
 import warnings
 from typing import Any, Callable
@@ -31,10 +43,12 @@ from typing import Any, Callable
 import torch
 
 from . import cache as compile_cache
+from . import trust
 
 __all__ = ["Packages"]
 
-_FORMAT = 1
+_FORMAT = 2  # 2: the sidecar holds an HMAC under this user's key
+_KEY_BYTES = 32
 
 
 class Packages:
@@ -45,7 +59,9 @@ class Packages:
     """
 
     def __init__(self, folder: str):
-        self.folder = compile_cache.check_private_folder(os.path.join(folder, "packages"))
+        root = compile_cache.trusted_folder(os.fspath(folder), "the cache_dir")
+        self.folder = compile_cache.check_private_folder(os.path.join(root, "packages"), contents=False)
+        self.key = package_key()
         self.built = 0
         self.loaded = 0
 
@@ -94,8 +110,12 @@ class Packages:
                 stored = json.load(f)
             if not isinstance(stored, dict) or stored.get("material") != material:
                 raise ValueError("its key material differs from this graph's")
-            if stored.get("sha256") != _sha256(package):
+            digest = _sha256(package)
+            if stored.get("sha256") != digest:
                 raise ValueError("its contents do not match the checksum written with it")
+            if not hmac.compare_digest(str(stored.get("hmac", "")), _sign(self.key, material, digest)):
+                raise ValueError("its checksum is not signed with this user's package key (built by someone "
+                                 "else, or changed since)")
             fn = _loader(package, json.loads(material)["device"])
         except Exception as e:  # noqa: BLE001 - anything wrong with a package means: rebuild it
             if not quiet:
@@ -122,8 +142,53 @@ class Packages:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        _write_json(sidecar, {"format": _FORMAT, "material": material, "sha256": digest})
+        _write_json(sidecar, {"format": _FORMAT, "material": material, "sha256": digest,
+                              "hmac": _sign(self.key, material, digest)})
         return _loader(package, json.loads(material)["device"])
+
+
+def package_key() -> bytes:
+    """This user's package key: ``private_home()/package.key`` (made on first use: 32 random bytes, ``0600``).
+
+    Refused (``ValueError``) if it is not a regular file of this user's that nobody else can read or write.
+    """
+    path = os.path.join(trust.private_home(), "package.key")
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        fd = None
+    if fd is None:
+        try:  # O_EXCL: of two processes making it at once, one writes it and the other reads that one
+            new = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            with os.fdopen(new, "wb") as f:
+                f.write(os.urandom(_KEY_BYTES))
+                f.flush()
+                os.fsync(f.fileno())
+        except FileExistsError:
+            pass
+        fd = os.open(path, flags)
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        uid = os.getuid() if hasattr(os, "getuid") else info.st_uid
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != uid or info.st_mode & 0o077:
+            raise ValueError(f"ft.compile(package=True): the package key {path!r} must be a file of this user's "
+                             f"that nobody else can read or write (mode 0o600); it is mode "
+                             f"{oct(info.st_mode & 0o7777)}, uid {info.st_uid}. Remove it (packages are rebuilt)")
+        key = f.read(_KEY_BYTES + 1)
+    if len(key) != _KEY_BYTES:  # (a torn write of another process: it is being made now) read it again once
+        import time
+        time.sleep(0.1)
+        with open(path, "rb") as f:
+            key = f.read(_KEY_BYTES + 1)
+        if len(key) != _KEY_BYTES:
+            raise ValueError(f"ft.compile(package=True): the package key {path!r} is {len(key)} bytes, not "
+                             f"{_KEY_BYTES}; remove it (packages are rebuilt)")
+    return key
+
+
+def _sign(key: bytes, material: str, digest: str) -> str:
+    return hmac.new(key, json.dumps([material, digest]).encode(), hashlib.sha256).hexdigest()
 
 
 def _material(gm: torch.fx.GraphModule, inputs: list) -> str:

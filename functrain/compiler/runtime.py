@@ -95,7 +95,8 @@ class DirectCall:
                 new, metrics, box[:] = cap.memory.call(cap, tensors, leaves)
                 return new, metrics
 
-            new, metrics = with_rng(run, state, batch, self.step.rng_offset())
+            # host_generators=False: the graph cannot draw from random/numpy (the capture refuses it)
+            new, metrics = with_rng(run, state, batch, self.step.rng_offset(), host_generators=False)
             new_tensors = box
         else:
             new, metrics, new_tensors = cap.memory.call(cap, tensors, leaves)

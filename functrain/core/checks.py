@@ -105,7 +105,7 @@ def check_inputs(state: Any, batch: Any) -> None:
     check_batch(batch)
 
 
-class Layout(NamedTuple):
+class Expected(NamedTuple):
     """What a step expects of a state's metadata (found once per step; see :func:`check_state`)."""
 
     opt_type: type | None           # None: could not be determined, not checked
@@ -113,8 +113,8 @@ class Layout(NamedTuple):
     unknown: frozenset              # names of transforms whose slot could not be determined
 
     @classmethod
-    def of(cls, state: TrainState) -> "Layout":
-        """The layout of a state the step made itself (``Step.init``)."""
+    def of(cls, state: TrainState) -> "Expected":
+        """What a state the step made itself (``Step.init``) has."""
         return cls(type(state.opt_state), {k: type(v) for k, v in state.slots.items()}, frozenset())
 
 
@@ -123,21 +123,21 @@ def check_state(step: Any, state: Any, *, rng: bool = True) -> None:
 
     The common case, a state the step made, costs a handful of attribute reads
     and type comparisons; only a mismatch (or the first call, when the step's
-    layout is not known yet) takes the slow path that builds the message.
+    expectation is not known yet) takes the slow path that builds the message.
     ``rng=False`` leaves the form of ``state.rng`` to :func:`functrain.core.rng.with_rng`,
     which checks it as it reads the key (the call path of a step).
     """
     if not isinstance(state, TrainState):
         return _check_state_slowly(step, state)
-    count, layout, slots = state.step, step._layout, state.slots
+    count, expected, slots = state.step, step._expected, state.slots
     # (a donated state's step has shape (0,): dim() != 0 sends it to the slow path, which says so)
-    if (layout is None or not isinstance(count, torch.Tensor) or count.dtype is not torch.int64 or count.dim() != 0
+    if (expected is None or not isinstance(count, torch.Tensor) or count.dtype is not torch.int64 or count.dim() != 0
             or type(slots) is not dict
-            or (layout.opt_type is not None and type(state.opt_state) is not layout.opt_type)
+            or (expected.opt_type is not None and type(state.opt_state) is not expected.opt_type)
             or (rng and state.rng is not None and not rng_ok(state.rng))
-            or (not layout.unknown and len(slots) != len(layout.slots))):
+            or (not expected.unknown and len(slots) != len(expected.slots))):
         return _check_state_slowly(step, state)
-    for name, kind in layout.slots.items():
+    for name, kind in expected.slots.items():
         if type(slots.get(name, _MISSING)) is not kind:
             return _check_state_slowly(step, state)
     return None
@@ -155,22 +155,22 @@ def _check_state_slowly(step: Any, state: Any) -> None:
     if type(slots) is not dict:
         problems.append(f"state.slots must be a dict {{transform name: slot}}; got {_kind(slots)}")
         raise BadValue("the state does not match this step: " + "; ".join(problems))
-    if step._layout is None:
-        step._layout = find_layout(step, state)
-    layout = step._layout
-    if layout.opt_type is not None and type(state.opt_state) is not layout.opt_type:
+    if step._expected is None:
+        step._expected = find_expected(step, state)
+    expected = step._expected
+    if expected.opt_type is not None and type(state.opt_state) is not expected.opt_type:
         problems.append(f"state.opt_state is {_kind(state.opt_state)} but this step's optimizer keeps "
-                        f"{layout.opt_type.__name__}")
+                        f"{expected.opt_type.__name__}")
     by_name = {t.name: t for t in step.transforms}
     before = len(problems)
     for name in slots:
-        if name in layout.slots or name in layout.unknown:
+        if name in expected.slots or name in expected.unknown:
             continue
         if name in by_name:
             problems.append(f"state.slots has {name!r} but this step's {by_name[name]!r} keeps no state")
         else:
             problems.append(f"state.slots has {name!r} but this step has no {name!r} transform")
-    for name, kind in layout.slots.items():
+    for name, kind in expected.slots.items():
         if name not in slots:
             problems.append(f"state.slots lacks {name!r}: this step's {by_name[name]!r} keeps "
                             f"{kind.__name__} there")
@@ -178,13 +178,13 @@ def _check_state_slowly(step: Any, state: Any) -> None:
             problems.append(f"state.slots[{name!r}] is {_kind(slots[name])} but this step's "
                             f"{by_name[name]!r} keeps {kind.__name__}")
     if len(problems) > before:
-        problems[-1] += (f"; expected slots {sorted(layout.slots)}, the state has {sorted(slots)} (a state "
+        problems[-1] += (f"; expected slots {sorted(expected.slots)}, the state has {sorted(slots)} (a state "
                          f"comes from step.init, or a checkpoint, of a step with the same transforms)")
     if problems:
         raise BadValue(f"the state does not match this step: {'; '.join(problems)}")
 
 
-def find_layout(step: Any, state: TrainState) -> Layout:
+def find_expected(step: Any, state: TrainState) -> Expected:
     """What ``step.init`` makes for params shaped as ``state.params``: run on meta tensors (no memory,
     no values); an ``init`` that needs values runs once on the real ones."""
     def meta(x: Any) -> Any:
@@ -208,4 +208,4 @@ def find_layout(step: Any, state: TrainState) -> Layout:
                 continue
         if slot is not None:
             slots[t.name] = type(slot)
-    return Layout(opt_type, slots, frozenset(unknown))
+    return Expected(opt_type, slots, frozenset(unknown))

@@ -1,31 +1,38 @@
-"""The flat state: params (and everything shaped like them) as one contiguous buffer per dtype.
+"""One flat layout: a params tree (and everything shaped like it) as one contiguous buffer per dtype.
 
-A :class:`FlatParams` holds a params tree as one 1-D buffer per dtype (the
-leaves laid end to end in pytree order, what JAX's ``ravel_pytree`` and FSDP's
-flat parameter do) and reads like the tree it came from: ``params["fc.weight"]``
-is a view of the buffer with the leaf's shape, ``dict(params)`` /
-``params.tree()`` the whole ``{name: tensor}`` tree of views, ``{**params}`` works
-wherever a dict of tensors does.
+:class:`FlatLayout` says where each leaf of a params tree lives in one 1-D buffer per
+dtype (the leaves laid end to end in pytree order, what JAX's ``ravel_pytree`` and
+FSDP's flat parameter do) and, for ``world`` ranks, which slice of each buffer rank
+``r`` owns (the buffers padded with zeros to a multiple of ``world``; ``S = ceil(numel
+/ world)``, rank ``r`` owning ``[r * S, (r + 1) * S)``). The same type serves both:
 
-As a pytree (optree) its children are the buffers, so everything the step maps
-over the params maps over the buffers instead: the optimizer's moments and the
-EMA built by ``tree_map`` from flat params are flat too, one Adam update is one
-elementwise pass over one buffer (one fused kernel compiled, one ``_foreach``
-call of one tensor eager), data parallelism all-reduces one buffer per dtype,
-and a compiled step has a handful of inputs instead of three per parameter.
-The gradient is taken with respect to the per-leaf views (the loss function
-sees a plain ``{name: tensor}`` dict) and laid into one flat buffer per dtype
-by one concatenation.
+* **the flat state** (``world = 1``): a :class:`FlatParams` holds a params tree as its
+  buffers and reads like the tree (``params["fc.weight"]`` is a view with the leaf's
+  shape, ``params.tree()`` the whole ``{name: tensor}`` tree of views). As a pytree its
+  children are the buffers, so everything the step maps over the params maps over the
+  buffers instead: the optimizer's moments and the EMA built by ``tree_map`` from flat
+  params are flat too, one Adam update is one elementwise pass over one buffer, and a
+  compiled step has a handful of inputs instead of three per parameter. The gradient is
+  taken with respect to the per-leaf views (the loss function sees a plain ``{name:
+  tensor}`` dict) and packed into one buffer per dtype by one concatenation.
+* **sharded data parallelism** (``world = N``): a *shard tree* ``{dtype name: 1-D tensor
+  of S}`` is this rank's slice; sharded params, optimizer moments and params-shaped
+  slot fields are held as shard trees. A sharded :class:`~functrain.TrainState`
+  carries a :class:`ShardState` in ``state.slots["data_parallel"]`` (rank, world size
+  and the params' dtypes and shapes as small int64 tensors), so a sharded state or
+  checkpoint describes itself: it can be gathered or resharded without the step that
+  made it.
 
-Checkpoints do not see the flat form: :func:`unflat` turns every flat node back
-into its named tree (views, no copy) before saving, and loading into a flat
-template flattens the named tensors again, so a checkpoint of a flat state is
-the same file as one of the plain state, readable by name and loadable into
-either.
+Checkpoints do not see the flat form: :func:`unflat` turns every flat node back into
+its named tree (views, no copy) before saving, and loading into a flat template packs
+the named tensors again, so a checkpoint of a flat state is the same file as one of the
+plain state. Everything here is pure tensor code on Python-int offsets: it runs eagerly
+and inside a compiled step alike, and no communication happens in this module.
 
 Example::
 
     >>> import torch, functrain as ft
+    >>> from functrain.core.flat import FlatLayout
     >>> params = {"w": torch.ones(2, 3), "b": torch.zeros(3)}
     >>> flat = ft.flat(params)
     >>> flat.buffers["float32"].shape           # b then w: optree sorts dict keys
@@ -34,79 +41,153 @@ Example::
     (torch.Size([2, 3]), True)
     >>> ft.tree.tree_map(torch.zeros_like, flat).buffers["float32"].shape
     torch.Size([9])
+    >>> FlatLayout.from_params(params, world=2, rank=1).shard_of(params)   # rank 1's half of the 9, padded
+    {'float32': tensor([1., 1., 1., 1., 0.])}
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import optree
 import torch
 
+from .eager import tracing
+from .registry import register_checkpoint_type
 from .validate import path_str
-from .layout import SLOT, FlatLayout, ShardState
 
-__all__ = ["FlatParams", "FlatSpec", "flat", "unflat", "reflat", "is_flat", "split_leaves"]
+__all__ = ["FlatLayout", "FlatParams", "ShardState", "SLOT", "DTYPES", "flat", "unflat", "reflat", "is_flat",
+           "split_leaves", "find_shard_trees"]
+
+SLOT = "data_parallel"  # the slot of a sharded state (the sharded data_parallel transform's name)
+
+# dtype codes stored in ShardState.layout: the index in this tuple (append only: saved checkpoints use them)
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
+          getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
 
 
-class FlatSpec:
-    """Where each leaf of a params tree lives in the per-dtype buffers (hashable; the flat node's pytree metadata).
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``: the key of that dtype's buffer."""
+    return str(dtype).rpartition(".")[2]
 
-    ``spec``: the params' treespec; ``keys``: the dtype names of the buffers, sorted;
-    ``entries``: per leaf, ``(key, shape, numel, offset)``; ``numel[key]``: buffer length.
-    Two specs are equal when the params' structure, dtypes and shapes are.
+
+@register_checkpoint_type("functrain.ShardState")
+class ShardState(NamedTuple):
+    """The ``"data_parallel"`` slot of a sharded state: who holds which shard of what.
+
+    ``rank``/``world`` (int64 scalars): this shard's rank and the world size it was
+    cut for; ``params_sharded`` (bool scalar): whether ``state.params`` is a shard
+    tree (``shard="params"``) or the whole params (``shard="optimizer"``);
+    ``layout``: a tree shaped like the params whose leaves are int64 tensors
+    ``[dtype code, *shape]``. The slot never changes during training.
     """
 
-    __slots__ = ("spec", "keys", "entries", "numel", "names", "_index", "_key", "_hash")
+    rank: torch.Tensor
+    world: torch.Tensor
+    params_sharded: torch.Tensor
+    layout: Any
 
-    def __init__(self, spec: Any, dtypes: list[torch.dtype], shapes: list[tuple[int, ...]]):
-        layout = FlatLayout(spec, dtypes, shapes, world=1, rank=0)  # the sharded layout, on one rank: no padding
-        self.spec = spec
-        self.entries = tuple(layout.entries)
-        self.keys = tuple(layout.keys)
-        self.numel = layout.numel
-        paths = optree.tree_paths(optree.tree_unflatten(spec, [0] * len(self.entries)))
+
+class FlatLayout:
+    """Where each leaf of a params tree lives in the per-dtype flat buffers, and which slice rank ``rank`` of
+    ``world`` owns (``world=1``: the whole unpadded buffers, the flat state's layout).
+
+    Python ints only, computed once; hashable and compared as a value (the pytree metadata of a
+    :class:`FlatParams`). ``spec``: the params' treespec; ``keys``: the dtype names of the buffers,
+    sorted; ``dtypes[key]``: the dtype; ``entries``: per leaf, ``(key, shape, numel, offset)``;
+    ``numel[key]``: the unpadded buffer length; ``size[key]``: the shard length ``ceil(numel / world)``;
+    ``names``: the leaves' path names. Two layouts are equal when the params' structure, dtypes and
+    shapes, the world and the rank are.
+    """
+
+    __slots__ = ("spec", "world", "rank", "dtypes", "keys", "entries", "numel", "size", "names", "_index", "_key",
+                 "_hash")
+
+    def __init__(self, spec: Any, dtypes: list[torch.dtype], shapes: list[tuple[int, ...]], world: int = 1,
+                 rank: int = 0):
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside world size {world}")
+        self.spec, self.world, self.rank = spec, int(world), int(rank)
+        self.dtypes = {dtype_name(d): d for d in dtypes}
+        self.keys = tuple(sorted(self.dtypes))
+        entries, offset = [], {k: 0 for k in self.keys}
+        for d, shape in zip(dtypes, shapes):
+            k, n = dtype_name(d), math.prod(shape)
+            entries.append((k, tuple(shape), n, offset[k]))
+            offset[k] += n
+        self.entries: tuple[tuple[str, tuple[int, ...], int, int], ...] = tuple(entries)
+        self.numel = offset
+        self.size = {k: -(-n // self.world) if n else 0 for k, n in offset.items()}
+        paths = optree.tree_paths(optree.tree_unflatten(spec, [0] * len(entries)))
         self.names = tuple(path_str(p) for p in paths)
         # a top-level dict of tensors (what ft.functionalize gives): params[name] is one view
         self._index: dict | None = None
         if spec.type is dict and all(len(p) == 1 for p in paths):
             self._index = {p[0]: i for i, p in enumerate(paths)}
-        # compared as Python values (a str and tuples), so that Dynamo can compare two specs while tracing
-        self._key = (repr(spec), self.entries)
+        # compared as Python values (a str, tuples, ints), so that Dynamo can compare two layouts while tracing
+        self._key = (repr(spec), self.entries, self.world, self.rank)
         self._hash = hash(self._key)
 
+    # -- construction -------------------------------------------------------------------------------
     @classmethod
-    def of(cls, params: Any) -> "FlatSpec":
+    def from_params(cls, params: Any, world: int = 1, rank: int = 0) -> "FlatLayout":
+        """The layout of ``params`` (floating tensors of :data:`DTYPES`, on one device), cut for ``world`` ranks."""
         leaves, spec = optree.tree_flatten(params)
         for path, leaf in zip(optree.tree_paths(params), leaves):
-            if not torch.is_tensor(leaf) or not leaf.is_floating_point():
-                raise TypeError(f"ft.flat: params leaf {path_str(path)!r} must be a floating-point tensor; got "
-                                f"{getattr(leaf, 'dtype', type(leaf).__name__)}")
+            if not torch.is_tensor(leaf) or leaf.dtype not in DTYPES:
+                raise TypeError(f"params leaf {path_str(path)!r} must be a floating-point tensor of one of "
+                                f"{[dtype_name(d) for d in DTYPES if d is not None]} to be laid in a flat buffer; "
+                                f"got {getattr(leaf, 'dtype', type(leaf).__name__)}")
         if not leaves:
-            raise ValueError("ft.flat: params is empty: there is nothing to flatten")
+            raise ValueError("params is empty: there is nothing to lay in a flat buffer")
         devices = {leaf.device for leaf in leaves}
         if len(devices) > 1:
-            raise ValueError(f"ft.flat: all params must be on one device to share a buffer; got {sorted(map(str, devices))}")
-        return cls(spec, [x.dtype for x in leaves], [tuple(x.shape) for x in leaves])
+            raise ValueError(f"all params must be on one device to share a flat buffer; got "
+                             f"{sorted(map(str, devices))}")
+        return cls(spec, [x.dtype for x in leaves], [tuple(x.shape) for x in leaves], world, rank)
+
+    @classmethod
+    def from_slot(cls, slot: ShardState, world: int | None = None, rank: int | None = None) -> "FlatLayout":
+        """The layout a :class:`ShardState` describes (host reads; for another world/rank if given)."""
+        leaves, spec = optree.tree_flatten(slot.layout)
+        codes = [[int(v) for v in leaf.tolist()] for leaf in leaves]
+        dtypes = [DTYPES[c[0]] for c in codes]
+        return cls(spec, dtypes, [tuple(c[1:]) for c in codes],
+                   int(slot.world) if world is None else world, int(slot.rank) if rank is None else rank)
+
+    def for_rank(self, world: int, rank: int) -> "FlatLayout":
+        """The same params cut for another world size / rank."""
+        return FlatLayout(self.spec, [self.dtypes[e[0]] for e in self.entries], [e[1] for e in self.entries],
+                          world, rank)
+
+    def slot(self, params_sharded: bool, device: Any = None) -> ShardState:
+        """This layout as the state's :class:`ShardState` slot."""
+        codes = [torch.tensor([DTYPES.index(self.dtypes[k]), *shape], dtype=torch.int64, device=device)
+                 for k, shape, _, _ in self.entries]
+        scalar = lambda v, dt: torch.tensor(v, dtype=dt, device=device)  # noqa: E731
+        return ShardState(scalar(self.rank, torch.int64), scalar(self.world, torch.int64),
+                          scalar(bool(params_sharded), torch.bool), optree.tree_unflatten(self.spec, codes))
+
+    def same_params(self, other: "FlatLayout") -> bool:
+        """Whether both describe the same params (structure, dtypes and shapes), whatever the world."""
+        return self.spec == other.spec and [e[:2] for e in self.entries] == [e[:2] for e in other.entries]
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, FlatSpec) and self._key == other._key
+        return isinstance(other, FlatLayout) and self._key == other._key
 
     def __hash__(self) -> int:
         return self._hash
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{k}: {self.numel[k]}" for k in self.keys)
-        return f"FlatSpec({len(self.entries)} leaves; {sizes})"
+        cut = f"; rank {self.rank} of {self.world}" if self.world > 1 else ""
+        return f"FlatLayout({len(self.entries)} leaves; {sizes}{cut})"
 
-    # -- buffers <-> views --------------------------------------------------------------------------
+    # -- buffers <-> trees --------------------------------------------------------------------------
     def views(self, buffers: dict) -> list[torch.Tensor]:
-        """The per-leaf views of ``buffers`` in pytree order."""
+        """The per-leaf views of whole buffers (``numel`` long at least) in pytree order."""
         return [buffers[k][off:off + n].view(shape) for k, shape, n, off in self.entries]
-
-    def tree(self, buffers: dict) -> Any:
-        """The params tree of views of ``buffers``."""
-        return self.unflatten(self.views(buffers))
 
     def unflatten(self, leaves: list) -> Any:
         """The params tree from per-leaf tensors in pytree order. A ``{name: tensor}`` dict is built
@@ -115,23 +196,132 @@ class FlatSpec:
             return dict(zip(self._index, leaves))
         return optree.tree_unflatten(self.spec, leaves)
 
-    def pack(self, leaves: list[torch.Tensor], copy: bool = True) -> dict[str, torch.Tensor]:
-        """One buffer per dtype from per-leaf tensors in pytree order (one concatenation each).
+    def tree(self, buffers: dict, like: Any = None) -> Any:
+        """The params tree of views of whole (for shards: gathered) buffers.
 
-        ``copy=False`` lets a dtype with a single leaf be a flat view of it (the gradient's case)."""
+        ``like``: any tree with the params' structure (inside a compiled step, the state's
+        :class:`ShardState` ``layout``: Dynamo rebuilds trees only from structures it flattened itself).
+        """
+        if like is None:
+            return self.unflatten(self.views(buffers))
+        return optree.tree_unflatten(optree.tree_flatten(like)[1], self.views(buffers))
+
+    def pack(self, leaves: list[torch.Tensor], copy: bool = True) -> dict[str, torch.Tensor]:
+        """The whole buffers, ``{dtype name: 1-D tensor of world * size}``, from per-leaf tensors in pytree order:
+        one concatenation each, the leaves end to end then zeros (what a reduce-scatter cuts into the shards).
+
+        ``copy=False`` lets a dtype with a single leaf and no padding be a flat view of it (the gradient's case)."""
         groups: dict[str, list] = {k: [] for k in self.keys}
         for (k, _, _, _), leaf in zip(self.entries, leaves):
             groups[k].append(leaf.reshape(-1))
+        for k, g in groups.items():
+            pad = self.world * self.size[k] - self.numel[k]
+            if pad:
+                g.append(torch.zeros(pad, dtype=g[0].dtype, device=g[0].device))
         return {k: (g[0].clone() if copy else g[0]) if len(g) == 1 else torch.cat(g) for k, g in groups.items()}
+
+    def flatten(self, tree: Any) -> dict[str, torch.Tensor]:
+        """:meth:`pack` of a tree shaped like the params (views where no concatenation is needed)."""
+        return self.pack(self._leaves(tree), copy=False)
+
+    # -- shards -------------------------------------------------------------------------------------
+    def span(self, key: str, rank: int | None = None) -> tuple[int, int]:
+        """The ``[lo, hi)`` range of buffer ``key`` that ``rank`` (default: this one) owns."""
+        r = self.rank if rank is None else rank
+        return r * self.size[key], (r + 1) * self.size[key]
+
+    def shard_of(self, tree: Any, rank: int | None = None, copy: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's shard tree of a tree shaped like the params (reads only the owned slice).
+
+        ``copy=True`` makes each shard own its memory (a shard that is a slice of
+        one leaf is otherwise a view that keeps the whole leaf alive): for state at
+        rest. Inside the step views are fine.
+        """
+        leaves = self._leaves(tree)
+        out = {}
+        for k in self.keys:
+            lo, hi = self.span(k, rank)
+            pieces, like = [], None
+            for (key, _, n, off), leaf in zip(self.entries, leaves):
+                if key != k:
+                    continue
+                like = leaf
+                a, b = max(lo, off), min(hi, off + n)
+                if a < b:
+                    pieces.append(leaf.reshape(-1)[a - off:b - off])
+            pad = hi - max(lo, self.numel[k])
+            if pad > 0:
+                pieces.append(torch.zeros(min(pad, hi - lo), dtype=like.dtype, device=like.device))
+            if not pieces:  # only empty leaves of this dtype
+                out[k] = torch.zeros(0, dtype=like.dtype, device=like.device)
+            elif len(pieces) == 1:
+                out[k] = pieces[0].clone() if copy else pieces[0]
+            else:
+                out[k] = torch.cat(pieces)
+        return out
+
+    def _leaves(self, tree: Any) -> list:
+        if tracing():  # the structure was checked eagerly or at the first trace
+            leaves = optree.tree_leaves(tree)
+            if len(leaves) != len(self.entries):
+                raise ValueError(f"expected a tree of {len(self.entries)} leaves shaped like the params; got "
+                                 f"{len(leaves)}")
+            return leaves
+        return self.spec.flatten_up_to(tree)
+
+    def is_shard_tree(self, node: Any) -> bool:
+        """Whether ``node`` is a shard tree of this layout (a dict of its dtype keys, 1-D shards of its size)."""
+        return (isinstance(node, dict) and sorted(node) == list(self.keys)
+                and all(torch.is_tensor(node[k]) and node[k].dtype == self.dtypes[k]
+                        and tuple(node[k].shape) == (self.size[k],) for k in self.keys))
+
+    def is_params_like(self, node: Any) -> bool:
+        """Whether ``node`` has the params' structure, dtypes and shapes (an optimizer moment, an EMA).
+
+        (While tracing, the structure itself is not compared, only the leaves' count, dtypes and shapes:
+        Dynamo cannot compare a tree structure made outside the graph.)
+        """
+        if not tracing() and optree.tree_structure(node) != self.spec:
+            return False
+        leaves = optree.tree_leaves(node)
+        return len(leaves) == len(self.entries) and all(
+            torch.is_tensor(x) and x.dtype == self.dtypes[k] and tuple(x.shape) == shape
+            for x, (k, shape, _, _) in zip(leaves, self.entries))
+
+
+def find_shard_trees(tree: Any, keys: list[str]) -> list[tuple[str, dict]]:
+    """Every dict in ``tree`` whose keys are exactly ``keys`` (the dtype names), with its path.
+
+    What a sharded state's shard trees look like whatever world they were cut for
+    (used to report a state cut for another world size).
+    """
+    found = []
+    keys = sorted(keys)
+
+    def walk(node: Any, path: list) -> None:
+        if isinstance(node, dict) and sorted(node) == keys and all(torch.is_tensor(v) for v in node.values()):
+            found.append((path_str(path), node))
+            return
+        if isinstance(node, dict):
+            for k in node:
+                walk(node[k], path + [k])
+        elif isinstance(node, (list, tuple)):
+            fields = getattr(node, "_fields", None)
+            for i, v in enumerate(node):
+                walk(v, path + [fields[i] if fields else i])
+
+    walk(tree, [])
+    return found
 
 
 class FlatParams(Mapping):
     """A params tree held as one 1-D buffer per dtype; reads like the tree (by name, as views).
 
-    ``buffers``: ``{dtype name: 1-D tensor}``; ``spec``: the :class:`FlatSpec`. Build
-    one with :func:`flat`. Mapping access (``params[name]``, ``params.items()``,
-    ``{**params}``) works when the params are a ``{name: tensor}`` dict, the form
-    :func:`functrain.functionalize` gives; :meth:`tree` works for any structure.
+    ``buffers``: ``{dtype name: 1-D tensor}``; ``layout``: the :class:`FlatLayout`
+    (``world = 1``) saying where each leaf lives. Build one with :func:`flat`. Mapping
+    access (``params[name]``, ``params.items()``, ``{**params}``) works when the params
+    are a ``{name: tensor}`` dict, the form :func:`functrain.functionalize` gives;
+    :meth:`tree` works for any structure.
 
     Example::
 
@@ -142,20 +332,20 @@ class FlatParams(Mapping):
                 [2., 3.]])
     """
 
-    __slots__ = ("buffers", "spec")
+    __slots__ = ("buffers", "layout")
 
-    def __init__(self, buffers: dict, spec: FlatSpec):
+    def __init__(self, buffers: dict, layout: FlatLayout):
         self.buffers = buffers
-        self.spec = spec
+        self.layout = layout
 
     def tree(self) -> Any:
         """The params tree, each leaf a view of its buffer (no copy)."""
-        return self.spec.tree(self.buffers)
+        return self.layout.tree(self.buffers)
 
     def _dict_index(self) -> dict:
-        index = self.spec._index
+        index = self.layout._index
         if index is None:
-            raise TypeError(f"this FlatParams holds a {self.spec.spec.type.__name__} params tree, not a flat "
+            raise TypeError(f"this FlatParams holds a {self.layout.spec.type.__name__} params tree, not a "
                             f"{{name: tensor}} dict: use .tree() to read it")
         return index
 
@@ -163,30 +353,30 @@ class FlatParams(Mapping):
         i = self._dict_index().get(name)
         if i is None:
             raise KeyError(name)
-        k, shape, n, off = self.spec.entries[i]
+        k, shape, n, off = self.layout.entries[i]
         return self.buffers[k][off:off + n].view(shape)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._dict_index())
 
     def __len__(self) -> int:
-        return len(self.spec.entries)
+        return len(self.layout.entries)
 
     def __contains__(self, name: object) -> bool:
         return name in self._dict_index()
 
     def __repr__(self) -> str:
         bufs = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in self.buffers.items())
-        return f"FlatParams({len(self.spec.entries)} leaves in {{{bufs}}})"
+        return f"FlatParams({len(self.layout.entries)} leaves in {{{bufs}}})"
 
 
 def _flatten(node: FlatParams) -> tuple:
-    keys = node.spec.keys
-    return tuple(node.buffers[k] for k in keys), node.spec, keys
+    keys = node.layout.keys
+    return tuple(node.buffers[k] for k in keys), node.layout, keys
 
 
-def _unflatten(spec: FlatSpec, children: Any) -> FlatParams:
-    return FlatParams(dict(zip(spec.keys, children)), spec)
+def _unflatten(layout: FlatLayout, children: Any) -> FlatParams:
+    return FlatParams(dict(zip(layout.keys, children)), layout)
 
 
 def _register() -> None:
@@ -201,6 +391,13 @@ _register()  # registering our own class's pytree behaviour: no effect on any ot
 
 
 # -- conversions ----------------------------------------------------------------------------------
+def _flat_layout(params: Any) -> FlatLayout:
+    try:
+        return FlatLayout.from_params(params)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"ft.flat: {e}") from None
+
+
 def is_flat(x: Any) -> bool:
     """Whether ``x`` is a :class:`FlatParams`."""
     return isinstance(x, FlatParams)
@@ -227,14 +424,13 @@ def flat(tree: Any) -> Any:
         return tree
     params = getattr(tree, "params", None)
     if params is None or not hasattr(tree, "_replace"):
-        spec = FlatSpec.of(tree)
-        return FlatParams(spec.pack(optree.tree_leaves(tree)), spec)
+        layout = _flat_layout(tree)
+        return FlatParams(layout.pack(optree.tree_leaves(tree)), layout)
     slots = getattr(tree, "slots", None)
     if isinstance(slots, dict) and isinstance(slots.get(SLOT), ShardState):
         raise ValueError("ft.flat: this state is sharded over ranks (data_parallel(shard=...)), whose params, "
                          "moments and EMA are flat shards already; flatten a replicated or single-process state")
-    spec = params.spec if isinstance(params, FlatParams) else FlatSpec.of(params)
-    dtypes = [getattr(torch, e[0]) for e in spec.entries]
+    layout = params.layout if isinstance(params, FlatParams) else _flat_layout(params)
 
     def params_like(node: Any) -> bool:
         if isinstance(node, FlatParams):
@@ -242,18 +438,14 @@ def flat(tree: Any) -> Any:
         if not isinstance(node, (dict, list, tuple)):
             return False
         try:
-            if optree.tree_structure(node) != spec.spec:
-                return False
+            return layout.is_params_like(node)
         except Exception:  # noqa: BLE001 - an unflattenable node is not params-shaped
             return False
-        leaves = optree.tree_leaves(node)
-        return all(torch.is_tensor(x) and x.dtype == d and tuple(x.shape) == e[1]
-                   for x, d, e in zip(leaves, dtypes, spec.entries))
 
     def convert(node: Any) -> Any:
         if isinstance(node, FlatParams) or not params_like(node):
             return node
-        return FlatParams(spec.pack(optree.tree_leaves(node)), spec)
+        return FlatParams(layout.pack(optree.tree_leaves(node)), layout)
 
     return optree.tree_map(convert, tree, is_leaf=lambda n: params_like(n) or torch.is_tensor(n), none_is_leaf=True)
 
@@ -280,7 +472,7 @@ def reflat(tree: Any, template: Any) -> Any:
     """``tree`` (a named tree, e.g. loaded from a checkpoint) made flat where ``template`` is flat.
 
     ``tree`` must have ``unflat(template)``'s structure; each subtree at a flat node of
-    ``template`` is packed into new buffers with that node's spec (placed on the
+    ``template`` is packed into new buffers with that node's layout (placed on the
     device of ``template``'s buffer).
     """
     if not _has_flat(template):
@@ -289,8 +481,8 @@ def reflat(tree: Any, template: Any) -> Any:
     def convert(t: Any, sub: Any) -> Any:
         if not isinstance(t, FlatParams):
             return sub
-        out = t.spec.pack(t.spec.spec.flatten_up_to(sub))
-        return FlatParams({k: v.to(t.buffers[k].device) for k, v in out.items()}, t.spec)
+        out = t.layout.pack(t.layout.spec.flatten_up_to(sub))
+        return FlatParams({k: v.to(t.buffers[k].device) for k, v in out.items()}, t.layout)
 
     return optree.tree_map(convert, template, tree, is_leaf=_is_flat_node, none_is_leaf=True)
 
@@ -303,19 +495,20 @@ def _has_flat(tree: Any) -> bool:
     return any(map(_is_flat_node, optree.tree_leaves(tree, is_leaf=_is_flat_node, none_is_leaf=True)))
 
 
-def split_leaves(params: Any) -> tuple[list[torch.Tensor], Callable[[list], Any], Callable[[list], Any]]:
+def split_leaves(params: Any, flatten: Callable = optree.tree_flatten
+                 ) -> tuple[list[torch.Tensor], Callable[[list], Any], Callable[[list], Any]]:
     """What the grad stage differentiates: ``(leaves, as_params, as_grads)``.
 
-    For a plain params tree: its leaves, and unflatten for both. For
+    For a plain params tree: its leaves (``flatten(params)``), and unflatten for both. For
     :class:`FlatParams`: the per-leaf views (``as_params`` gives the loss function the
     plain ``{name: tensor}`` tree of them) and ``as_grads`` packs the per-leaf
     gradients into one flat buffer per dtype (one concatenation; a single leaf's
     gradient is used as it is), the flat gradient the optimizer takes.
     """
     if isinstance(params, FlatParams):
-        spec = params.spec
-        return (spec.views(params.buffers), spec.unflatten,
-                lambda gs: FlatParams(spec.pack(gs, copy=False), spec))
-    leaves, tspec = optree.tree_flatten(params)
+        layout = params.layout
+        return (layout.views(params.buffers), layout.unflatten,
+                lambda gs: FlatParams(layout.pack(gs, copy=False), layout))
+    leaves, tspec = flatten(params)
     rebuild = lambda ls: optree.tree_unflatten(tspec, ls)  # noqa: E731
     return leaves, rebuild, rebuild

@@ -15,7 +15,8 @@ __all__ = ["check_optimizer"]
 _PROTOCOL = (
     "a functrain optimizer is Optimizer(init, update, learning_rate): init(params) -> opt_state "
     "(with an int64 `count` of applied updates), update(grads, opt_state, params) -> (new_params, "
-    "new_opt_state), pure (no writes into its inputs), learning_rate(opt_state) -> lr"
+    "new_opt_state), pure (no writes into its inputs), learning_rate(opt_state) -> lr; optional fields "
+    "per_param (updates by parameter name) and schedule (the lr it was built with)"
 )
 
 

@@ -12,6 +12,19 @@ step the way a pure function of the state needs:
 3. run the step, restore the caller's generators, return the state with the
    counter advanced.
 
+Eagerly the same goes for Python's ``random`` (its global instance seeded from the
+step seed and restored after) and numpy's global functions (``np.random.rand``,
+``np.random.normal``, ... draw, during the step, from a generator seeded from the step
+seed; the caller's is not touched): a step that draws from them gives the same result
+from the same state. (A numpy function bound before, ``from numpy.random import rand``,
+still draws from numpy's own global generator.) A compiled step cannot draw from them:
+the number drawn while the step is traced would be a constant of the graph, so
+:func:`host_random_refused` (around the capture) raises :class:`HostRandomError` naming
+the call. Randomness that compiles is drawn with torch ops (``torch.rand``,
+``torch.randint``, ``torch.randn_like``, ``torch.bernoulli``), which come from the seeded
+torch generators in both forms: a coin is ``torch.rand((), device=x.device) < p`` and a
+branch on it a ``torch.where``.
+
 Example::
 
     >>> import torch
@@ -22,7 +35,12 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import os
+import random
+import sys
+import threading
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -30,7 +48,7 @@ import torch
 from .validate import BadValue, check_int
 from .checks import rng_ok, rng_problem
 
-__all__ = ["rng_init", "with_rng"]
+__all__ = ["rng_init", "with_rng", "host_random_refused", "HostRandomError"]
 
 
 def rng_init(seed: int, device: torch.device) -> dict:
@@ -80,7 +98,7 @@ def _seed_globals(devices: list[str], seed: int) -> None:
             torch.cuda.default_generators[torch.device(dev).index or 0].manual_seed(seed)
 
 
-def with_rng(fn: Callable, state: Any, batch: Any, rank: int = 0) -> tuple[Any, dict]:
+def with_rng(fn: Callable, state: Any, batch: Any, rank: int = 0, host_generators: bool = True) -> tuple[Any, dict]:
     """Run ``fn(state, batch)`` drawing random numbers from ``state.rng`` (host side).
 
     ``state.rng["key"]`` is a host int64 tensor ``[seed, counter]``, the same on
@@ -90,6 +108,13 @@ def with_rng(fn: Callable, state: Any, batch: Any, rank: int = 0) -> tuple[Any, 
     draw different dropout masks, yet the state stays replicated and a checkpoint
     holds everything), runs, and restores the caller's generators. All of it is
     host work on host memory: no device sync, no torch op that reads a value.
+
+    ``host_generators`` (the default): Python's ``random`` is seeded and restored too,
+    and numpy's global functions draw from a generator seeded for the step, so an
+    eager step that draws from them (``random.random()``, ``np.random.rand()``) gives
+    the same result from the same state. A compiled graph cannot draw from them (see
+    :func:`host_random_refused`): its caller passes ``False`` and saves their cost
+    (~15 microseconds, mostly Python's ``getstate``).
 
     Example::
 
@@ -109,23 +134,169 @@ def with_rng(fn: Callable, state: Any, batch: Any, rank: int = 0) -> tuple[Any, 
         raise BadValue(f"the state does not match this step: {rng_problem(rng)}")
     seed, counter = rng["key"].tolist()  # a host tensor: read without a torch op (and so no sync)
     seed_now = step_seed(seed, counter)
-    if not state.step.is_cuda:  # the common case, one generator: the general loop below, unrolled
-        cpu = torch.default_generator
-        saved_cpu = cpu.get_state()
-        try:
-            cpu.manual_seed(seed_now + rank)
-            new_state, metrics = fn(state._replace(rng=None), batch)
-        finally:
-            cpu.set_state(saved_cpu)
-    else:
-        devices = _devices(state)
-        saved = {dev: _get_rng(dev) for dev in devices}
-        try:
-            _seed_globals(devices, seed_now + rank)
-            new_state, metrics = fn(state._replace(rng=None), batch)
-        finally:
-            for dev, value in saved.items():
-                _set_rng(dev, value)
+    saved_host = _seed_host(seed_now + rank) if host_generators else None
+    try:
+        if not state.step.is_cuda:  # the common case, one generator: the general loop below, unrolled
+            cpu = torch.default_generator
+            saved_cpu = cpu.get_state()
+            try:
+                cpu.manual_seed(seed_now + rank)
+                new_state, metrics = fn(state._replace(rng=None), batch)
+            finally:
+                cpu.set_state(saved_cpu)
+        else:
+            devices = _devices(state)
+            saved = {dev: _get_rng(dev) for dev in devices}
+            try:
+                _seed_globals(devices, seed_now + rank)
+                new_state, metrics = fn(state._replace(rng=None), batch)
+            finally:
+                for dev, value in saved.items():
+                    _set_rng(dev, value)
+    finally:
+        if saved_host is not None:
+            _restore_host(saved_host)
     # (from numpy: half the cost of torch.tensor([...]) for a two-element host tensor)
     key = torch.from_numpy(np.array((seed, counter + 1), dtype=np.int64))
     return new_state._replace(rng={"key": key}), metrics
+
+
+# -- Python's and numpy's global generators -------------------------------------------------------
+_NP = np.random.mtrand._rand  # the RandomState behind np.random.rand, np.random.normal, ...
+# numpy's legacy functions (np.random.rand, normal, seed, ...) are bound methods of _NP. Saving and restoring its
+# state costs ~100 us a step (get_state and set_state copy 624 words through Python objects), so during an eager
+# step those names point at the methods of a generator of the step's own, seeded from the step seed (~2 us), and
+# the caller's generator is not touched at all.
+_NP_NAMES = tuple(sorted(name for name, fn in vars(np.random).items() if getattr(fn, "__self__", None) is _NP))
+_NP_STEP = np.random.RandomState(0)
+_NP_STEP_FNS = {name: getattr(_NP_STEP, name) for name in _NP_NAMES}
+
+
+def _seed_host(seed: int) -> tuple:
+    """Seed Python's ``random`` and (for the step) numpy's global functions from a step seed; return what to restore.
+
+    Python's global instance is re-seeded (``from random import random`` binds its method, so it is the one
+    to seed) and its state saved; the ``numpy.random`` functions are pointed at a generator seeded from the step
+    seed (numpy's 32-bit seed: the 64 bits folded)."""
+    saved = random.getstate()
+    random.seed(seed)
+    names = np.random.__dict__
+    saved_np = {name: names.get(name) for name in _NP_NAMES}
+    _NP_STEP.seed((seed ^ (seed >> 32)) & 0xFFFFFFFF)
+    names.update(_NP_STEP_FNS)
+    return saved, saved_np
+
+
+def _restore_host(saved: tuple) -> None:
+    random.setstate(saved[0])
+    np.random.__dict__.update(saved[1])
+
+
+class HostRandomError(RuntimeError):
+    """A step drew from Python's ``random`` or numpy's global generator while being traced for compilation."""
+
+
+_RANDOM_FILE = os.path.normcase(os.path.abspath(random.__file__))
+_NOT_DRAWS = ("seed", "getstate", "setstate", "get_state", "set_state", "get_bit_generator", "set_bit_generator")
+
+
+def _where(frame: Any) -> tuple[str, str]:
+    """(the API function called, ``file:line in function`` of its caller) for a frame inside ``random.py``."""
+    api = "random"
+    while frame is not None and os.path.normcase(os.path.abspath(frame.f_code.co_filename)) == _RANDOM_FILE:
+        api, frame = frame.f_code.co_name, frame.f_back
+    if frame is None:
+        return api, "an unknown place"
+    return api, f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+@contextlib.contextmanager
+def host_random_refused(what: str = "ft.compile") -> Iterator[None]:
+    """Refuse draws from Python's ``random`` and numpy's global generator while the block (a trace) runs.
+
+    A number drawn while a step is traced is baked into the graph as a constant: every
+    compiled call would reuse it (a coin flipped once, for ever). So while the block runs
+    the draws of this thread are recorded, and at the end :class:`HostRandomError` names
+    the first one, its caller and the way out:
+
+    * Python's ``random``: a profile hook sees every call into the global instance's C
+      methods, also through names bound before (``from random import random``, as
+      denoising-diffusion-pytorch's ``p_losses`` calls it);
+    * numpy: numpy's generator methods are Cython functions, which profile hooks do not
+      see, so the ``numpy.random`` functions (``rand``, ``normal``, ...) are wrapped for
+      the block, and a change of the generator's state with no wrapped call (a name
+      bound before) is refused without the name.
+
+    Both generators are restored to their state before the block, so tracing leaves no
+    trace in them. If another profiler is active the hook is not installed and a change
+    of Python's generator state is refused without the call's name. An exception raised
+    by the block itself passes through unchanged.
+
+    Example::
+
+        >>> import random
+        >>> from functrain.core.rng import host_random_refused
+        >>> with host_random_refused("a trace"):
+        ...     x = random.random()
+        Traceback (most recent call last):
+        ...
+        functrain.core.rng.HostRandomError: a trace: the step called random.random() (Python's global generator) ...
+    """
+    saved = (random.getstate(), _NP.get_state())
+    calls: list = []
+    py_gen = random._inst
+    me = threading.get_ident()
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_call" and not calls and getattr(arg, "__self__", None) is py_gen:
+            api, where = _where(frame)
+            if api not in _NOT_DRAWS:
+                calls.append((f"random.{api}()", "Python's global generator", where))
+
+    def recording(name: str, fn: Callable) -> Callable:
+        def draw(*args: Any, **kwargs: Any) -> Any:
+            if not calls and threading.get_ident() == me:
+                frame = sys._getframe(1)
+                calls.append((f"numpy.random.{name}()", "numpy's global generator",
+                              f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"))
+            return fn(*args, **kwargs)
+        return draw
+
+    module = np.random
+    wrapped = {name: fn for name, fn in vars(module).items() if name not in _NOT_DRAWS and (
+        getattr(fn, "__self__", None) is _NP or getattr(fn, "__self__", None) is _NP_STEP)}
+    hooked = sys.getprofile() is None
+    for name, fn in wrapped.items():
+        setattr(module, name, recording(name, fn))
+    if hooked:
+        sys.setprofile(hook)
+    try:
+        yield
+    finally:
+        if hooked:
+            sys.setprofile(None)
+        for name, fn in wrapped.items():
+            setattr(module, name, fn)
+        changed_py = not hooked and random.getstate() != saved[0]
+        changed_np = not _same_np_state(_NP.get_state(), saved[1])
+        random.setstate(saved[0])
+        _NP.set_state(saved[1])
+    if calls or changed_py or changed_np:
+        if calls:
+            call, which, where = calls[0]
+            head = f"the step called {call} ({which}) at {where}"
+        elif changed_py:
+            head = "Python's random generator changed (a profiler is active, so the call is not known)"
+        else:
+            head = "numpy's global generator changed (a numpy.random function bound before, e.g. from " \
+                   "numpy.random import rand, or another thread)"
+        raise HostRandomError(
+            f"{what}: {head} while being captured: the number drawn once there would be a constant of the "
+            f"compiled graph, the same at every step. Draw random numbers with torch ops instead (e.g. a coin: "
+            f"torch.rand((), device=x.device) < 0.5, used through torch.where): they come from state.rng and "
+            f"compile. Or run this step eagerly (ft.TrainConfig(compile=False), or the step without ft.compile): "
+            f"eager steps seed Python's random and numpy's global generator from state.rng")
+
+
+def _same_np_state(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and np.array_equal(a[1], b[1]) and tuple(a[2:]) == tuple(b[2:])

@@ -1,4 +1,4 @@
-"""The training step: a pipeline of stages over one state pytree, and the transform protocol.
+"""The training step: a pipeline of stages over one state pytree (the protocol is :mod:`.transform`).
 
 A step is ``step(state, batch) -> (new_state, metrics)``. It runs the stages of
 :data:`PIPELINE`, in this order, whatever order the transforms were wrapped in::
@@ -26,287 +26,27 @@ captures it as one graph.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Iterable, NamedTuple
+import math
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
-from torch.func import grad_and_value
 
 from . import tree as T
-from .eager import FlatDict
-from .grad import autograd_grad, base_loss, tensor_aux
-from .checks import Layout, check_batch, check_inputs, check_params
+from .eager import TreespecCache, divide
+from .grad import base_loss, micro_grad
+from .checks import Expected, check_batch, check_inputs, check_params
 from .checks import check_state as _check_state
-from .layout import SLOT, ShardState
-from .flat import flat as to_flat, split_leaves
+from .flat import SLOT, ShardState
+from .flat import flat as to_flat
 from .rng import rng_init, with_rng
 from .optimizer import check_optimizer
-from .state import TrainState, register_accessor
+from .state import TrainState
+from .transform import HOOKS, STAGE_HOOKS, InitContext, StepContext, Transform
 
 __all__ = ["Step", "Transform", "StepContext", "InitContext", "Stage", "train_step", "STAGES", "PIPELINE", "HOOKS",
            "check_inputs", "with_rng"]
 
 LossFn = Callable[[Any, Any, Any], Any]
-
-
-class StepContext:
-    """What a transform's hooks read and write while one step runs (or is traced).
-
-    Attributes (all tensors live on the device):
-        state:    the input :class:`TrainState` (never modified).
-        batch:    the batch given to the step.
-        params, buffers, opt_state: current values; after ``update`` the new ones.
-        grads:    the gradient pytree (sum form before ``normalise``).
-        loss, denom, aux, weight: the summed loss, its denominator, the summed aux
-                  metrics and how many micro-batches contributed to them. ``denom``
-                  and ``weight`` are Python floats while they are known without
-                  running the step (no ``num_items``), tensors otherwise.
-        finite:   ``None`` or a bool scalar: were the loss and gradients finite?
-        apply:    ``None`` or a bool scalar: is this step's update kept? (see :meth:`keep_if`)
-        boundary: ``None`` or a bool scalar: does this call end an update window?
-                  (streaming accumulation sets it; loss scaling only adapts there)
-        metrics:  the dict returned to the caller.
-        shard_sum: ``None``, or (while ``grads`` is one rank's shard) sums a tensor over shards: :meth:`global_sum`
-    """
-
-    def __init__(self, state: TrainState, batch: Any):
-        self.state = state
-        self.batch = batch
-        self.params = state.params
-        self.buffers = state.buffers
-        self.opt_state = state.opt_state
-        self.slots = dict(state.slots)
-        self.grads: Any = None
-        self.loss: Any = None
-        self.denom: Any = None
-        self.aux: dict = {}
-        self.weight: Any = None
-        self.finite: torch.Tensor | None = None
-        self.apply: torch.Tensor | None = None
-        self.boundary: torch.Tensor | None = None
-        self.metrics: dict = {}
-        self.shard_sum: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by sharded data_parallel
-        self._loss_fn: Callable | None = None   # the loss stage's result, differentiated by the grad stage
-        self._counts_items = False              # the loss is a sum over aux["num_items"] items
-        self._before_update: tuple = ()         # (params, opt_state) the commit stage falls back to
-
-    def slot(self, transform: "Transform") -> Any:
-        """The transform's slot as it is now in this step."""
-        return self.slots[transform.name]
-
-    def set_slot(self, transform: "Transform", value: Any) -> None:
-        """Set the transform's slot in the new state."""
-        self.slots[transform.name] = value
-
-    def keep_if(self, pred: torch.Tensor) -> None:
-        """Keep this step's update only where ``pred`` (a bool scalar tensor) holds.
-
-        Predicates from several transforms are and-ed; the ``commit`` stage then
-        selects new or old params and optimizer state on the device.
-        """
-        self.apply = pred if self.apply is None else self.apply & pred
-
-    def global_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` summed over the gradient's shards (an in-graph all-reduce while ``grads`` is one rank's shard, else
-        ``x``): how a transform reads a global property of the gradient, e.g. ``ctx.global_sum(sq).sqrt()``."""
-        return x if self.shard_sum is None else self.shard_sum(x)
-
-    def skip_unless_finite(self) -> torch.Tensor:
-        """Drop this step's update unless the loss and the gradients, as they are now, are finite.
-
-        The one "skip a non-finite update" rule, shared by every transform that
-        needs it (``skip_nonfinite``, fp16 loss scaling): and-s the result into
-        :attr:`finite`, keeps the update only where it holds (:meth:`keep_if`) and
-        sets ``metrics["skipped"]``. Returns this check's own bool scalar. Call it
-        in the ``check`` stage, after unscaling.
-
-        Example (a transform's ``check`` hook)::
-
-            def check(self, ctx):
-                finite = ctx.skip_unless_finite()
-                ctx.set_slot(self, {"bad": ctx.slot(self)["bad"] + (~finite).to(torch.int64)})
-        """
-        bad = self.global_sum((~T.tree_all_finite(self.grads)).to(torch.float32))  # shards: any rank's counts
-        finite = (bad == 0) & torch.isfinite(self.metrics["loss"])
-        self.finite = finite if self.finite is None else self.finite & finite
-        self.keep_if(finite)
-        self.metrics["skipped"] = ~self.finite
-        return finite
-
-
-class InitContext:
-    """What ``Transform.post_init`` may read about the step being initialised: the other transforms'
-    declarations, never the transforms themselves.
-
-    Attributes:
-        params_fields: ``{slot name: field names}`` from each stateful transform's
-            :attr:`Transform.params_fields` (only slots that declare some).
-    """
-
-    __slots__ = ("params_fields",)
-
-    def __init__(self, params_fields: dict[str, tuple[str, ...]]):
-        self.params_fields = params_fields
-
-    def map_params_like(self, slots: dict, fn: Callable[[Any], Any]) -> dict:
-        """``slots`` with ``fn(tree)`` in place of each declared params-shaped field (new containers;
-        the other fields are the same objects)."""
-        out = dict(slots)
-        for name, fields in self.params_fields.items():
-            if name in out:
-                out[name] = _replace_fields(out[name], fields, fn)
-        return out
-
-
-def _replace_fields(slot: Any, fields: tuple[str, ...], fn: Callable[[Any], Any]) -> Any:
-    if isinstance(slot, tuple) and hasattr(slot, "_fields"):  # a NamedTuple slot
-        return slot._replace(**{f: fn(getattr(slot, f)) for f in fields})
-    if isinstance(slot, dict):
-        return {k: fn(v) if k in fields else v for k, v in slot.items()}
-    raise TypeError(f"params_fields {fields!r}: the slot is a {type(slot).__name__}; declared fields need a "
-                    f"NamedTuple or dict slot")
-
-
-class Transform:
-    """Base class of step transforms: ``Step -> Step`` features that own one state slot.
-
-    The protocol is closed: a transform implements only the methods declared here,
-    and a step calls nothing else on it.
-
-    * ``name`` (its slot in ``state.slots``; a step holds at most one transform of
-      each name) and ``order`` (sorts transforms within a stage, ties by name, so
-      the wrapping order never matters).
-    * ``init(params, buffers)`` returns its slot's initial state (``None``: no slot,
-      and the state's structure does not depend on the transform); ``post_init(state,
-      init) -> state`` adjusts the complete initial state once, eagerly (``init`` is the
-      :class:`InitContext`: what the step's transforms declared).
-    * ``params_fields`` (class attribute): the fields of the slot (``NamedTuple`` field
-      names or dict keys) that hold a tree shaped like the params and updated with them
-      (an EMA's ``params``, Lookahead's slow weights). A sharded data-parallel step holds
-      1/N of each on each rank and hands the transform this rank's shard, as it does the
-      params and the optimizer moments; other fields stay whole and replicated.
-    * ``shards_state`` (class attribute): whether the transform cuts the state over
-      ranks (the sharded ``data_parallel``): a step with one takes only sharded states.
-    * ``accessors`` (class attribute): ``{attribute: fn(slot)}`` conveniences on
-      :class:`TrainState` (``state.ema`` comes from ``ft.ema``'s class).
-    * ``rng_offset()``: added to each step's random seed on this process (the
-      rank, under data parallelism); 0 by default.
-    * One hook per stage (see :data:`PIPELINE`):
-
-      - ``wrap_loss(loss_fn, ctx) -> loss_fn`` (stage ``loss``): ``loss_fn(params,
-        buffers, batch) -> (objective, out)``, differentiated w.r.t. ``params``.
-      - ``wrap_grad(grad_fn, ctx) -> grad_fn`` (stage ``grad``): ``grad_fn(params,
-        buffers, batch) -> (grads, out)``; ``out`` holds ``loss``, ``denom``, ``aux``,
-        ``weight`` and ``buffers``, all summable.
-      - ``wrap_update(update_fn, ctx) -> update_fn`` (stage ``update``):
-        ``update_fn(grads, opt_state, params) -> (params, opt_state)``, the
-        optimizer's update; a sharded-state transform updates its shard only.
-      - ``reduce(ctx)``, ``check(ctx)``, ``transform(ctx)``, ``commit(ctx)``,
-        ``after(ctx)``: read and write the :class:`StepContext`.
-
-      Wrapping hooks compose with the lowest ``order`` outermost.
-
-    Applying a transform to a step returns a new step; the original is unchanged.
-
-    Example, a transform that adds Gaussian noise to the gradients, with a count
-    in its slot and ``state.noise_count`` to read it::
-
-        import torch, functrain as ft
-
-        class GradNoise(ft.Transform):
-            name = "grad_noise"
-            order = 50                      # after clip (10) in the "transform" stage
-            accessors = {"noise_count": lambda slot: slot["count"]}
-
-            def __init__(self, std):
-                self.std = std
-
-            def init(self, params, buffers):
-                return {"count": torch.zeros((), dtype=torch.int64)}
-
-            def transform(self, ctx):
-                ctx.grads = ft.tree.tree_map(
-                    lambda g: g + self.std * torch.randn_like(g), ctx.grads)
-                ctx.set_slot(self, {"count": ctx.slot(self)["count"] + 1})
-
-        step = GradNoise(1e-3)(ft.clip(1.0)(ft.train_step(loss_fn, ft.optim.sgd(0.1))))
-    """
-
-    name: str = ""
-    order: int = 0
-    accessors: ClassVar[dict[str, Callable[[Any], Any]]] = {}
-    params_fields: ClassVar[tuple[str, ...]] = ()
-    shards_state: ClassVar[bool] = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        for attr, hook in _NOT_HOOKS.items():
-            if callable(cls.__dict__.get(attr)):
-                where = f"; the hook is {hook!r}" if hook else ""
-                raise TypeError(f"{cls.__qualname__}.{attr}: Transform has no hook {attr!r}{where}. "
-                                f"The hooks are {', '.join(HOOKS)} (see functrain.core.step.PIPELINE)")
-        accessors = cls.__dict__.get("accessors")
-        if accessors:
-            if not isinstance(accessors, dict):
-                raise TypeError(f"{cls.__qualname__}.accessors must be a dict {{attribute: fn(slot)}}; "
-                                f"got {type(accessors).__name__}")
-            if not isinstance(cls.__dict__.get("name", cls.name), str) or not cls.name:
-                raise TypeError(f"{cls.__qualname__} declares accessors, so it needs a class-level slot name")
-            for attr, fn in accessors.items():
-                register_accessor(attr, cls.name, fn, owner=f"{cls.__module__}.{cls.__qualname__}")
-
-    def init(self, params: Any, buffers: Any) -> Any:
-        """The slot's initial state (``None``: the transform keeps no state and gets no slot)."""
-        return None
-
-    def post_init(self, state: TrainState, init: "InitContext") -> TrainState:
-        """Adjust the complete initial state once, eagerly (data_parallel broadcasts it from rank 0)."""
-        return state
-
-    def rng_offset(self) -> int:
-        """What this process adds to each step's random seed (data_parallel: its rank); 0 by default."""
-        return 0
-
-    def wrap_loss(self, loss_fn: Callable, ctx: StepContext) -> Callable:
-        """Stage ``loss``: return a replacement of ``loss_fn(params, buffers, batch) -> (objective, out)``."""
-        return loss_fn
-
-    def wrap_grad(self, grad_fn: Callable, ctx: StepContext) -> Callable:
-        """Stage ``grad``: return a replacement of ``grad_fn(params, buffers, batch) -> (grads, out)``."""
-        return grad_fn
-
-    def reduce(self, ctx: StepContext) -> None:
-        """Stage ``reduce``: combine the sum-form gradients and counts across processes."""
-
-    def check(self, ctx: StepContext) -> None:
-        """Stage ``check``: unscale, decide finiteness (:meth:`StepContext.skip_unless_finite`)."""
-
-    def transform(self, ctx: StepContext) -> None:
-        """Stage ``transform``: change the normalised gradients ``ctx.grads``."""
-
-    def wrap_update(self, update_fn: Callable, ctx: StepContext) -> Callable:
-        """Stage ``update``: return a replacement of ``update_fn(grads, opt_state, params) -> (params, opt_state)``.
-
-        The default is the optimizer's own update. A transform that keeps the
-        optimizer state sharded would slice ``grads``/``params`` to its shard, call
-        ``update_fn`` on them and gather the new params; ``commit`` then keeps or
-        drops the result as for any update.
-        """
-        return update_fn
-
-    def commit(self, ctx: StepContext) -> None:
-        """Stage ``commit``: after the built-in keep-or-drop select of params and optimizer state."""
-
-    def after(self, ctx: StepContext) -> None:
-        """Stage ``after``: read the committed params (``ema``)."""
-
-    def __call__(self, step: "Step") -> "Step":
-        if not isinstance(step, Step):
-            raise TypeError(f"{type(self).__name__} transforms a functrain Step (from ft.train_step); "
-                            f"got {type(step).__name__}")
-        return step.with_transform(self)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r})"
 
 
 def _uses(t: Transform, hook: str) -> bool:
@@ -325,16 +65,10 @@ def _loss_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
 
 
 def _grad_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
-    loss_fn = ctx._loss_fn
+    loss_fn, flatten = ctx._loss_fn, step._flatten
 
     def base_grad(params, buffers, batch):
-        if torch.compiler.is_compiling():  # traced: torch.func composes with Dynamo
-            leaves, as_params, as_grads = split_leaves(params)  # a flat state: the per-leaf views
-            fn = tensor_aux(loss_fn)
-            grads, (_, out) = grad_and_value(lambda ls, b, x: fn(as_params(ls), b, x), has_aux=True)(
-                leaves, buffers, batch)
-            return as_grads(grads), {"denom": 1.0, "weight": 1.0, **out}
-        return autograd_grad(loss_fn, params, buffers, batch, step._flat)
+        return micro_grad(loss_fn, params, buffers, batch, flatten)
 
     grad_fn: Callable = base_grad
     for hook in reversed(hooks):
@@ -347,12 +81,10 @@ def _grad_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
 
 def _normalise_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
     # one division by the global denominator (micro-batches or items)
-    one = isinstance(ctx.denom, float) and ctx.denom == 1.0
-    if not one:
-        leaves, spec = step._flat(ctx.grads)
+    if not (isinstance(ctx.denom, float) and ctx.denom == 1.0):
+        leaves, spec = step._flatten(ctx.grads)
         ctx.grads = T.tree_unflatten(spec, torch._foreach_mul(leaves, 1.0 / ctx.denom)) if leaves else ctx.grads
-    # eagerly, ÷ 1.0 is a copy of a tensor made for this step (traced, a division the graph folds)
-    ctx.metrics["loss"] = ctx.loss if one and not torch.compiler.is_compiling() else ctx.loss / ctx.denom
+    ctx.metrics["loss"] = divide(ctx.loss, ctx.denom)
     for k, v in ctx.aux.items():
         ctx.metrics[k] = v / ctx.weight
     if ctx._counts_items:  # the loss is a sum over items: report the global count
@@ -393,28 +125,25 @@ class Stage(NamedTuple):
     run: Callable[["Step", StepContext, tuple], None]
 
 
-PIPELINE: tuple[Stage, ...] = (
-    Stage("loss", "wrap_loss", _loss_stage),            # loss_fn -> (objective, out); buffers copied
-    Stage("grad", "wrap_grad", _grad_stage),            # grad_and_value / autograd.grad; accumulate
-    Stage("reduce", "reduce", _hooks_stage),            # data_parallel
-    Stage("normalise", None, _normalise_stage),         # ÷ the global denominator
-    Stage("check", "check", _hooks_stage),              # unscale, finite?
-    Stage("transform", "transform", _hooks_stage),      # clip, clip_value
-    Stage("update", "wrap_update", _update_stage),      # the optimizer
-    Stage("commit", "commit", _commit_stage),           # select(apply, new, old); loss-scale growth
-    Stage("after", "after", _hooks_stage),              # ema
-)
-"""The stages in the order every step runs them: the single source of that order."""
+# The built-in work of each stage (its hooks run inside it); the order is transform.STAGE_HOOKS's.
+_BUILT_IN: dict[str, Callable[["Step", StepContext, tuple], None]] = {
+    "loss": _loss_stage,            # loss_fn -> (objective, out); buffers copied
+    "grad": _grad_stage,            # the micro-batch gradient (core.grad.micro_grad); accumulate wraps it
+    "reduce": _hooks_stage,         # data_parallel
+    "normalise": _normalise_stage,  # ÷ the global denominator
+    "check": _hooks_stage,          # unscale, finite?
+    "transform": _hooks_stage,      # clip, clip_value
+    "update": _update_stage,        # the optimizer
+    "commit": _commit_stage,        # select(apply, new, old); loss-scale growth
+    "after": _hooks_stage,          # ema
+}
+
+PIPELINE: tuple[Stage, ...] = tuple(Stage(name, hook, _BUILT_IN[name]) for name, hook in STAGE_HOOKS)
+"""The stages in the order every step runs them (:data:`functrain.core.transform.STAGE_HOOKS`), each with its
+built-in work: what :meth:`Step.apply` iterates."""
 
 STAGES: tuple[str, ...] = tuple(s.name for s in PIPELINE)
 """The stage names, in order: ``("loss", "grad", ..., "after")``."""
-
-HOOKS: tuple[str, ...] = tuple(s.hook for s in PIPELINE if s.hook)
-"""The stage hooks a :class:`Transform` may implement, in stage order."""
-
-# Method names a transform might define expecting a call that never comes: refused when the class is made.
-_NOT_HOOKS = {"loss": "wrap_loss", "grad": "wrap_grad", "normalise": None, "update": "wrap_update",
-              "rng_rank": "rng_offset"}
 
 
 class Step:
@@ -423,12 +152,19 @@ class Step:
     Build one with :func:`train_step`, wrap it in transforms, compile it with
     :func:`functrain.compile`. ``step.init(params, buffers)`` makes the initial
     :class:`TrainState`. Calling the step never changes its inputs.
+
+    Attributes: ``loss_fn``, ``optimizer``, ``transforms`` (in the order applied) and
+    :attr:`micro_batches`.
     """
+
+    loss_fn: LossFn
+    optimizer: Any
+    transforms: tuple[Transform, ...]
 
     def __init__(self, loss_fn: LossFn, optimizer: Any, transforms: Iterable[Transform] = ()):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        self.transforms: tuple[Transform, ...] = tuple(transforms)
+        self.transforms = tuple(transforms)
         ordered = sorted(self.transforms, key=lambda t: (t.order, t.name))  # never by wrapping order
         self._ordered = tuple(ordered)
         # PIPELINE, resolved for this step's transforms: (built-in, the bound hooks that run there)
@@ -436,8 +172,8 @@ class Step:
                              for s in PIPELINE)
         self._offsets = tuple(t.rng_offset for t in ordered if _uses(t, "rng_offset"))
         self._shards_state = any(t.shards_state for t in self.transforms)
-        self._layout: Layout | None = None  # check_state's expectations, found once
-        self._flat = FlatDict()  # flattens the params (and the gradients, shaped alike) eagerly
+        self._expected: Expected | None = None  # check_state's expectations, found once
+        self._flatten = TreespecCache()  # flattens the params (and the gradients, shaped alike) eagerly
 
     # -- building ---------------------------------------------------------------------------
     def with_transform(self, transform: Transform) -> "Step":
@@ -451,6 +187,12 @@ class Step:
                 raise ValueError(f"transform {transform.name!r} is already applied to this step ({t!r}); "
                                  f"each transform may be applied once")
         return Step(self.loss_fn, self.optimizer, self.transforms + (transform,))
+
+    @property
+    def micro_batches(self) -> int:
+        """How many micro-batches one call's batch holds: the product of the transforms'
+        :attr:`Transform.micro_batches` (``accumulate(4)``: 4; 1 without accumulation)."""
+        return math.prod(t.micro_batches for t in self.transforms)
 
     def __repr__(self) -> str:
         names = ", ".join(t.name for t in self.transforms)
@@ -490,8 +232,8 @@ class Step:
                             if t.params_fields and t.name in slots})
         for t in self._ordered:
             state = t.post_init(state, init)
-        if self._layout is None:  # what check_state expects, known for free here
-            self._layout = Layout.of(state)
+        if self._expected is None:  # what check_state expects, known for free here
+            self._expected = Expected.of(state)
         return state
 
     def check_state(self, state: Any) -> None:
@@ -525,7 +267,7 @@ class Step:
         _check_state(self, state)
 
     def _refuse_foreign_shards(self, state: Any) -> None:
-        # a state sharded over ranks (functrain.core.layout's ShardState slot) runs only in a sharded
+        # a state sharded over ranks (functrain.core.flat's ShardState slot) runs only in a sharded
         # data_parallel step, and a sharded step takes only such a state: say so before the generic
         # slot mismatch would
         slots = getattr(state, "slots", None)

@@ -5,7 +5,7 @@ variables (:mod:`.group`); :func:`data_parallel` is the step transform that
 reduces gradients across it (:mod:`.data_parallel`, sharded state in
 :mod:`.sharding`); the small host-side collectives the other packages use live in
 :mod:`.comm`; :func:`launch` runs a function on N local processes (:mod:`.spawn`) and
-``python -m functrain.launch`` wraps torchrun (:mod:`.cli`); both blame the
+``python -m functrain.launch`` wraps torchrun (:mod:`.cli`, its agent in :mod:`.agent`); both blame the
 rank that failed first with one classifier and end their ranks when they die
 (:mod:`.faults`).
 """

@@ -29,7 +29,8 @@ wraps its step in ``ft.data_parallel()``. What this adds to plain torchrun:
 * **A bounded grace period.** Whenever the launcher stops the ranks (one failed,
   or the launcher got SIGTERM/SIGINT, which it forwards), each rank gets SIGTERM
   and ``--term-timeout`` seconds (default 30, torchrun's ``--shutdown-timeout``)
-  to finish (e.g. save a checkpoint) before SIGKILL.
+  to finish (e.g. save a checkpoint) before SIGKILL: exactly that long, also when a
+  rank failed (torchrun itself then waits its own 30 s; :mod:`.agent` fixes it).
 * **Nothing left behind.** Each rank dies with the launcher, even when the
   launcher is SIGKILLed (the Linux parent-death signal, set first thing in each
   worker; a polling thread elsewhere): no orphan rank goes on writing
@@ -61,9 +62,18 @@ the node ranks are the ones given. On one node without a port, torchrun's
 c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB`` for elastic jobs (node ranks are
 assigned on arrival, ``--nnodes MIN:MAX``, restarts across nodes).
 
+* **The right rank blamed.** A rank that finishes (status 0) while the others
+  still run is named as the cause when they then fail in a collective without it
+  (torchrun's own failure list leaves it out).
+
 Exit status: 0 when every rank succeeded; else the first failed rank's exit code
 (128 + the signal number for a rank killed by a signal), 1 if the rendezvous
-failed, 128 + the signal number when the launcher itself is stopped (SIGTERM, Ctrl-C).
+failed. When the launcher itself is stopped (SIGTERM, Ctrl-C) and forwards the
+signal: 128 + the signal number (143 for SIGTERM) if every rank then ended by
+itself within ``--term-timeout`` (status 0, or 128 + that signal of its own: an
+``ft.Trainer`` returns after saving, so 143 means its checkpoint was written), else
+137 (128 + SIGKILL): some rank was SIGKILLed after the grace period or ended
+otherwise, and its checkpoint may be missing; the message names those ranks.
 """
 from __future__ import annotations
 
@@ -79,7 +89,8 @@ import time
 import traceback
 
 from ..core.validate import BadValue, check_int, check_real
-from .faults import LOST, OWN, TIMEOUT, RankEnd, cause_of, describe_end, die_with_parent, root_cause
+from .agent import Watch, watching
+from .faults import LOST, OWN, TIMEOUT, RankEnd, cause_of, describe_end, die_with_parent, left_early, root_cause
 
 __all__ = ["main"]
 
@@ -204,14 +215,15 @@ def main(argv: list[str] | None = None) -> int:
             fp.write(str(os.getpid()))
     try:
         targs = torchrun.parse_args(_torchrun_argv(ns, log_dir))
+        watch = None
         try:
-            torchrun.run(targs)  # standalone c10d on one node without a port, else as asked; raises on failure
+            with watching(ns.term_timeout) as watch:  # torchrun's agent, honouring --term-timeout on every stop
+                torchrun.run(targs)  # standalone c10d on one node without a port, else as asked; raises on failure
             return 0
         except ChildFailedError as e:
-            return _report(e, ns)
+            return _report(e, ns, watch)
         except SignalException as e:
-            print(f"{_prog()}: stopped by {e.sigval.name}; the workers were stopped", file=sys.stderr)
-            return 128 + int(e.sigval)
+            return _stopped(e.sigval, ns, watch)
         except Exception as e:  # rendezvous timeout, a store that cannot be reached, a bad option
             if not _is_rendezvous_error(e):
                 raise
@@ -307,20 +319,71 @@ def _root(failures: dict) -> int:
     return root_cause(_end(r, f) for r, f in failures.items()).rank
 
 
-def _report(error, ns: argparse.Namespace) -> int:
+def _stopped(sig: signal.Signals, ns: argparse.Namespace, watch: Watch | None) -> int:
+    """The launcher was signalled and stopped the ranks: ``128 + sig`` if every rank then ended by itself within
+    ``--term-timeout`` (a Trainer saved its checkpoint), else ``128 + SIGKILL`` naming the ranks that did not."""
+    prog = _prog()
+    if watch is not None and watch.ended_by_themselves(sig):
+        print(f"{prog}: stopped by {sig.name}; every rank ended by itself within --term-timeout "
+              f"{ns.term_timeout} s", file=sys.stderr)
+        return 128 + int(sig)
+    after = watch.after_stop if watch is not None else {}
+    killed = watch.killed() if watch is not None else []
+    how = []
+    if killed:
+        how.append(f"rank(s) {', '.join(map(str, killed))} did not end within --term-timeout {ns.term_timeout} s "
+                   f"and were SIGKILLed")
+    other = sorted(r for r, c in after.items() if r not in killed and c not in (0, 128 + int(sig)))
+    if other:
+        how.append("rank(s) " + ", ".join(f"{r} ({_status(after[r])})" for r in other) + " did not end cleanly")
+    if not how:
+        how.append("how the ranks ended is unknown")
+    print(f"{prog}: stopped by {sig.name}; {'; '.join(how)}: their last checkpoint may not be written "
+          f"(exit status {128 + int(signal.SIGKILL)})", file=sys.stderr)
+    return 128 + int(signal.SIGKILL)
+
+
+def _status(code: int) -> str:
+    return f"killed by {_signal_name(-code)}" if code < 0 else f"exit status {code}"
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def _one_node(ns: argparse.Namespace) -> bool:
+    return str(ns.nnodes).strip() in ("1", "1:1")
+
+
+def _report(error, ns: argparse.Namespace, watch: Watch | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import Std, to_map
 
     failures = error.failures
     ends = [_end(r, f) for r, f in failures.items()]
+    finished = {r: v for r, v in (watch.finished if watch is not None else {}).items() if r not in failures}
+    ends += [RankEnd(r, "done", time=t) for r, (_, _, t) in finished.items()]
     root = root_cause(ends).rank
-    f = failures[root]
-    info = _failure_info(f)
     prog = _prog()
     try:
         dist_timeout = float(getattr(ns, "effective_dist_timeout", ""))
     except ValueError:
         dist_timeout = None
     end = next(e for e in ends if e.rank == root)
+    if left_early(end, ends):  # torchrun does not list it: a rank that finished while its peers still ran
+        local, pid, _ = finished[root]
+        lines = [f"{prog}: rank {root} (local rank {local}, pid {pid}) is the cause: it {describe_end(end, ends)}"]
+        lines.append("  the ranks that then failed: " + ", ".join(f"{r} ({_failure_info(failures[r])['message']})"
+                                                                for r in sorted(failures)))
+        if ns.log_dir:
+            lines.append(f"  logs and error files: {ns.log_dir}")
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        first = min(failures.values(), key=lambda f: f.timestamp)
+        return first.exitcode if first.exitcode > 0 else (128 - first.exitcode if first.exitcode < 0 else 1)
+    f = failures[root]
+    info = _failure_info(f)
     if end.how == "signal" and any(e.how == "error" and e.cause == TIMEOUT for e in ends):
         head = f"failed first: it {describe_end(end, ends, dist_timeout)}"  # hung, then stopped by the launcher
     else:
@@ -335,7 +398,10 @@ def _report(error, ns: argparse.Namespace) -> int:
             lines.append(f"  its stderr went to {where}; its traceback:\n{callstack.rstrip()}")
         else:
             lines.append(f"  (its traceback is above, lines prefixed [rank{root}])")
-        if info["cause"] == LOST:
+        if info["cause"] in (LOST, TIMEOUT) and _one_node(ns):  # every rank is on this node: none said why
+            lines.append("  (it failed because of a peer, but no other rank of this one-node job reported a "
+                         "failure)")
+        elif info["cause"] == LOST:
             lines.append("  (it lost its connection to a peer: the rank that failed first is on another node; "
                          "see that node's output)")
         elif info["cause"] == TIMEOUT:

@@ -10,7 +10,8 @@ from ..core import tree as T
 from ..core.validate import check_choice
 from . import group as G
 from ..core.state import TrainState
-from ..core.step import StepContext, Transform
+from ..core.eager import tracing
+from ..core.transform import StepContext, Transform
 from .sharding import MODES, ShardedDataParallel
 
 __all__ = ["data_parallel"]
@@ -124,8 +125,7 @@ class DataParallel(Transform):
         """Sum the loss, the denominator, the micro-batch weight and the aux metrics over the ranks (and,
         ``with_grads``, the whole gradient: the replicated reduction); the sharded transform reduce-scatters
         the gradient itself and calls this for the rest."""
-        if self.group is None and not self._env_checked and not dist.is_initialized() \
-                and not torch.compiler.is_compiling():
+        if self.group is None and not self._env_checked and not dist.is_initialized() and not tracing():
             _ensure_group()  # a state not made by this step's init (post_init): still never alone
             self._env_checked = True
         world = _world(self.group)
@@ -133,9 +133,9 @@ class DataParallel(Transform):
             return
         summed = {"grads": ctx.grads} if with_grads else {}
         summed["loss"] = ctx.loss
-        for k in ("denom", "weight"):  # a Python number is the same on every rank: no need to send it
-            if torch.is_tensor(getattr(ctx, k)):
-                summed[k] = getattr(ctx, k)
+        for k, v in (("denom", ctx.denom), ("weight", ctx.weight)):  # a Python number is the same on every
+            if torch.is_tensor(v):                                     # rank: no need to send it
+                summed[k] = v
         if ctx.aux:  # (Dynamo's optree polyfill cannot flatten an empty dict inside a tree)
             summed["aux"] = ctx.aux
         reduced = sum_over_ranks(summed, self._group())

@@ -7,12 +7,15 @@ the rank that failed first *for a reason of its own*. The rules, in order:
 1. a rank that raised its own error (not a lost connection, not a timeout);
 2. a rank that exited with a non-zero status without a Python error, or was
    killed by a signal other than SIGTERM (SIGKILL, the OOM killer, a segfault);
-3. when some rank timed out waiting for a peer in a collective: a rank that was
+3. a rank that *finished* (status 0) before any other rank failed, while they
+   still ran: its peers' next collective fails without it ("Connection closed
+   by peer"), so it left early (fewer steps or batches than the others?);
+4. when some rank timed out waiting for a peer in a collective: a rank that was
    still running then (or stopped by the launcher's SIGTERM): the rank that
    did not arrive, i.e. the hung one;
-4. a rank that failed only because of a peer: its connection closed, or a
+5. a rank that failed only because of a peer: its connection closed, or a
    collective timed out waiting for it;
-5. a rank the launcher stopped because others had failed.
+6. a rank the launcher stopped because others had failed.
 
 Ties go to the earliest failure, then the lowest rank. :func:`die_with_parent`
 is the other half of "leave nothing behind": each rank calls it at start so it
@@ -28,7 +31,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable
 
-__all__ = ["LOST_PEER", "PEER_TIMEOUT", "PeerFailed", "cause_of", "RankEnd", "root_cause", "describe_end",
+__all__ = ["LOST_PEER", "PEER_TIMEOUT", "PeerFailed", "cause_of", "RankEnd", "root_cause", "left_early", "describe_end",
            "die_with_parent"]
 
 # What a rank raises when a peer died first (its connection to that peer is gone).
@@ -112,7 +115,9 @@ class RankEnd:
     ``how``: ``"error"`` (it reported a Python exception; ``cause`` says whose fault),
     ``"exit"`` (a non-zero exit status ``code`` without a report), ``"signal"``
     (killed by signal ``code``), ``"running"`` (still running when the job was
-    stopped) or ``"done"``. ``time`` is when it ended (``time.time()``; unknown: inf).
+    stopped) or ``"done"`` (finished with status 0). ``time`` is when it ended
+    (``time.time()``; unknown: inf; a ``"done"`` rank with a known time that is
+    earlier than every failure left early, rule 3 of the module doc).
 
     Example::
 
@@ -128,14 +133,34 @@ class RankEnd:
     message: str = ""
 
 
-def _tier(end: RankEnd, someone_timed_out: bool) -> int:
+def _tier(end: RankEnd, someone_timed_out: bool, first_failure: float) -> int:
     if end.how == "error":
-        return 0 if end.cause == OWN else 3
+        return 0 if end.cause == OWN else 4
     if end.how == "exit" or (end.how == "signal" and end.code != signal.SIGTERM):
         return 1
+    if end.how == "done":  # finished before anyone failed: left its peers in a collective without it
+        return 2 if end.time < first_failure else 6
     if end.how in ("running", "signal"):  # still running, or stopped by the launcher's SIGTERM
-        return 2 if someone_timed_out else 4
-    return 5  # done
+        return 3 if someone_timed_out else 5
+    return 6
+
+
+def _first_failure(ends: list[RankEnd]) -> float:
+    """When the first rank that did not finish ended (inf: none did, or the times are unknown)."""
+    return min((e.time for e in ends if e.how != "done"), default=math.inf)
+
+
+def left_early(end: RankEnd, ends: Iterable[RankEnd]) -> bool:
+    """Whether ``end`` finished (status 0) before any other rank of ``ends`` failed (rule 3).
+
+    Example::
+
+        >>> ends = [RankEnd(0, "error", cause="lost_peer", time=9.0), RankEnd(1, "done", time=5.0)]
+        >>> left_early(ends[1], ends), left_early(ends[0], ends)
+        (True, False)
+    """
+    ends = list(ends)
+    return end.how == "done" and end.time < _first_failure(ends)
 
 
 def root_cause(ends: Iterable[RankEnd]) -> RankEnd:
@@ -150,7 +175,8 @@ def root_cause(ends: Iterable[RankEnd]) -> RankEnd:
     if not ends:
         raise ValueError("root_cause: no ranks given")
     timed_out = any(e.how == "error" and e.cause == TIMEOUT for e in ends)
-    return min(ends, key=lambda e: (_tier(e, timed_out), e.time, e.rank))
+    first = _first_failure(ends)
+    return min(ends, key=lambda e: (_tier(e, timed_out, first), e.time, e.rank))
 
 
 def _signal_name(code: int) -> str:
@@ -178,6 +204,10 @@ def describe_end(end: RankEnd, ends: Iterable[RankEnd] = (), dist_timeout: float
         return f"was killed by signal {end.code} ({_signal_name(end.code)})"
     if end.how == "exit":
         return f"exited with code {end.code} without a Python traceback"
+    if left_early(end, ends):
+        still = sorted(e.rank for e in ends if e.how != "done")
+        return (f"finished (exit status 0) while rank(s) {', '.join(map(str, still))} were still running: they "
+                f"then failed in a collective without it (did it run fewer steps or batches than the others?)")
     if end.how == "running":
         return "was still running when the job was stopped"
     return "finished"

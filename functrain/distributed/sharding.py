@@ -2,7 +2,7 @@
 
 ``ft.data_parallel(shard="optimizer")`` keeps the params whole on every rank and
 shards the optimizer state and the EMA; ``shard="params"`` shards the params at
-rest too. The layout is :class:`functrain.core.layout.FlatLayout`: one flat buffer per
+rest too. The layout is :class:`functrain.core.flat.FlatLayout`: one flat buffer per
 dtype, padded to a multiple of the world size, rank ``r`` owning slice ``r``.
 
 How a sharded step runs (the stages of :mod:`functrain.core.step`; this transform has
@@ -57,9 +57,10 @@ import optree
 import torch
 import torch.distributed as dist
 
-from ..core.layout import SLOT, FlatLayout, ShardState, find_shard_trees
+from ..core.flat import SLOT, FlatLayout, ShardState, find_shard_trees
 from ..core.state import TrainState
-from ..core.step import InitContext, StepContext, Transform
+from ..core.step import Step
+from ..core.transform import InitContext, StepContext, Transform
 
 __all__ = ["ShardedDataParallel", "gather_state"]
 
@@ -145,7 +146,8 @@ class ShardedDataParallel(Transform):
         self.layout: FlatLayout | None = None
 
     def __call__(self, step: Any) -> Any:
-        if getattr(getattr(step, "optimizer", None), "per_param", False):
+        # per_param: a declared, optional field of the optimizer protocol (functrain.optim.Optimizer's)
+        if isinstance(step, Step) and getattr(step.optimizer, "per_param", False):
             raise ValueError(f"data_parallel(shard={self.shard!r}) updates flat per-dtype shards, which have no "
                              f"parameter names: this optimizer's weight_decay_mask / lr_multipliers groups cannot "
                              f"apply there; use shard='none' or an optimizer without per-parameter groups")
@@ -260,7 +262,7 @@ class ShardedDataParallel(Transform):
     def _gather(self, shards: dict, ctx: StepContext) -> Any:
         layout, group, world = self.layout, self._group(), self.layout.world
         flats = {k: _all_gather(shards[k], group, world) for k in layout.keys}
-        return layout.unflatten(flats, like=ctx.slots[SLOT].layout)
+        return layout.tree(flats, like=ctx.slots[SLOT].layout)
 
     def wrap_grad(self, grad_fn: Callable, ctx: StepContext) -> Callable:
         self._check(ctx)
@@ -336,7 +338,7 @@ def gather_state(state: TrainState, group: Any = None) -> TrainState:
     def whole(node: Any) -> Any:
         if not layout.is_shard_tree(node):
             return node
-        return layout.unflatten({k: _all_gather(node[k], g, world) for k in layout.keys})
+        return layout.tree({k: _all_gather(node[k], g, world) for k in layout.keys})
 
     rest = state._replace(slots={k: v for k, v in state.slots.items() if k != SLOT})
     return optree.tree_map(whole, rest, is_leaf=layout.is_shard_tree)

@@ -43,13 +43,14 @@ def _worker(fn: Callable, args: tuple, rank: int, nprocs: int, port: int, backen
         distributed.init(backend)
         try:
             value = fn(*args)
+            done_at = time.time()  # before the group goes down: a peer still in a collective fails after this
         except BaseException as e:  # report before the group goes down, so this rank's error arrives first
             _report_failure(results, rank, e)
             raise SystemExit(1) from None
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-        results.put((rank, True, value, None, None, time.time()))
+        results.put((rank, True, value, None, None, done_at))
     except SystemExit:
         raise
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
@@ -78,6 +79,8 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | No
       failed first for its own reason is raised here, with that rank's traceback
       attached (a rank that only lost its connection to a dead peer is not blamed;
       a rank killed by a signal raises :class:`LaunchError` naming it).
+    * A rank whose ``fn`` returns while the others still run (it left early: their
+      next collective fails without it) is named as the cause, not the peers.
     * A hung rank is found by the collective timeout: a peer waiting for it fails
       after ``dist_timeout`` seconds (default ``$FUNCTRAIN_DIST_TIMEOUT``, else
       300), and :class:`LaunchError` names the rank that did not arrive.
@@ -113,6 +116,7 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | No
         p.start()
     deadline = time.monotonic() + timeout
     values: dict[int, Any] = {}
+    finished: dict[int, float] = {}  # rank -> when its fn returned (a rank that leaves early is to blame)
     errors: dict[int, tuple] = {}  # rank -> (exception or None, traceback text, cause, time)
     ends: list[RankEnd] | None = None
 
@@ -123,6 +127,7 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | No
             return False
         if ok:
             values[rank] = value
+            finished[rank] = when
         else:
             errors[rank] = (value, tb, cause, when)
         return True
@@ -140,7 +145,7 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | No
                         continue
                     if any(e[2] == "own" for e in errors.values()) or not any(p.is_alive() for p in procs):
                         break
-                ends = _ends(procs, values, errors)
+                ends = _ends(procs, finished, errors)
                 break
             if time.monotonic() > deadline:
                 running = [r for r, p in enumerate(procs) if p.is_alive() and r not in values]
@@ -164,7 +169,7 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | No
     return [values[r] for r in range(nprocs)]
 
 
-def _ends(procs: list, values: dict, errors: dict) -> list[RankEnd]:
+def _ends(procs: list, finished: dict, errors: dict) -> list[RankEnd]:
     ends = []
     for r, p in enumerate(procs):
         code = p.exitcode
@@ -173,8 +178,8 @@ def _ends(procs: list, values: dict, errors: dict) -> list[RankEnd]:
             last = (tb or "").strip().splitlines()
             message = last[-1] if last else f"{type(exc).__name__}: {exc}"
             ends.append(RankEnd(r, "error", cause=cause, time=when, message=message))
-        elif r in values:
-            ends.append(RankEnd(r, "done"))
+        elif r in finished:
+            ends.append(RankEnd(r, "done", time=finished[r]))
         elif code is None:
             ends.append(RankEnd(r, "running"))
         elif code < 0:

@@ -7,7 +7,8 @@ import optree
 import torch
 
 from ..core.registry import register_checkpoint_type
-from .base import Optimizer, check_betas, check_lr, check_real, flatten_params, FlatDict, flatten_update, host_number, init_count, lr_value, make_learning_rate, per_step
+from .base import (Optimizer, TreespecCache, check_betas, check_lr, check_real, double, flatten_params, flatten_update,
+                   host_number, init_count, lr_value, make_learning_rate, per_step, sub_scaled_ratio)
 from .groups import Group, check_group_args, group_lr, make_groups, run_groups
 
 __all__ = ["adam", "adamw", "AdamState"]
@@ -40,7 +41,7 @@ def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool, wei
     weight_decay = check_real("weight_decay", weight_decay, lo=0.0)
     check_group_args(owner, weight_decay, weight_decay_mask, lr_multipliers)
 
-    flat = FlatDict()  # the params' treespec, cached for the eager update
+    flatten = TreespecCache()  # the params' treespec, cached for the eager update
 
     def init(params: Any) -> AdamState:
         leaves, spec = flatten_params(params)
@@ -50,31 +51,27 @@ def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool, wei
 
     def update(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState]:
         count = state.count
-        unflatten, p, g, (m, v) = flatten_update(grads, params, state.exp_avg, state.exp_avg_sq, flatten=flat)
+        unflatten, p, g, (m, v) = flatten_update(grads, params, state.exp_avg, state.exp_avg_sq, flatten=flatten)
         if not p:
             return params, state._replace(count=count + 1)
-        lr_base = lr_value(lr, count)
-        n, lr_host = host_number(count), host_number(lr_base)
-        if not isinstance(n, torch.Tensor) and not isinstance(lr_host, torch.Tensor):
-            # Eager, counter on the host: torch.optim's own Python-float scalars and in-place ops on
-            # this update's fresh tensors (fewer ops and allocations; the inputs are never written).
-            step_n = n + 1
-            bc1, bc2_sqrt = 1 - beta1**step_n, (1 - beta2**step_n) ** 0.5
+        # torch.optim's scalars, in its order: Python floats eagerly (host_number: a CPU counter and a
+        # scheduled lr read on the host), float64 tensors traced or on a device, computed once per step
+        lr_base = host_number(lr_value(lr, count))
+        step = double(host_number(count) + 1)
+        bias_correction1, bias_correction2_sqrt = per_step(1 - beta1**step, (1 - beta2**step) ** 0.5)
 
-            def group_update(group: Group, p: list, g: list, m: list, v: list) -> tuple[list, list, list]:
-                lr_t = group_lr(lr_host, group)
-                new_p, m, v = _decay_and_moments(group, p, g, m, v, lr_t, beta1, beta2, weight_decay, decoupled)
-                denom = torch._foreach_sqrt(v)
-                torch._foreach_div_(denom, bc2_sqrt)
-                torch._foreach_add_(denom, eps)
-                # torch's param.addcdiv_(exp_avg, denom, value=-step_size)
-                if new_p is None:
-                    new_p = torch._foreach_addcdiv(p, m, denom, value=-(lr_t / bc1))
-                else:
-                    torch._foreach_addcdiv_(new_p, m, denom, value=-(lr_t / bc1))
-                return new_p, m, v
-        else:
-            group_update = _traced_group_update(lr_base, count, beta1, beta2, eps, weight_decay, decoupled)
+        def group_update(group: Group, p: list, g: list, m: list, v: list) -> tuple[list, list, list]:
+            # One torch.optim param group: its own lr (base * multiplier) and weight decay.
+            lr_t = group_lr(lr_base, group)
+            decayed, m, v = _decay_and_moments(group, p, g, m, v, lr_t, beta1, beta2, weight_decay, decoupled)
+            step_size, = per_step(lr_t / bias_correction1)
+            # p - step_size * m / (sqrt(v) / bias_correction2_sqrt + eps), in torch's order
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_div_(denom, bias_correction2_sqrt)
+            torch._foreach_add_(denom, eps)
+            if decayed is None:
+                return sub_scaled_ratio(p, m, denom, step_size), m, v
+            return sub_scaled_ratio(decayed, m, denom, step_size, owned=True), m, v  # decayed: this update's
 
         groups = make_groups(params, weight_decay_mask, lr_multipliers, n=len(p))
         new_p, m, v = run_groups(groups, group_update, p, g, m, v)
@@ -86,7 +83,7 @@ def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool, wei
         return unflatten(new_p), new_state
 
     return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr),
-                     per_param=weight_decay_mask is not None or lr_multipliers is not None)
+                     per_param=weight_decay_mask is not None or lr_multipliers is not None, schedule=lr)
 
 
 def _decay_and_moments(group: Group, p: list, g: list, m: list, v: list, lr_t: Any, beta1: float, beta2: float,
@@ -103,35 +100,6 @@ def _decay_and_moments(group: Group, p: list, g: list, m: list, v: list, lr_t: A
     v = torch._foreach_mul(v, beta2)
     torch._foreach_addcmul_(v, g, g, value=1 - beta2)
     return decayed, m, v
-
-
-def _traced_group_update(lr_base: Any, count: torch.Tensor, beta1: float, beta2: float, eps: float,
-                         weight_decay: float, decoupled: bool) -> Callable:
-    """The group update with tensor scalars: traced (torch.compile, make_fx) or a device-side counter.
-    No value leaves the device; the arithmetic follows torch.optim's, in float64 scalars."""
-    # torch.optim's scalars are Python floats (doubles): keep them float64 here.
-    step = (count + 1).to(torch.float64)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    bias_correction2_sqrt = bias_correction2.sqrt()
-    bias_correction1, bias_correction2_sqrt = per_step(bias_correction1, bias_correction2_sqrt)
-
-    def group_update(group: Group, p: list, g: list, m: list, v: list) -> tuple[list, list, list]:
-        # One torch.optim param group: its own lr (base * multiplier) and weight decay.
-        lr_t = group_lr(lr_base, group)
-        decayed, m, v = _decay_and_moments(group, p, g, m, v, lr_t, beta1, beta2, weight_decay, decoupled)
-        p = p if decayed is None else decayed
-
-        step_size, = per_step(lr_t / bias_correction1)
-        # p + (-step_size) * m / (sqrt(v) / bias_correction2_sqrt + eps), in torch's order.
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, bias_correction2_sqrt)
-        torch._foreach_add_(denom, eps)
-        delta = torch._foreach_mul(m, -step_size)
-        torch._foreach_div_(delta, denom)
-        return torch._foreach_add(p, delta), m, v
-
-    return group_update
 
 
 def adam(

@@ -17,7 +17,9 @@ from ..core import validate as _validate
 # describe / is_real / leaf_path are re-exported for the optimizers (one copy, in _validate).
 from ..core.validate import describe, is_real  # noqa: F401
 from ..core.validate import path_str as leaf_path  # noqa: F401
-from ..core.eager import FlatDict, host_number  # noqa: F401  (the optimizers' eager shortcuts)
+# the one-path interface the optimizers' updates are written against (eager shortcuts inside)
+from ..core.eager import (TreespecCache, double, host_number, per_step, select, sub_scaled,  # noqa: F401
+                          sub_scaled_ratio)
 
 __all__ = ["Optimizer"]
 
@@ -33,10 +35,16 @@ class Optimizer(NamedTuple):
     * ``learning_rate(opt_state)``: the learning rate the *next* update will
       use (a float for a constant lr, a float64 scalar tensor for a schedule).
 
-    And one flag, ``per_param`` (default ``False``): whether ``update`` treats
-    parameters by name (``weight_decay_mask`` / ``lr_multipliers`` groups). A
-    sharded data-parallel step updates flat per-dtype shards, which have no
-    names, and refuses such an optimizer.
+    And two declared fields the step and the trainer read:
+
+    * ``per_param`` (default ``False``): whether ``update`` treats parameters by
+      name (``weight_decay_mask`` / ``lr_multipliers`` groups). A sharded
+      data-parallel step updates flat per-dtype shards, which have no names, and
+      refuses such an optimizer.
+    * ``schedule`` (default ``None``): the lr it was built with, a float or a
+      schedule ``callable(count) -> lr``, so that
+      :func:`functrain.optim.schedules.check_covers` can refuse a schedule that
+      ends before the run does (``None``: unknown, nothing is checked).
 
     Example::
 
@@ -54,6 +62,7 @@ class Optimizer(NamedTuple):
     update: Callable[[Any, Any, Any], tuple]
     learning_rate: Callable[[Any], Any]
     per_param: bool = False
+    schedule: Any = None
 
 
 # ----------------------------------------------------------------- validation
@@ -145,7 +154,7 @@ def init_count(leaves: list[torch.Tensor]) -> torch.Tensor:
 
 def flatten_update(grads: Any, params: Any, *trees: Any,
                    flatten: Callable = optree.tree_flatten) -> tuple[Callable, list, list, list[list]]:
-    """Flatten ``params`` (with ``flatten``: an optimizer passes its :class:`functrain.core.eager.FlatDict`)
+    """Flatten ``params`` (with ``flatten``: an optimizer passes its :class:`functrain.core.eager.TreespecCache`)
     and bring ``grads`` and the state ``trees`` to its leaf order.
 
     0-dim leaves are viewed as shape ``(1,)``: a float64 0-dim scalar tensor would
@@ -180,28 +189,11 @@ def lr_value(lr: float | Callable[[Any], Any], count: torch.Tensor) -> float | t
     return torch.tensor(value, dtype=torch.float64, device=count.device)
 
 
-def per_step(*scalars: Any) -> tuple:
-    """The step's scalars (bias corrections, a scheduled lr), computed once per step in a compiled step.
-
-    Inductor inlines a 0-d computation into every elementwise kernel that reads it, so
-    ``1 - beta ** step`` (two ``pow`` in double) would run once per vector of every
-    parameter: the 1024x1024 Adam update of a medium MLP took ~2.5x its memory time.
-    A reduction is always its own buffer, so each tensor scalar goes through one that
-    returns it exactly (the max of two copies of itself). Eagerly, nothing changes.
-    """
-    if not torch.compiler.is_compiling():
-        return scalars
-    return tuple(torch.stack([x, x]).amax(0) if isinstance(x, torch.Tensor) and x.dim() == 0 else x
-                 for x in scalars)
-
-
 def make_learning_rate(lr: float | Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """``learning_rate(opt_state)`` for an optimizer built with ``lr``."""
+    """``learning_rate(opt_state)`` for an optimizer built with ``lr`` (give ``lr`` to the
+    :class:`Optimizer` as its ``schedule`` too)."""
 
     def learning_rate(opt_state: Any) -> float | torch.Tensor:
         return lr_value(lr, opt_state.count)
 
-    # The lr (float or schedule) it was built with, so that schedules.check_covers(optimizer,
-    # total_steps) can refuse a schedule shorter than the run before training starts.
-    learning_rate.schedule = lr
     return learning_rate

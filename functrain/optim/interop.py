@@ -102,5 +102,4 @@ def from_optax_style(
             return float("nan")
         return lr_value(learning_rate, opt_state.count)
 
-    opt_learning_rate.schedule = learning_rate
-    return Optimizer(init=opt_init, update=opt_update, learning_rate=opt_learning_rate)
+    return Optimizer(init=opt_init, update=opt_update, learning_rate=opt_learning_rate, schedule=learning_rate)

@@ -7,7 +7,8 @@ import optree
 import torch
 
 from ..core.registry import register_checkpoint_type
-from .base import Optimizer, check_betas, check_lr, check_real, flatten_params, FlatDict, flatten_update, host_number, init_count, lr_value, make_learning_rate
+from .base import (Optimizer, TreespecCache, check_betas, check_lr, check_real, flatten_params, flatten_update,
+                   host_number, init_count, lr_value, make_learning_rate, sub_scaled)
 from .groups import Group, check_group_args, group_lr, make_groups, run_groups
 
 __all__ = ["lion", "LionState"]
@@ -70,7 +71,7 @@ def lion(
     weight_decay = check_real("weight_decay", weight_decay, lo=0.0)
     check_group_args("lion", weight_decay, weight_decay_mask, lr_multipliers)
 
-    flat = FlatDict()  # the params' treespec, cached for the eager update
+    flatten = TreespecCache()  # the params' treespec, cached for the eager update
 
     def init(params: Any) -> LionState:
         leaves, spec = flatten_params(params)
@@ -80,7 +81,7 @@ def lion(
 
     def update(grads: Any, state: LionState, params: Any) -> tuple[Any, LionState]:
         count = state.count
-        unflatten, p, g, (m,) = flatten_update(grads, params, state.exp_avg, flatten=flat)
+        unflatten, p, g, (m,) = flatten_update(grads, params, state.exp_avg, flatten=flatten)
         if not p:
             return params, state._replace(count=count + 1)
         lr_base = host_number(lr_value(lr, count))  # eagerly, a scheduled lr read as a float
@@ -90,15 +91,11 @@ def lion(
             if weight_decay != 0 and group.decay:
                 p = torch._foreach_mul(p, 1 - lr_t * weight_decay)
             direction = torch._foreach_sign(torch._foreach_lerp(m, g, 1 - beta1))
-            if isinstance(lr_t, torch.Tensor):
-                new_p = torch._foreach_addcmul(p, direction, [lr_t] * len(p), value=-1)
-            else:
-                new_p = torch._foreach_add(p, direction, alpha=-lr_t)
-            return new_p, torch._foreach_lerp(m, g, 1 - beta2)
+            return sub_scaled(p, direction, lr_t), torch._foreach_lerp(m, g, 1 - beta2)
 
         groups = make_groups(params, weight_decay_mask, lr_multipliers, n=len(p))
         new_p, new_m = run_groups(groups, group_update, p, g, m)
         return unflatten(new_p), LionState(count=count + 1, exp_avg=unflatten(new_m))
 
     return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr),
-                     per_param=weight_decay_mask is not None or lr_multipliers is not None)
+                     per_param=weight_decay_mask is not None or lr_multipliers is not None, schedule=lr)

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .base import check_real, check_steps, describe
+from .base import Optimizer, check_real, check_steps, describe
 
 __all__ = [
     "constant", "linear_warmup", "linear_decay", "cosine_decay", "warmup_cosine", "warmup_linear_decay",
@@ -246,9 +246,9 @@ def scale(schedule: Schedule, factor: float) -> Schedule:
 
 
 def _lr_of(obj: Any) -> Any:
-    """A functrain optimizer's lr (float or schedule), else ``obj`` itself."""
-    learning_rate = getattr(obj, "learning_rate", None)
-    return learning_rate.schedule if hasattr(learning_rate, "schedule") else obj
+    """A functrain optimizer's declared lr (its ``schedule`` field: a float, a schedule or ``None``), else
+    ``obj`` itself."""
+    return obj.schedule if isinstance(obj, Optimizer) else obj
 
 
 def horizon(schedule: Any) -> int | None:

@@ -7,7 +7,8 @@ import optree
 import torch
 
 from ..core.registry import register_checkpoint_type
-from .base import Optimizer, check_lr, check_real, flatten_params, FlatDict, flatten_update, host_number, init_count, lr_value, make_learning_rate
+from .base import (Optimizer, TreespecCache, check_lr, check_real, flatten_params, flatten_update, host_number,
+                   init_count, lr_value, make_learning_rate, select, sub_scaled)
 from .groups import Group, check_group_args, group_lr, make_groups, run_groups
 
 __all__ = ["sgd", "SGDState"]
@@ -83,7 +84,7 @@ def sgd(
         )
     check_group_args("sgd", weight_decay, weight_decay_mask, lr_multipliers)
 
-    flat = FlatDict()  # the params' treespec, cached for the eager update
+    flatten = TreespecCache()  # the params' treespec, cached for the eager update
 
     def init(params: Any) -> SGDState:
         leaves, spec = flatten_params(params)
@@ -96,7 +97,7 @@ def sgd(
     def update(grads: Any, state: SGDState, params: Any) -> tuple[Any, SGDState]:
         count = state.count
         bufs_in = [state.momentum_buffer] if momentum != 0 else []
-        unflatten, p, g, trees = flatten_update(grads, params, *bufs_in, flatten=flat)
+        unflatten, p, g, trees = flatten_update(grads, params, *bufs_in, flatten=flatten)
         if not p:
             return params, state._replace(count=count + 1)
         lr_base = host_number(lr_value(lr, count))  # eagerly, a scheduled lr read as a float
@@ -109,23 +110,15 @@ def sgd(
             if momentum != 0:
                 # The buffers start at zero, so momentum * 0 + 1 * g == g reproduces torch's
                 # "first buffer = grad" exactly; with dampening the first step needs a select.
-                buf = torch._foreach_mul(bufs[0], momentum)
-                torch._foreach_add_(buf, g, alpha=1.0 - dampening)
-                if dampening != 0:
-                    first = count == 0
-                    buf = [torch.where(first, gi, bi) for gi, bi in zip(g, buf)]
+                buf = summed = torch._foreach_mul(bufs[0], momentum)
+                torch._foreach_add_(summed, g, alpha=1.0 - dampening)
+                if dampening != 0:  # torch.optim's first buffer is a copy of the gradient
+                    buf = select(host_number(count) == 0, g, lambda: summed)
                 new_buf = [buf]
                 d = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
             else:
                 d = g
-            lr_t = group_lr(lr_base, group)
-            if isinstance(lr_t, torch.Tensor):
-                # p + (-1 * d) * lr rounds once like torch's p.add(d, alpha=-lr) (a fused
-                # multiply-add on CPU); a separate mul then add would round twice.
-                new_p = torch._foreach_addcmul(p, d, [lr_t] * len(d), value=-1)
-            else:
-                new_p = torch._foreach_add(p, d, alpha=-lr_t)
-            return (new_p, *new_buf)
+            return (sub_scaled(p, d, group_lr(lr_base, group)), *new_buf)  # torch's p.add(d, alpha=-lr)
 
         groups = make_groups(params, weight_decay_mask, lr_multipliers, n=len(p))
         new_p, *new_buf = run_groups(groups, group_update, p, g, *trees)
@@ -133,4 +126,4 @@ def sgd(
         return unflatten(new_p), new_state
 
     return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr),
-                     per_param=weight_decay_mask is not None or lr_multipliers is not None)
+                     per_param=weight_decay_mask is not None or lr_multipliers is not None, schedule=lr)

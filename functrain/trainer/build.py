@@ -14,18 +14,20 @@ import torch
 from ..core.validate import describe
 from ..compiler.api import CompiledStep
 from ..distributed import data_parallel
+from ..distributed.sharding import ShardedDataParallel
 from ..optim import adamw, check_optimizer, schedules
-from ..core.step import Step, Transform, train_step
+from ..core.step import Step, train_step
+from ..core.transform import Transform
 from ..transforms import accumulate, clip, ema, mixed_precision, skip_nonfinite
 from .config import TrainConfig
 
-__all__ = ["model_loss", "output_loss", "config_lr", "build_step"]
+__all__ = ["model_loss", "output_loss", "config_lr", "config_ema", "build_step"]
 
 # The config fields that only shape the built-in step (ignored with a ready ``step=``) and its optimizer
 # (ignored with ``optimizer=``): a value changed from its default there would be silently unused, so it warns.
 _OPTIMIZER_FIELDS = ("train_lr", "adam_betas", "weight_decay", "lr_schedule", "warmup_steps", "min_lr")
-_STEP_FIELDS = _OPTIMIZER_FIELDS + ("max_grad_norm", "ema_update_every", "ema_decay", "mixed_precision",
-                                    "skip_nonfinite")
+_STEP_FIELDS = _OPTIMIZER_FIELDS + ("max_grad_norm", "ema_update_every", "ema_decay", "ema_update_after_step",
+                                    "ema_power", "ema_inv_gamma", "mixed_precision", "skip_nonfinite")
 
 
 def _scalar(v: Any) -> bool:
@@ -134,6 +136,22 @@ def config_lr(config: TrainConfig) -> float | Callable:
     return make(c.train_lr, warmup_steps=c.warmup_steps, total_steps=c.train_num_steps, final=c.min_lr)
 
 
+def config_ema(config: TrainConfig) -> Transform:
+    """The trainer's EMA from the config: ``ft.ema(ema_decay, every=ema_update_every,
+    start_step=ema_update_after_step, power=ema_power, inv_gamma=ema_inv_gamma)``.
+
+    Example::
+
+        >>> import functrain as ft
+        >>> from functrain.trainer.build import config_ema
+        >>> config_ema(ft.TrainConfig())
+        ema(0.995, every=10, start_step=100, power=0.666667, inv_gamma=1, min_decay=0)
+    """
+    c = config
+    return ema(c.ema_decay, every=c.ema_update_every, start_step=c.ema_update_after_step, power=c.ema_power,
+               inv_gamma=c.ema_inv_gamma if c.ema_power is not None else 1.0)
+
+
 def _warn_unused(config: TrainConfig, names: Iterable[str], why: str) -> None:
     default = TrainConfig()
     changed = {n: getattr(config, n) for n in names if getattr(config, n) != getattr(default, n)}
@@ -143,11 +161,6 @@ def _warn_unused(config: TrainConfig, names: Iterable[str], why: str) -> None:
 
 def _named(step: Step, name: str) -> Transform | None:
     return next((t for t in step.transforms if t.name == name), None)
-
-
-def _accumulation(step: Step) -> int:
-    t = _named(step, "accumulate")
-    return 1 if t is None else int(getattr(t, "n", 1))
 
 
 def build_step(loss: Callable, config: TrainConfig, world: int, *, optimizer: Any = None,
@@ -172,14 +185,15 @@ def build_step(loss: Callable, config: TrainConfig, world: int, *, optimizer: An
             raise TypeError(f"Trainer(step=...) takes a functrain Step (ft.train_step(...), wrapped in transforms) or "
                             f"ft.compile(step); got {describe(step)[:200]}")
         _warn_unused(c, _STEP_FIELDS, "Trainer(step=...) uses the given step as is")
-        n = _accumulation(base)
+        n = base.micro_batches  # declared: Transform.micro_batches (a streaming accumulation takes 1 per call)
         if n != c.gradient_accumulate_every:
             raise ValueError(f"the given step accumulates {n} micro-batches but TrainConfig.gradient_accumulate_every"
                              f"={c.gradient_accumulate_every}: the trainer loads batches of train_batch_size * "
-                             f"gradient_accumulate_every rows; make them agree")
+                             f"gradient_accumulate_every rows; make them agree (Step.micro_batches: a streaming "
+                             f"accumulate takes one micro-batch per call)")
         present = _named(base, "data_parallel")
         if present is not None:
-            mode = getattr(present, "shard", "none")
+            mode = present.shard if isinstance(present, ShardedDataParallel) else "none"
             if c.shard != "none" and mode != c.shard:  # (the default config leaves it to the step)
                 raise ValueError(f"the given step has data_parallel(shard={mode!r}) but TrainConfig.shard="
                                  f"{c.shard!r}: make them agree, or leave TrainConfig.shard at 'none'")
@@ -199,7 +213,7 @@ def build_step(loss: Callable, config: TrainConfig, world: int, *, optimizer: An
         _warn_unused(c, _OPTIMIZER_FIELDS, "Trainer(optimizer=...) brings its own lr, schedule and weight decay")
     schedules.check_covers(optimizer, c.train_num_steps)
     s = train_step(loss, optimizer)
-    s = ema(c.ema_decay, every=c.ema_update_every)(clip(c.max_grad_norm)(s))
+    s = config_ema(c)(clip(c.max_grad_norm)(s))
     if c.gradient_accumulate_every > 1:
         s = accumulate(c.gradient_accumulate_every)(s)
     if c.mixed_precision != "no":

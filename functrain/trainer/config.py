@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -31,9 +32,26 @@ class TrainConfig:
     """The hyper-parameters of :class:`functrain.Trainer`, checked when constructed.
 
     Field names follow the trainers users know (``train_batch_size``,
-    ``gradient_accumulate_every``, ...). ``train_batch_size`` is the batch of one
-    micro-step on one process; an optimizer update sees ``train_batch_size *
-    gradient_accumulate_every * processes`` samples. ``num_samples`` must be a
+    ``gradient_accumulate_every``, ...: denoising-diffusion-pytorch's); a name this
+    config does not have is refused with the functrain name that does the job
+    (``amp`` -> ``mixed_precision``) or says it is not provided (``calculate_fid``).
+
+    Batch size, one rule: an optimizer update sees ``train_batch_size *
+    gradient_accumulate_every`` samples *per process* (so ``* processes`` in all):
+    ``train_batch_size`` is one micro-step of one process. ``split_batches=True``
+    makes it global, as denoising-diffusion-pytorch's Trainer (accelerate's
+    ``split_batches``): each process takes ``train_batch_size / processes`` samples per
+    micro-step, an update sees ``train_batch_size * gradient_accumulate_every`` samples
+    whatever the process count (the Trainer refuses a ``train_batch_size`` that does not
+    divide by the processes, and ``eval_batch_size`` is global too).
+
+    EMA: ``ema(ema_decay, every=ema_update_every)`` counted in applied updates, copying
+    the params for the first ``ema_update_after_step`` updates, then warming the decay
+    up as ``1 - (1 + t / ema_inv_gamma) ** -ema_power`` (``t`` updates after the copies),
+    capped at ``ema_decay``: ema-pytorch's defaults, with which denoising-diffusion-pytorch
+    trains (``ema_power=None``: the constant ``ema_decay`` from the first update).
+
+    ``num_samples`` must be a
     perfect square: samples are tiled into a ``sqrt(n) x sqrt(n)`` grid. Every
     field is checked here (a :class:`ValueError` that is also a ``TypeError``
     names the field, what is allowed and the value), not later in ``train()``.
@@ -77,6 +95,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     ema_update_every: int = 10
     ema_decay: float = 0.995
+    ema_update_after_step: int = 100
+    ema_power: float | None = 2 / 3
+    ema_inv_gamma: float = 1.0
     save_and_sample_every: int = 1000
     num_samples: int = 25
     mixed_precision: str = "no"
@@ -95,6 +116,13 @@ class TrainConfig:
     eval_every: int = 0
     eval_batch_size: int | None = None
     shard: str = "none"
+    split_batches: bool = False
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "TrainConfig":
+        # before the dataclass __init__ sees the names: an unknown one gets its functrain name, not
+        # Python's bare "unexpected keyword argument"
+        check_names(kwargs, "TrainConfig")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         def name(n: str) -> str:
@@ -119,6 +147,17 @@ class TrainConfig:
                            f"grid); got {self.num_samples}")
         object.__setattr__(self, "ema_decay", check_real(name("ema_decay"), self.ema_decay, lo=0.0, hi=1.0,
                                                          lo_open=True, hi_open=True, what="in (0, 1)"))
+        object.__setattr__(self, "ema_update_after_step", check_int(
+            name("ema_update_after_step"), self.ema_update_after_step, minimum=0,
+            what="an int >= 0 (updates that copy the params before the EMA averages)"))
+        if self.ema_power is not None:
+            object.__setattr__(self, "ema_power", check_real(name("ema_power"), self.ema_power, lo=0.0, lo_open=True,
+                                                             what="a number > 0 (finite), or None: no warm-up"))
+        object.__setattr__(self, "ema_inv_gamma", check_real(name("ema_inv_gamma"), self.ema_inv_gamma, lo=0.0,
+                                                             lo_open=True, what="a positive number (finite)"))
+        if self.ema_power is None and self.ema_inv_gamma != 1.0:
+            raise BadValue(f"TrainConfig.ema_inv_gamma shapes the EMA warm-up, which ema_power turns on; with "
+                           f"ema_power=None it would be unused; got {self.ema_inv_gamma}")
         betas = tuple(self.adam_betas) if isinstance(self.adam_betas, (list, tuple)) else None
         if betas is None or len(betas) != 2 or not all(is_real(b) and 0.0 <= b < 1.0 for b in betas):
             raise BadValue(f"TrainConfig.adam_betas must be two numbers in [0, 1); got {describe(self.adam_betas)}")
@@ -132,7 +171,7 @@ class TrainConfig:
             raise BadValue(f"TrainConfig.results_folder must be a non-empty path (str or os.PathLike); got "
                            f"{describe(folder)}")
         object.__setattr__(self, "results_folder", os.fspath(folder))
-        for n in ("compile", "skip_nonfinite"):
+        for n in ("compile", "skip_nonfinite", "split_batches"):
             check_choice(name(n), getattr(self, n), (True, False))
         check_choice(name("lr_schedule"), self.lr_schedule, _SCHEDULES)
         check_choice(name("shard"), self.shard, _SHARDS)
@@ -182,10 +221,7 @@ class TrainConfig:
         """Build from a dict; an unknown key raises ``ValueError`` naming it."""
         if not isinstance(data, dict):
             raise ValueError(f"TrainConfig.from_dict expects a mapping; got {type(data).__name__}")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted((k for k in data if k not in names), key=str)
-        if unknown:
-            raise ValueError(f"TrainConfig: unknown fields {bounded_repr(unknown)}; known: {sorted(names)}")
+        check_names(data, "TrainConfig.from_dict")
         values = dict(data)
         for key in ("adam_betas", "trackers"):
             if isinstance(values.get(key), list):
@@ -239,3 +275,71 @@ class TrainConfig:
         """``{field: (self's value, other's value)}`` for every field that differs."""
         a, b = self.to_dict(), other.to_dict()
         return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
+
+# Names of other trainers (denoising-diffusion-pytorch's Trainer first, then accelerate / Hugging Face /
+# ema-pytorch) and what does their job here; anything else gets difflib's closest field names.
+_RENAMED = {
+    "lr": "train_lr", "learning_rate": "train_lr",
+    "batch_size": "train_batch_size", "per_device_train_batch_size": "train_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulate_every",
+    "num_steps": "train_num_steps", "max_steps": "train_num_steps",
+    "betas": "adam_betas", "clip_grad_norm": "max_grad_norm", "grad_clip": "max_grad_norm",
+    "beta": "ema_decay", "ema_beta": "ema_decay", "update_every": "ema_update_every",
+    "update_after_step": "ema_update_after_step", "inv_gamma": "ema_inv_gamma", "power": "ema_power",
+    "results_dir": "results_folder", "output_dir": "results_folder", "save_every": "save_and_sample_every",
+    "warmup": "warmup_steps", "lr_warmup_steps": "warmup_steps",
+}
+_NO_FID = "not provided: ft.Trainer computes no FID (Trainer(eval_dataset=...) logs the held-out loss of the " \
+          "params and the EMA; an on_save hook can score the sample grids)"
+_ELSEWHERE = {
+    "amp": "use mixed_precision='bf16' or 'fp16' (amp=True, mixed_precision_type=X is mixed_precision=X)",
+    "mixed_precision_type": "use mixed_precision ('no', 'bf16' or 'fp16')",
+    "fp16": "use mixed_precision='fp16'", "bf16": "use mixed_precision='bf16'",
+    "calculate_fid": _NO_FID, "num_fid_samples": _NO_FID, "inception_block_idx": _NO_FID,
+    "save_best_and_latest_only": "not provided: keep_checkpoints=N keeps the newest N checkpoints (and never "
+                                 "removes the newest finite one)",
+    "augment_horizontal_flip": "an argument of the dataset, ft.data.ImageFolder(folder, image_size, "
+                               "augment_horizontal_flip=True); a folder given to ft.Trainer flips, as the package's "
+                               "Trainer does",
+    "convert_image_to": "an argument of the dataset, ft.data.ImageFolder(folder, image_size, convert_image_to='RGB')",
+    "folder": "the dataset argument: ft.Trainer(model, folder, config)",
+    "diffusion_model": "the model argument: ft.Trainer(model, dataset, config)",
+}
+
+
+def _hint(name: Any, known: list[str]) -> str:
+    if not isinstance(name, str):
+        return "field names are strings"
+    if name in _RENAMED:
+        return f"use {_RENAMED[name]}"
+    if name in _ELSEWHERE:
+        return _ELSEWHERE[name]
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    return f"did you mean {' or '.join(close)}?" if close else "no such field"
+
+
+def check_names(names: Any, where: str) -> None:
+    """Raise :class:`BadValue` for names that are not :class:`TrainConfig` fields, saying what to use instead.
+
+    Args:
+        names: the names given (keyword arguments, or a dict's keys).
+        where: what was given them, for the message (``"TrainConfig"``, ``"TrainConfig.from_dict"``).
+
+    Example::
+
+        >>> from functrain.trainer.config import check_names
+        >>> check_names({"amp": True}, "TrainConfig")
+        Traceback (most recent call last):
+        ...
+        functrain.core.validate.BadValue: TrainConfig has no field 'amp': use mixed_precision='bf16' or 'fp16' ...
+    """
+    known = [f.name for f in fields(TrainConfig)]
+    unknown = [n for n in names if n not in known]
+    if len(unknown) == 1 and where == "TrainConfig":
+        raise BadValue(f"TrainConfig has no field {bounded_repr(unknown[0])}: {_hint(unknown[0], known)}")
+    if unknown:  # bounded: a document may hold many (or huge) names
+        hints = "; ".join(f"{bounded_repr(n, 80)}: {_hint(n, known)}" for n in unknown[:8])
+        more = f"; {len(unknown) - 8} more" if len(unknown) > 8 else ""
+        raise BadValue(f"{where}: unknown fields {bounded_repr(sorted(map(str, unknown[:64])))} ({hints}{more}); "
+                       f"the fields are {known}")

@@ -24,6 +24,7 @@ from ..compiler.api import CompiledStep
 from ..compiler.api import compile as compile_step
 from ..data import shard
 from ..distributed import PeerFailed, gather_state
+from ..distributed.comm import check_same
 from ..driver import run
 from ..core.module import functionalize
 from ..core.state import TrainState
@@ -34,6 +35,7 @@ from .images import write_sample_grid
 from .plots import MetricHistory, write_metrics_plot
 from .summary import FirstBatch, memory_line, run_summary
 from .build import build_step, checked_loss, model_loss
+from .inputs import batch_line, ema_copy, load_weights, process_batch, resolve_dataset, with_augmentation
 from .trackers import check_trackers, make_trackers
 
 __all__ = ["Trainer"]
@@ -58,7 +60,12 @@ class Trainer:
     The model's ``forward`` (or ``loss_fn``) may return a scalar loss, ``(loss,
     aux)``, a dict with ``"loss"`` or an object with ``.loss`` (a Hugging Face
     ``ModelOutput``); other scalar entries become metrics. A batch that is a dict
-    is passed as keyword arguments, a tuple as positional ones.
+    is passed as keyword arguments, a tuple as positional ones. ``dataset``: anything
+    :func:`functrain.shard` takes, or a folder of images (a path: an :class:`~functrain.data.ImageFolder`
+    of the model's ``image_size``, flipped inside the step, as denoising-diffusion-pytorch's
+    ``Trainer(diffusion, folder)``). Batch sizes follow ``TrainConfig.split_batches`` (per process by
+    default). After ``train()`` the module holds the final params and buffers (copied in place) and
+    :meth:`ema_module` gives a copy holding the EMA.
 
     ``train()`` runs :func:`functrain.run` to ``train_num_steps`` optimizer
     updates (one loop, one progress bar) and acts through its hooks: every
@@ -98,11 +105,16 @@ class Trainer:
       ``FloatingPointError``. A checkpoint whose params or EMA are not finite is
       marked so, and rotation never removes the newest finite one.
     * **SIGTERM** (or a ``should_stop`` hook) finishes the current step, saves
-      and returns. On several processes the ranks agree on stopping every
-      ``AGREE_SECONDS`` (5 s) of measured step time (one 2-number all-reduce),
-      so they stop within about 5 s plus one step of the signal, then rank 0
-      saves: this must fit in the launcher's grace period before SIGKILL
-      (torchrun: 30 s).
+      and returns. On several processes every rank votes at every step: a
+      one-number all-reduce (any rank wants to stop?) on a gloo group of its own,
+      started without waiting and read at the next step, so the ranks pair their
+      votes by step and all stop at the same step, at most one step after the one
+      the signal arrived in, however the step time changes (no host sync of device
+      tensors: the vote is a CPU number). Then rank 0 saves (every rank its shard):
+      the next step plus the save must fit in the launcher's grace period before
+      SIGKILL (``--term-timeout``, 30 s by default). Under ``python -m
+      functrain.launch`` the launcher then exits 143 (every rank ended by itself:
+      saved), or 137 if a rank had to be SIGKILLed.
     * **One run per results folder**: rank 0 holds :class:`~functrain.checkpoint.FolderLock`
       on it for the whole of ``train()``; a second run fails at once naming the
       folder and the holder's pid and host. A killed holder's lock is released by
@@ -128,7 +140,6 @@ class Trainer:
         state = trainer.train()
     """
 
-    AGREE_SECONDS = 5.0  # the ranks agree on stopping at least this often (in measured step time)
     PLOT_SECONDS = 10.0  # the metrics plot is redrawn at a save if the last one is older than this
 
     def __init__(self, model_or_loss: Any, dataset: Any, config: TrainConfig,
@@ -151,6 +162,8 @@ class Trainer:
         self.world = distributed.world_size()
         self.rank = distributed.rank()
         self.device = distributed.device()
+        if self.world > 1:  # every rank must train the same run: one all-gather of a hash per field
+            check_same(config.to_dict(), "TrainConfig")
         self.module: torch.nn.Module | None = None
         if isinstance(model_or_loss, torch.nn.Module):
             self.module = model = model_or_loss.to(self.device)
@@ -165,13 +178,16 @@ class Trainer:
                             f"got {type(model_or_loss).__name__}")
         self.params, self.buffers = params, buffers
         self.sample_fn = sample_fn
+        dataset = resolve_dataset(dataset, model_or_loss)  # a folder of images, as the package's Trainer reads it
+        transforms = with_augmentation(dataset, transforms, step)
         self.step, compiled = build_step(loss, config, self.world, optimizer=optimizer, transforms=transforms,
                                          step=step)
         if compiled is not None:
             self.run_step = compiled
         else:
             self.run_step = compile_step(self.step) if config.compile else self.step
-        self.loader = shard(dataset, batch_size=config.train_batch_size * config.gradient_accumulate_every,
+        per_process = process_batch(config, self.world)  # TrainConfig.split_batches: the one batch-size rule
+        self.loader = shard(dataset, batch_size=per_process * config.gradient_accumulate_every,
                             shuffle=True, seed=config.seed, drop_last=True, device=self.device)
         self.loader.check_nonempty("train dataset", remedy=(
             f"the Trainer drops an incomplete last batch, so lower TrainConfig.train_batch_size (now "
@@ -179,8 +195,10 @@ class Trainer:
             f"rank's batch is their product), use fewer processes (now {self.world}) or add data"))
         self.evaluator: Evaluator | None = None
         if eval_dataset is not None:
-            self.evaluator = Evaluator(loss, eval_dataset, config.eval_batch_size or config.train_batch_size,
-                                       device=self.device, module=self.module, seed=config.seed)
+            eval_batch = per_process if config.eval_batch_size is None else \
+                process_batch(config, self.world, config.eval_batch_size, "eval_batch_size")
+            self.evaluator = Evaluator(loss, eval_dataset, eval_batch, device=self.device, module=self.module,
+                                       seed=config.seed)
         self.folder = config.results_folder
         self.checkpoints = CheckpointManager(os.path.join(self.folder, "checkpoints"), keep=config.keep_checkpoints)
         self.history = MetricHistory()  # every logged metric (and evaluation), kept in checkpoints
@@ -191,7 +209,12 @@ class Trainer:
         self._stop = False  # set by SIGTERM or should_stop; acted on once every rank agrees
         self._signalled = False  # SIGTERM (not should_stop): the grace period is short, so no weights export
         self._save_group: Any = None
+        self._stop_group: Any = None  # gloo: the per-step stop votes (CPU numbers, never a device sync)
         self._run: _RunState | None = None
+        self.state: TrainState | None = None  # what the last train() returned
+        self._ema_module: torch.nn.Module | None = None
+        if self.world > 1 and self.rank == 0:  # the batch rule, said once
+            print(batch_line(config, self.world, per_process), flush=True)
 
     # -- state ---------------------------------------------------------------------------------
     def initial_state(self) -> TrainState:
@@ -331,9 +354,12 @@ class Trainer:
         run_state = None
         done = False
         try:
-            if self.world > 1 and self._save_group is None:  # every rank creates it, in the same order
+            if self.world > 1 and self._save_group is None:  # every rank creates them, in the same order
                 self._save_group = torch.distributed.new_group(
                     backend="gloo", timeout=datetime.timedelta(seconds=c.save_timeout))
+            if self.world > 1 and self._stop_group is None:
+                self._stop_group = torch.distributed.new_group(backend="gloo",
+                                                               timeout=distributed.default_timeout())
             state = self.restore()
             if self.rank == 0:
                 c.save(os.path.join(self.folder, "config.json"))
@@ -345,11 +371,13 @@ class Trainer:
             state = run(self.run_step, state, data, num_steps=max(c.train_num_steps - start, 0),
                         log_every=c.log_every, device=self.device, progress=self.rank == 0, on_log=self._on_log,
                         on_step=self._on_step, start=start)
+            run_state.end_vote()  # the last step's vote, which every rank started: let it finish
             if run_state.n != run_state.saved_at:  # stopped between saves (SIGTERM, should_stop)
                 self.save(state, run_state.n)
             if run_state.in_a_row >= c.max_consecutive_nonfinite:  # counted by the stop step's log
                 self._nonfinite_stop(run_state.n, None)
             self._export(state)
+            self._load_module(state)
             done = True
         finally:
             self._run = None
@@ -382,6 +410,31 @@ class Trainer:
         whole = gather_state(state) if split else state
         if self.rank == 0:
             self.weights = export_weights(self.folder, whole, module=self.module)
+
+    def _load_module(self, state: TrainState) -> None:
+        """Leave the user's module trained: the final params and buffers copied into its own tensors (every
+        rank; a sharded state is gathered first, a collective)."""
+        self.state = state
+        if self.module is not None:
+            whole = gather_state(state) if is_sharded(state) else state
+            # the initial params share the module's storage: keep them (initial_state() stays the start)
+            self.params, self.buffers = load_weights(self.module, whole.params, whole.buffers, self.params,
+                                                     self.buffers)
+
+    def ema_module(self, ema_params: Any = None) -> torch.nn.Module:
+        """A copy of the trained module holding the EMA weights (in eval mode), as ema-pytorch's ``ema_model``.
+
+        ``ema_params``: the EMA params to hold (what ``sample_fn`` receives), default the last ``train()``'s
+        final EMA (and buffers). One copy per trainer (``copy.deepcopy``), refilled on each call. Example::
+
+            sample_fn = lambda ema, n: trainer.ema_module(ema).sample(batch_size=n)   # during training
+            images = trainer.ema_module().sample(batch_size=16)                       # after train()
+        """
+        state = None
+        if ema_params is None and self.state is not None:
+            state = gather_state(self.state) if is_sharded(self.state) else self.state  # (a collective)
+        self._ema_module = ema_copy(self.module, self._ema_module, ema_params, state)
+        return self._ema_module
 
     def summary(self, r: "_RunState") -> str:
         """The end-of-run text: final metrics, time (compile apart), where the results are."""
@@ -467,18 +520,7 @@ class Trainer:
                 r.pending = []
         if r.in_a_row >= c.max_consecutive_nonfinite:
             self._nonfinite_stop(n, state)
-        if self.world == 1:
-            stop = self._stop
-        elif n >= r.agree_at:  # the same steps on every rank: derived from all-reduced numbers only
-            now = time.monotonic()
-            stop, per_step = self._agree(self._stop, (now - r.agree_t) / max(n - r.agree_n, 1))
-            # at most twice the interval just measured: a few fast steps between saves must not predict an
-            # interval of hundreds of steps that the saves then stretch beyond the launcher's grace period
-            every = max(1, min(int(self.AGREE_SECONDS / max(per_step, 1e-6)), 2 * (n - r.agree_n), 1 << 20))
-            r.agree_at = n + every
-            r.agree_n, r.agree_t = n, now
-        else:
-            stop = False
+        stop = self._stop if self.world == 1 else r.vote(self._stop, self._stop_group)
         if stop and self.rank == 0:
             print(f"stopping at step {n} (SIGTERM or should_stop): saving", flush=True)
         last = n >= c.train_num_steps
@@ -549,13 +591,6 @@ class Trainer:
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._stop = self._signalled = True  # finish the current step, save, return
 
-    def _agree(self, flag: bool, seconds_per_step: float) -> tuple[bool, float]:
-        """Whether any rank wants to stop, and the slowest rank's seconds per step (one all-reduce)."""
-        t = torch.tensor([1.0 if flag else 0.0, seconds_per_step], dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        stop, per_step = t.tolist()
-        return stop > 0, per_step
-
 
 # bookkeeping, not curves: kept in metrics.jsonl and the history, left out of the plot and the summary line
 _NOT_PLOTTED = ("steps_per_s", "compile_s", "skipped", "skipped_updates", "eval_samples")
@@ -579,7 +614,33 @@ class _RunState:
         self.pending: list = []  # `skipped` flags (device tensors) not read yet
         self.pending_until = start  # the step of the newest pending flag
         self.in_a_row = 0  # skipped updates in a row, as of the last read
-        self.agree_at, self.agree_n, self.agree_t = start + 1, start, time.monotonic()
+        self.pending_vote: tuple | None = None  # (work, tensor): the stop vote started at the previous step
+
+    def vote(self, flag: bool, group: Any) -> bool:
+        """Whether any rank wanted to stop at the previous step; then start this step's vote.
+
+        Every rank starts exactly one vote per step (an all-reduce on ``group``, not waited for) and reads
+        it at its next step, so votes pair up by step and every rank gets the same answer at the same step,
+        whatever the step time does. Reading it rarely waits: the step in between has synchronised the
+        ranks already. A stop ends the voting (no vote is left pending).
+        """
+        stop = False
+        if self.pending_vote is not None:
+            work, t = self.pending_vote
+            self.pending_vote = None
+            work.wait()
+            stop = bool(t.numpy()[0] > 0)  # a CPU number: no device sync, no _local_scalar_dense
+        if not stop:
+            t = torch.tensor([1.0 if flag else 0.0])
+            work = torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group, async_op=True)
+            self.pending_vote = (work, t)
+        return stop
+
+    def end_vote(self) -> None:
+        """Wait for the vote of the last step (started by every rank) so that none is left in flight."""
+        if self.pending_vote is not None:
+            self.pending_vote[0].wait()
+            self.pending_vote = None
 
     def emit(self, step: int, metrics: dict) -> None:
         """Send one record to every tracker."""

@@ -7,8 +7,9 @@ import optree
 import torch
 
 from ..core import tree as T
+from ..core.eager import Sum
 from ..core.validate import check_int, path_str
-from ..core.step import StepContext, Transform
+from ..core.transform import StepContext, Transform
 
 __all__ = ["accumulate"]
 
@@ -55,39 +56,21 @@ class Accumulate(Transform):
     def __init__(self, n: int):
         self.n = check_int("accumulate: n", n, minimum=1)
 
+    @property
+    def micro_batches(self) -> int:  # Transform.micro_batches: one call's batch holds n
+        return self.n
+
     def wrap_grad(self, grad_fn: Callable, ctx: StepContext) -> Callable:
         n = self.n
 
         def accumulated(params, buffers, batch):
-            if torch.compiler.is_compiling():  # traced: out-of-place sums, one graph node each
-                grads = out = None
-                for micro in split_batch(batch, n):
-                    g, o = grad_fn(params, buffers, micro)
-                    buffers = o["buffers"]
-                    if grads is None:
-                        grads, out = g, o
-                    else:
-                        grads, out = T.tree_add(grads, g), add_outs(out, o)
-                return grads, out
-            # Eager: the sums run over flat leaves; the second micro-batch's sum makes fresh tensors
-            # (never the grad_fn's own, which a wrapper might keep) and later ones add into them in
-            # place. The same additions in the same order as above: the same bits.
-            spec = acc = out = None
-            owned = False  # acc holds tensors this function made
+            grads, out = Sum(), None  # eagerly summed in place into tensors it made, traced out of place
             for micro in split_batch(batch, n):
                 g, o = grad_fn(params, buffers, micro)
                 buffers = o["buffers"]
-                if spec is None:
-                    acc, spec = optree.tree_flatten(g)
-                    out = o
-                    continue
-                leaves = spec.flatten_up_to(g)
-                if owned:
-                    torch._foreach_add_(acc, leaves)
-                else:
-                    acc, owned = torch._foreach_add(acc, leaves), True
-                out = add_outs(out, o)
-            return optree.tree_unflatten(spec, acc), out
+                grads.add(g)
+                out = o if out is None else add_outs(out, o)
+            return grads.value, out
 
         return accumulated if n > 1 else grad_fn
 
@@ -107,6 +90,7 @@ class StreamingAccumulate(Transform):
 
     name = "accumulate"
     order = 0
+    micro_batches = 1  # one micro-batch per call
 
     def __init__(self, n: int):
         self.n = Accumulate(n).n  # same validation

@@ -5,7 +5,7 @@ import torch
 
 from ..core import tree as T
 from ..core.validate import BadValue, describe, is_real
-from ..core.step import StepContext, Transform
+from ..core.transform import StepContext, Transform
 
 __all__ = ["clip", "clip_value"]
 

@@ -1,4 +1,4 @@
-"""Exponential moving average of the parameters (stage ``after``)."""
+"""Exponential moving average of the parameters (stage ``after``), with an optional warm-up."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -6,9 +6,9 @@ from typing import Any, NamedTuple
 import torch
 
 from ..core import tree as T
-from ..core.validate import check_int, check_real
-from ..core.eager import FlatDict, host_number
-from ..core.step import StepContext, Transform
+from ..core.validate import BadValue, check_int, check_real
+from ..core.eager import TreespecCache, as_tensor, host_number, select
+from ..core.transform import StepContext, Transform
 from ..core.registry import register_checkpoint_type
 
 __all__ = ["ema", "EmaState"]
@@ -23,14 +23,19 @@ class EmaState(NamedTuple):
 
 
 class EMA(Transform):
-    """Keep ``ema = decay * ema + (1 - decay) * params`` after the optimizer update.
+    """Keep ``ema = d * ema + (1 - d) * params`` after the optimizer update.
 
-    Law: counting applied updates ``k = 1, 2, ...``: while ``k <= start_step`` the
-    EMA copies the params; after that it blends on every ``k`` that is a
-    multiple of ``every``. For constant params ``p`` and ``m`` blends,
-    ``ema = decay**m * ema0 + (1 - decay**m) * p``. A skipped update (non-finite
-    fp16 step, a non-final streaming micro-batch) does not count and does not
-    touch the EMA. The choice is a select on the device.
+    Law: counting applied updates ``k = 1, 2, ...`` (a skipped update -- a non-finite
+    fp16 step, a non-final streaming micro-batch -- does not count and does not touch
+    the EMA; ``every`` counts updates, not calls): while ``k <= start_step`` the EMA
+    copies the params; after that it blends on every ``k`` that is a multiple of
+    ``every``, with ``d = decay``, or with a warm-up (``power`` given)
+    ``d_k = clamp(1 - (1 + (k - start_step) / inv_gamma) ** -power, min_decay, decay)``.
+    For constant params ``p`` and ``m`` blends of constant ``d``,
+    ``ema = d**m * ema0 + (1 - d**m) * p``; with ``power = inv_gamma = 1``,
+    ``every = 1``, ``start_step = 0`` (and ``decay`` not reached) the EMA after ``k``
+    updates is the plain mean of the initial params and the ``k`` updated ones.
+    Every choice is a select on the device, and the warm-up's ``d_k`` a tensor.
     """
 
     name = "ema"
@@ -38,11 +43,37 @@ class EMA(Transform):
     accessors = {"ema": lambda slot: slot.params}  # state.ema: the averaged params (None without ft.ema)
     params_fields = ("params",)  # shaped like the params: a sharded step holds 1/N of it per rank
 
-    def __init__(self, decay: float, every: int = 1, start_step: int = 0):
+    def __init__(self, decay: float, every: int = 1, start_step: int = 0, *, power: float | None = None,
+                 inv_gamma: float = 1.0, min_decay: float = 0.0):
         self.decay = check_real("ema: decay", decay, lo=0, hi=1, lo_open=True, hi_open=True)
         self.every = check_int("ema: every", every, minimum=1)
         self.start_step = check_int("ema: start_step", start_step, minimum=0)
-        self._flat = FlatDict()
+        self.power = None if power is None else check_real("ema: power", power, lo=0, lo_open=True,
+                                                              what="a number > 0 (finite), or None: no warm-up")
+        self.inv_gamma = check_real("ema: inv_gamma", inv_gamma, lo=0, lo_open=True)
+        self.min_decay = check_real("ema: min_decay", min_decay, lo=0, hi=self.decay,
+                                    what=f"a number in [0, decay={self.decay:g}]")
+        if self.power is None and (self.inv_gamma != 1.0 or self.min_decay != 0.0):
+            raise BadValue(f"ema: inv_gamma and min_decay shape the warm-up, which power= turns on; with "
+                           f"power=None they would be unused; got inv_gamma={inv_gamma!r}, min_decay={min_decay!r}")
+        self._flatten = TreespecCache()
+
+    def decay_at(self, k: Any) -> Any:
+        """The decay of a blend at applied update ``k`` (an int, or an int64 tensor: then a float64 tensor).
+
+        Example::
+
+            >>> from functrain.transforms.ema import EMA
+            >>> round(EMA(0.995, start_step=100, power=2 / 3).decay_at(110), 4)   # ema-pytorch's ramp
+            0.7978
+        """
+        if self.power is None:
+            return self.decay
+        if isinstance(k, torch.Tensor):
+            epoch = (k - self.start_step).to(torch.float64)
+            return (1.0 - (1.0 + epoch / self.inv_gamma) ** -self.power).clamp(self.min_decay, self.decay)
+        value = 1.0 - (1.0 + (k - self.start_step) / self.inv_gamma) ** -self.power
+        return min(self.decay, max(self.min_decay, value))
 
     def init(self, params, buffers) -> EmaState:
         leaves = T.tree_leaves(params)
@@ -51,36 +82,50 @@ class EMA(Transform):
 
     def after(self, ctx: StepContext) -> None:
         old: EmaState = ctx.slot(self)
-        leaves, spec = self._flat(old.params)
-        new_params = spec.flatten_up_to(ctx.params)
-        count = host_number(old.count) if ctx.apply is None else old.count
-        if not isinstance(count, torch.Tensor):
-            # Eager, every update applied, the count on the host: decide on the host, as the selects
-            # below would (the same values, a dozen tiny ops fewer). Copies stay fresh tensors: the
-            # new state never shares storage with the params or with the input state.
-            count += 1
-            if count <= self.start_step:
-                out = [p.clone() for p in new_params]
-            elif count % self.every == 0:
-                out = torch._foreach_lerp(leaves, new_params, 1.0 - self.decay)
-            else:
-                out = [e.clone() for e in leaves]
-            ctx.set_slot(self, EmaState(T.tree_unflatten(spec, out), old.count + 1))
-            return
-        applied = torch.ones((), dtype=torch.bool, device=old.count.device) if ctx.apply is None else ctx.apply
-        count = old.count + applied.to(torch.int64)
+        ema, spec = self._flatten(old.params)
+        params = spec.flatten_up_to(ctx.params)
+        applied = True if ctx.apply is None else ctx.apply  # skipped updates do not count
+        count = host_number(old.count) + applied  # eagerly, every update applied: a host int, decided on the host
         copy = applied & (count <= self.start_step)
         blend = applied & (count > self.start_step) & (count % self.every == 0)
-        blended = torch._foreach_lerp(leaves, new_params, 1.0 - self.decay)
-        out = [torch.where(blend, b, torch.where(copy, p, e)) for e, p, b in zip(leaves, new_params, blended)]
-        ctx.set_slot(self, EmaState(T.tree_unflatten(spec, out), count))
+        new = select(blend, lambda: self._blend(ema, params, count), lambda: select(copy, params, ema))
+        ctx.set_slot(self, EmaState(T.tree_unflatten(spec, new), as_tensor(count, like=old.count)))
+
+    def _blend(self, ema: list, params: list, count: Any) -> list:
+        weight = 1.0 - self.decay_at(count)  # a Python float, or (count a tensor, with a warm-up) a float64 tensor
+        if isinstance(weight, torch.Tensor):
+            # one weight per leaf, in float32 (float64 leaves: float64), the precision lerp computes in for a
+            # Python-float weight; a float of the count would be a host read
+            weight = [weight.to(torch.promote_types(e.dtype, torch.float32)) for e in ema]
+        return torch._foreach_lerp(ema, params, weight)
 
     def __repr__(self) -> str:
-        return f"ema({self.decay}, every={self.every}, start_step={self.start_step})"
+        warmup = "" if self.power is None else \
+            f", power={self.power:g}, inv_gamma={self.inv_gamma:g}, min_decay={self.min_decay:g}"
+        return f"ema({self.decay}, every={self.every}, start_step={self.start_step}{warmup})"
 
 
-def ema(decay: float, every: int = 1, start_step: int = 0) -> EMA:
+def ema(decay: float, every: int = 1, start_step: int = 0, *, power: float | None = None, inv_gamma: float = 1.0,
+        min_decay: float = 0.0) -> EMA:
     """An EMA of the params in the state, read as ``state.ema``.
+
+    Args:
+        decay: the decay of a blend, in (0, 1); with a warm-up, its cap.
+        every: blend on every ``every``-th applied update (updates, not calls: a skipped update does not count).
+        start_step: copy the params for the first ``start_step`` applied updates.
+        power: ``None`` (a constant ``decay``), or the warm-up ``d_k = clamp(1 - (1 + (k - start_step) /
+            inv_gamma) ** -power, min_decay, decay)`` at applied update ``k``: ema-pytorch's inverse-gamma
+            ramp (its defaults, as denoising-diffusion-pytorch's Trainer uses them: ``start_step=100``,
+            ``power=2/3``, ``inv_gamma=1``, ``min_decay=0``).
+        inv_gamma, min_decay: the ramp's scale and floor (only with ``power``).
+
+    Returns:
+        The :class:`EMA` transform (stage ``after``, slot ``"ema"``).
+
+    ema-pytorch decides on the count before the update (its ``step``) and functrain on the count
+    including it: ``ema(b, every, start_step=N, power=p)`` after update ``k >= N`` (``N`` a multiple
+    of ``every``) equals ema-pytorch's ``EMA(beta=b, update_every=every, update_after_step=N,
+    power=p)`` one update later, fed the same params.
 
     Example::
 
@@ -89,5 +134,9 @@ def ema(decay: float, every: int = 1, start_step: int = 0) -> EMA:
         >>> state, _ = step(step.init({"w": torch.zeros(1)}), torch.ones(1))
         >>> state.params["w"], state.ema["w"]
         (tensor([-1.]), tensor([-0.1000]))
+        >>> warm = ft.ema(0.999, power=1.0)(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(1.0)))
+        >>> state, _ = warm(warm.init({"w": torch.zeros(1)}), torch.ones(1))
+        >>> state.ema["w"]   # d_1 = 1 - 2**-1: the mean of the initial and the updated params
+        tensor([-0.5000])
     """
-    return EMA(decay, every, start_step)
+    return EMA(decay, every, start_step, power=power, inv_gamma=inv_gamma, min_decay=min_decay)

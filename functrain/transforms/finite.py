@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..core import tree as T
-from ..core.step import StepContext, Transform
+from ..core.transform import StepContext, Transform
 
 __all__ = ["skip_nonfinite"]
 

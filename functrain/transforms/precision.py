@@ -7,7 +7,7 @@ import torch
 
 from ..core import tree as T
 from ..core.validate import check_int, check_real
-from ..core.step import StepContext, Transform
+from ..core.transform import StepContext, Transform
 from ..core.registry import register_checkpoint_type
 
 __all__ = ["Policy", "LossScaleState", "mixed_precision"]

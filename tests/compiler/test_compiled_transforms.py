@@ -25,6 +25,10 @@ EXTRA = {
                       BUILTINS["clip"], BUILTINS["ema"]],
     "skip_nonfinite+accumulate+bf16+ema": [ft.skip_nonfinite, BUILTINS["accumulate"], BUILTINS["bf16"], BUILTINS["ema"]],
     "clip+clip_value+scale_grads": [BUILTINS["clip"], lambda: ft.clip_value(0.05), lambda: ScaleGrads(0.5)],
+    # the warm-up's decay is a tensor of the traced count (no host read), eager's a Python float
+    "ema_warmup": [lambda: ft.ema(0.95, every=2, start_step=3, power=2 / 3, inv_gamma=2.0)],
+    "skip_nonfinite+bf16+ema_warmup": [ft.skip_nonfinite, BUILTINS["bf16"],
+                                       lambda: ft.ema(0.95, every=1, start_step=2, power=1.0, min_decay=0.1)],
 }
 
 

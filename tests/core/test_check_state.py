@@ -97,7 +97,7 @@ def test_matching_states_are_accepted():
         step.check_state(state)
         twin.check_state(state)  # twin never ran init: its expectations come from meta tensors
         twin(state, X)
-    assert twin._layout.unknown == frozenset()
+    assert twin._expected.unknown == frozenset()
 
 
 def test_slot_of_an_init_that_needs_values_is_still_checked():

@@ -1,9 +1,10 @@
-"""The eager step's shortcuts (functrain/core/eager.py): host scalars and the cached flat-dict treespec.
+"""The one-path interface (functrain/core/eager.py): each call's eager shortcut against its general path.
 
 Each shortcut must give what the general path gives, and must switch itself off wherever
 reading a value would be wrong (a trace would bake it in, a dispatch mode watches the ops).
 The references are computed in each test: ``optree.tree_flatten``, the tensor-scalar path
-forced by a pass-through dispatch mode, ``torch.optim`` and ``make_fx`` replays.
+forced by a pass-through dispatch mode, ``torch.where``, plain additions, ``torch.func``,
+``torch.optim`` (for-loop and foreach) and ``make_fx`` / Dynamo traces.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import functrain as ft
-from functrain.core.eager import FlatDict, host_number
+from functrain.core import eager
+from functrain.core.eager import TreespecCache, host_number
 from functrain.core.validate import BadValue
 
 
@@ -121,7 +123,7 @@ def test_a_real_mode_trace_keeps_the_counter_a_graph_input(name):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
-# -- FlatDict ----------------------------------------------------------------------------------
+# -- TreespecCache ----------------------------------------------------------------------------------
 _keys = st.lists(st.sampled_from(list("abcdefg")), min_size=0, max_size=5, unique=True)
 _leaf = st.sampled_from(["tensor", "tensor", "tensor", "float", "none", "dict"])
 
@@ -137,11 +139,11 @@ def _tree(keys, kinds, order_seed):
 @settings(max_examples=40, deadline=None)
 @given(trees=st.lists(st.tuples(_keys, st.lists(_leaf, min_size=5, max_size=5), st.integers(0, 3)),
                       min_size=1, max_size=6))
-def test_flatdict_equals_optree(trees):
+def test_treespec_cache_equals_optree(trees):
     """A sequence of trees (same or different keys, key orders, non-tensor leaves, nesting)
-    through one FlatDict: each result is optree's: the same leaf objects and an equal spec
+    through one TreespecCache: each result is optree's: the same leaf objects and an equal spec
     (so unflattening restores the same dict, key order included)."""
-    flat = FlatDict()
+    flat = TreespecCache()
     for keys, kinds, _ in trees:
         tree = _tree(keys, kinds, 0)
         for _ in range(2):   # the second call may take the cached path
@@ -153,9 +155,9 @@ def test_flatdict_equals_optree(trees):
             assert list(back) == list(tree)
 
 
-def test_flatdict_respects_insertion_order_and_other_dict_types():
+def test_treespec_cache_respects_insertion_order_and_other_dict_types():
     import collections
-    flat = FlatDict()
+    flat = TreespecCache()
     t = torch.zeros(1)
     flat({"a": t, "b": t})
     _, spec = flat({"b": t, "a": t})                       # same keys, another order
@@ -208,3 +210,188 @@ def test_a_loss_tuple_of_three_is_a_clear_error():
     step = ft.train_step(lambda p, b, x: ((p["w"] * x).sum(), {}, 1), ft.optim.sgd(0.1))
     with pytest.raises(BadValue, match="a tuple of 3"):
         step(step.init({"w": torch.ones(2)}), torch.ones(2))
+
+
+# -- the one-path interface: each call's shortcut against its general path --------------------------
+def test_is_compiling_is_asked_in_one_place():
+    """Transforms, optimizers and the stages are written once: ``torch.compiler.is_compiling`` is read in
+    functrain/core/eager.py (``tracing()``) and nowhere else (the compiler's capture only sets the flag)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(ft.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+            if name == "is_compiling":
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert [f for f in found if not f.startswith("core/eager.py:")] == [], found
+    assert found, "the interface itself must ask"
+
+
+def _traced(fn, *args):
+    """``fn(*args)`` traced by Dynamo (fullgraph) into a graph that is then run: what ``tracing()`` sees true.
+    Returns the result and the graph's call targets."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return out, [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+
+
+_vectors = st.lists(st.integers(0, 4), min_size=1, max_size=4)
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=_vectors, pred=st.booleans(), lazy=st.booleans(), seed=st.integers(0, 2**16))
+def test_select_on_the_host_is_torch_where(sizes, pred, lazy, seed):
+    """A host bool picks exactly what ``torch.where`` on a bool tensor picks (bitwise), evaluates only the
+    chosen branch when branches are functions, and never hands back an input tensor's memory."""
+    gen = torch.Generator().manual_seed(seed)
+    a = [torch.randn(n, generator=gen) for n in sizes]
+    b = [torch.randn(n, generator=gen) for n in sizes]
+    calls = []
+
+    def branch(name, xs):
+        if not lazy:
+            return xs
+        return lambda: calls.append(name) or [x * 1 for x in xs]
+
+    host = eager.select(pred, branch("a", a), branch("b", b))
+    device = eager.select(torch.tensor(pred), branch("a", a), branch("b", b))
+    reference = [torch.where(torch.tensor(pred), x, y) for x, y in zip(a, b)]
+    assert same_bits(host, reference) and same_bits(device, reference)
+    if lazy:  # the host call ran one branch, the device call both
+        assert calls == ["a" if pred else "b", "a", "b"]
+    inputs = {x.untyped_storage().data_ptr() for x in a + b if x.numel()}
+    assert not inputs & {x.untyped_storage().data_ptr() for x in host if x.numel()}
+    one = eager.select(pred, a[0], b[0])  # a single tensor, too
+    assert same_bits(one, reference[0]) and one is not a[0] and one is not b[0]
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 6), sizes=_vectors, seed=st.integers(0, 2**16))
+def test_sum_is_the_ordered_sum_eager_and_traced(n, sizes, seed):
+    """``Sum`` gives the bits of the plain left-to-right additions, eagerly (in place after the second add)
+    and traced (out of place: no in-place op in the graph); the trees added are never written."""
+    gen = torch.Generator().manual_seed(seed)
+    trees = [{"w": [torch.randn(k, generator=gen) for k in sizes], "b": torch.randn(2, generator=gen)}
+             for _ in range(n)]
+    before = optree.tree_map(torch.clone, trees)
+    reference = trees[0]
+    for t in trees[1:]:
+        reference = optree.tree_map(lambda x, y: x + y, reference, t)
+
+    def total(*ts):
+        s = eager.Sum()
+        for t in ts:
+            s.add(t)
+        return s.value
+
+    assert same_bits(total(*trees), reference)
+    assert same_bits(trees, before), "Sum wrote into a tree it was given"
+    traced, ops = _traced(total, *trees)
+    assert same_bits(traced, reference)
+    assert not [op for op in ops if op.endswith("_") or "_.List" in op or "foreach_add_" in op], ops
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=_vectors, s=st.floats(1e-4, 10.0), seed=st.integers(0, 2**16), owned=st.booleans())
+def test_scaled_steps_with_a_number_are_torchs_ops_and_agree_with_tensors(sizes, s, seed, owned):
+    """``sub_scaled`` / ``sub_scaled_ratio`` with a Python number are torch.optim's ``p.add(d, alpha=-s)`` and
+    ``p.addcdiv(m, d, value=-s)`` bit for bit; with a float64 tensor scalar (the traced form) they agree to
+    float32 rounding; ``owned`` writes into ``p`` (tensors the update made) and nothing else."""
+    gen = torch.Generator().manual_seed(seed)
+    p = [torch.randn(k, generator=gen) for k in sizes]
+    d = [torch.randn(k, generator=gen) for k in sizes]
+    m = [torch.randn(k, generator=gen) for k in sizes]
+    den = [torch.rand(k, generator=gen) + 0.5 for k in sizes]
+    st_ = torch.tensor(s, dtype=torch.float64)
+    assert same_bits(list(eager.sub_scaled(p, d, s)), [x.add(y, alpha=-s) for x, y in zip(p, d)])
+    want = [x.addcdiv(a, b, value=-s) for x, a, b in zip(p, m, den)]
+    mine = [x.clone() for x in p]
+    got = eager.sub_scaled_ratio(mine, m, den, s, owned=owned)
+    assert same_bits(list(got), want)
+    assert (got is mine) == owned and same_bits(mine, want if owned else p)
+    for a, b in ((eager.sub_scaled(p, d, st_), eager.sub_scaled(p, d, s)),
+                 (eager.sub_scaled_ratio(p, m, den, st_), want)):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=2e-6, atol=2e-6 * s)
+
+
+def test_divide_skips_only_an_eager_division_by_one():
+    x = torch.tensor([3.0, 1.5])
+    assert eager.divide(x, 1.0) is x and eager.divide(x, 1) is x
+    assert torch.equal(eager.divide(x, 2.0), x / 2) and torch.equal(eager.divide(x, torch.tensor(1.0)), x)
+    out, ops = _traced(lambda t: eager.divide(t, 1.0), x)
+    assert torch.equal(out, x) and any("div" in op for op in ops)  # traced: a fresh output
+
+
+def test_host_counters_become_state_tensors_and_doubles():
+    like = torch.zeros((), dtype=torch.int64)
+    t = eager.as_tensor(5, like)
+    assert t.dtype == torch.int64 and int(t) == 5 and eager.as_tensor(like, like) is like
+    assert eager.double(7) == 7 and eager.double(torch.tensor(7)).dtype == torch.float64
+
+
+@settings(max_examples=15, deadline=None)
+@given(sizes=_vectors, seed=st.integers(0, 2**16), unused=st.booleans())
+def test_grad_with_aux_eager_is_torch_func(sizes, seed, unused):
+    """The eager gradient (``torch.autograd.grad``) equals ``torch.func.grad_and_value``'s, computed here, and
+    the traced one (Dynamo: ``torch.func``); an unused leaf gets zeros; the aux comes back detached."""
+    gen = torch.Generator().manual_seed(seed)
+    leaves = [torch.randn(k, generator=gen) for k in sizes] + [torch.randn(3, generator=gen)]
+    x = torch.randn(3, generator=gen)
+
+    def fn(ls, x):
+        used = ls[:-1] if unused else ls
+        obj = sum((torch.tanh(leaf) * leaf).sum() for leaf in used) + (ls[-1] * x).sum() * (not unused)
+        return obj, {"n": obj * 2}
+
+    grads, aux = eager.grad_with_aux(fn, leaves, x)
+    ref, (_, ref_aux) = torch.func.grad_and_value(fn, has_aux=True)(leaves, x)
+    assert same_bits(grads, list(ref)) and same_bits(aux, ref_aux) and not aux["n"].requires_grad
+    (traced, traced_aux), _ = _traced(lambda ls, x: eager.grad_with_aux(fn, ls, x), leaves, x)
+    for a, b in zip(traced, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+TORCH_CASES = {
+    "adam": (lambda lr: ft.optim.adam(lr), torch.optim.Adam, {}),
+    "adam_l2": (lambda lr: ft.optim.adam(lr, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1), torch.optim.Adam,
+                dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)),
+    "adamw": (lambda lr: ft.optim.adamw(lr, weight_decay=0.2), torch.optim.AdamW, dict(weight_decay=0.2)),
+    "sgd": (lambda lr: ft.optim.sgd(lr), torch.optim.SGD, {}),
+    "sgd_momentum_wd": (lambda lr: ft.optim.sgd(lr, momentum=0.9, weight_decay=0.01), torch.optim.SGD,
+                        dict(momentum=0.9, weight_decay=0.01)),
+    "sgd_nesterov": (lambda lr: ft.optim.sgd(lr, momentum=0.8, nesterov=True), torch.optim.SGD,
+                     dict(momentum=0.8, nesterov=True)),
+    "sgd_dampening": (lambda lr: ft.optim.sgd(lr, momentum=0.9, dampening=0.3), torch.optim.SGD,
+                      dict(momentum=0.9, dampening=0.3)),
+}
+
+
+@settings(max_examples=25, deadline=None)
+@given(name=st.sampled_from(sorted(TORCH_CASES)), foreach=st.booleans(), lr=st.floats(1e-4, 0.1),
+       seed=st.integers(0, 2**16))
+def test_eager_updates_are_bitwise_torch_optim(name, foreach, lr, seed):
+    """Eagerly (a CPU counter read on the host) every optimizer written once against the interface makes
+    torch.optim's numbers, for-loop and foreach alike: the params agree bit for bit after 8 updates (SGD's
+    dampened first buffer, a host select, included)."""
+    ours, theirs, kwargs = TORCH_CASES[name]
+    params, grads = _problem(seed)
+    ps = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    opt_t = theirs(list(ps.values()), lr=lr, foreach=foreach, **kwargs)
+    opt = ours(lr)
+    p, s = params, opt.init(params)
+    for g in grads:
+        for k, v in ps.items():
+            v.grad = g[k].clone()
+        opt_t.step()
+        p, s = opt.update(g, s, p)
+    assert same_bits(p, {k: v.detach() for k, v in ps.items()}), (name, foreach)

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 
 import functrain as ft
-from functrain.core.flat import FlatParams, FlatSpec
+from functrain.core.flat import FlatLayout, FlatParams
 from functrain.testing import assert_same_state, clone_tree, mlp_problems
 
 FAST = settings(max_examples=15, deadline=None)
@@ -64,7 +64,7 @@ def test_tree_map_keeps_the_flat_form_and_mixed_dtypes_get_one_buffer_each():
     assert sorted(flat.buffers) == ["float32", "float64"]
     assert flat.buffers["float32"].shape == (5,) and flat.buffers["float64"].shape == (4,)
     zeros = ft.tree.tree_map(torch.zeros_like, flat)
-    assert isinstance(zeros, FlatParams) and zeros.spec == flat.spec
+    assert isinstance(zeros, FlatParams) and zeros.layout == flat.layout
     assert len(ft.tree.tree_leaves(flat)) == 2  # what a compiled step takes as inputs: one per dtype
     assert ft.tree.tree_structure(zeros) == ft.tree.tree_structure(flat)
     assert torch.equal(ft.unflat(flat)["h"], params["h"])
@@ -79,12 +79,12 @@ def test_nested_params_read_through_tree():
         flat["enc"]
 
 
-def test_specs_compare_by_structure_dtypes_and_shapes():
-    a, b = FlatSpec.of(_plain_mlp(0)), FlatSpec.of(_plain_mlp(1))
+def test_layouts_compare_by_structure_dtypes_and_shapes():
+    a, b = FlatLayout.from_params(_plain_mlp(0)), FlatLayout.from_params(_plain_mlp(1))
     assert a == b and hash(a) == hash(b)
     other = _plain_mlp(0)
     other["b2"] = torch.zeros(2)
-    assert FlatSpec.of(other) != a
+    assert FlatLayout.from_params(other) != a
 
 
 def test_bad_params_are_named():
@@ -354,3 +354,33 @@ def test_recycling_skips_small_leaves_and_donation(big):
     donating = ft.compile(step, donate=True, backend="aot_eager")
     donating(step.init(clone_tree(params)), _big_batch(0))
     assert donating._fast.last.recycle == ()
+
+
+def test_one_layout_type_for_the_flat_state_and_the_shards():
+    """The flat state's layout is the sharded layout with world 1: ``ft.flat``'s buffers are ``pack``'s and
+    rank 0's one shard; cut for W ranks, the shards joined are the same buffers padded with zeros (any
+    dtypes, shapes, world size), and ``tree`` reads the params back from them bitwise."""
+    shapes = st.lists(st.tuples(st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+                                st.lists(st.integers(0, 4), max_size=3)), min_size=1, max_size=6)
+
+    @settings(max_examples=40, deadline=None)
+    @given(shapes, st.integers(1, 5), st.integers(0, 2**31 - 1))
+    def law(specs, world, seed):
+        g = torch.Generator().manual_seed(seed)
+        params = {f"p{i}": torch.randn(shape, generator=g).to(dtype) for i, (dtype, shape) in enumerate(specs)}
+        flat = ft.flat(params)
+        one = FlatLayout.from_params(params)
+        assert type(flat.layout) is FlatLayout and flat.layout == one and (one.world, one.rank) == (1, 0)
+        assert ft.tree.tree_equal(one.shard_of(params), flat.buffers) and ft.tree.tree_equal(one.flatten(params),
+                                                                                               flat.buffers)
+        cut = [FlatLayout.from_params(params, world=world, rank=r) for r in range(world)]
+        assert all(lay.same_params(one) for lay in cut) and len({hash(lay) for lay in cut}) == world
+        for k in one.keys:
+            joined = torch.cat([lay.shard_of(params)[k] for lay in cut])
+            assert torch.equal(joined[:one.numel[k]].view(torch.uint8), flat.buffers[k].view(torch.uint8))
+            assert not joined[one.numel[k]:].any()
+            assert torch.equal(joined, cut[0].pack(ft.tree.tree_leaves(params))[k])
+        assert ft.tree.tree_equal(cut[-1].tree({k: torch.cat([lay.shard_of(params)[k] for lay in cut])
+                                                for k in one.keys}), params)
+
+    law()

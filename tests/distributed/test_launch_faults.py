@@ -14,7 +14,7 @@ import pytest
 
 import functrain as ft
 from functrain.distributed import LaunchError, cli, spawn
-from functrain.distributed.faults import RankEnd, cause_of, root_cause
+from functrain.distributed.faults import RankEnd, cause_of, describe_end, left_early, root_cause
 
 
 def _env():
@@ -83,6 +83,16 @@ def test_one_classifier_for_both_launchers():
     assert root_cause([RankEnd(0, "error", cause="lost_peer", time=5.0),
                        RankEnd(1, "signal", code=9, time=6.0)]).rank == 1
     assert root_cause([RankEnd(0, "error", time=7.0), RankEnd(1, "signal", code=9, time=6.0)]).rank == 0
+    # a rank that finished before anyone failed left its peers in a collective without it: it is the cause ...
+    early = [RankEnd(0, "error", cause="lost_peer", time=9.0), RankEnd(1, "done", time=5.0)]
+    assert root_cause(early).rank == 1 and left_early(early[1], early)
+    assert "finished (exit status 0) while rank(s) 0 were still running" in describe_end(early[1], early)
+    # ... but not one that finished after the failure, nor one with an unknown time, nor over an own error
+    assert root_cause([RankEnd(0, "error", cause="lost_peer", time=5.0), RankEnd(1, "done", time=9.0)]).rank == 0
+    assert root_cause([RankEnd(0, "error", cause="lost_peer", time=5.0), RankEnd(1, "done")]).rank == 0
+    assert root_cause([RankEnd(0, "error", time=9.0), RankEnd(1, "done", time=5.0)]).rank == 0
+    assert root_cause([RankEnd(0, "error", cause="peer_timeout", time=9.0), RankEnd(1, "running"),
+                       RankEnd(2, "done", time=5.0)]).rank == 2
     # the CLI's launcher-side report and ft.launch both go through this one function
     assert cli.root_cause is root_cause and spawn.root_cause is root_cause
     assert not hasattr(spawn, "SECONDARY_ERRORS") and not hasattr(cli, "_SECONDARY")
@@ -199,15 +209,87 @@ def test_term_timeout_is_the_grace_the_ranks_get(tmp_path, term_timeout, saved):
         if launcher.poll() is None:
             launcher.kill()
             launcher.communicate()
-    assert launcher.returncode == 128 + signal.SIGTERM, out + err
     assert "stopped by SIGTERM" in err, err
     done = sorted(p.name for p in tmp_path.glob("saved*"))
-    if saved:  # 4 s of work < 15 s of grace: both ranks finish
+    if saved:  # 4 s of work < 15 s of grace: both ranks finish; 143 says they ended by themselves
         assert done == ["saved0", "saved1"], out + err
+        assert launcher.returncode == 128 + signal.SIGTERM, out + err
+        assert "every rank ended by itself within --term-timeout 15 s" in err, err
     else:  # 4 s of work > 1 s of grace: SIGKILLed (the default, 30 s, would have let them finish)
         assert done == [], out + err
         assert elapsed < 4, f"the ranks were not killed after --term-timeout 1 ({elapsed:.1f} s)"
+        # the exit status says the ranks did not finish: 137, not the 143 of a clean stop
+        assert launcher.returncode == 128 + signal.SIGKILL, out + err
+        assert "rank(s) 0, 1 did not end within --term-timeout 1 s and were SIGKILLed" in err, err
     _assert_all_dead(_pids(tmp_path), within=5.0)
+
+
+HUNG_IGNORING_SIGTERM = textwrap.dedent("""
+    import pathlib, signal, sys, time, torch, functrain as ft
+    import torch.distributed as dist
+
+    info = ft.distributed.init()
+    out = pathlib.Path(sys.argv[1])
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if info.rank == 1:
+        # hung; its SIGTERM handler (a Trainer's, say) only sets a flag that the hung code never reads
+        signal.signal(signal.SIGTERM, lambda *a: (out / "sigterm1").write_text(repr(time.time())))
+        (out / "hung1").write_text(repr(time.time()))
+        while True:
+            time.sleep(1)
+    dist.all_reduce(t)
+""")
+
+
+def test_a_hung_rank_gets_exactly_term_timeout_after_sigterm(tmp_path):
+    """Rank 1 hangs and survives SIGTERM; rank 0 times out after 3 s and fails: the launcher stops rank 1 with
+    SIGTERM and SIGKILLs it --term-timeout (5 s) later, not after torchrun's own 30 s."""
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG_IGNORING_SIGTERM)
+    p = subprocess.run(_cmd("--nproc", 2, "--dist-timeout", 3, "--term-timeout", 5, script, tmp_path),
+                       cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    ended = time.time()
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    summary = [ln for ln in out.splitlines() if "failed first" in ln]
+    assert len(summary) == 1 and summary[0].startswith(f"{cli._prog()}: rank 1 "), out
+    assert "did not arrive" in summary[0] and "SIGKILL" in summary[0], out
+    hung, sigterm = float((tmp_path / "hung1").read_text()), float((tmp_path / "sigterm1").read_text())
+    grace = ended - sigterm  # from the SIGTERM to the launcher's exit (its SIGKILL, plus its exit)
+    print(f"hang -> SIGTERM {sigterm - hung:.1f} s, SIGTERM -> exit {grace:.1f} s")
+    assert grace >= 4.9, f"rank 1 got only {grace:.1f} s of the 5 s grace"
+    assert grace < 15, f"rank 1 was SIGKILLed {grace:.1f} s after SIGTERM, not --term-timeout 5 s later"
+    assert ended - hung < 3 + 5 + 10, f"the job ended {ended - hung:.0f} s after the hang"
+
+
+EARLY = textwrap.dedent("""
+    import sys, time, torch, functrain as ft
+    import torch.distributed as dist
+
+    info = ft.distributed.init()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if info.rank == 1:
+        sys.exit(0)  # leaves early: fewer steps than rank 0
+    for _ in range(600):
+        dist.all_reduce(t)
+        time.sleep(0.05)
+""")
+
+
+def test_a_rank_that_exits_0_early_is_blamed_by_the_cli(tmp_path):
+    script = tmp_path / "early.py"
+    script.write_text(EARLY)
+    p = subprocess.run(_cmd("--nproc", 2, "--dist-timeout", 30, script), cwd=tmp_path, env=_env(),
+                       capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out  # rank 0's status: it failed (because of rank 1)
+    summary = [ln for ln in out.splitlines() if ln.startswith(f"{cli._prog()}: rank ")]
+    assert len(summary) == 1, out
+    assert summary[0].startswith(f"{cli._prog()}: rank 1 (local rank 1, pid "), out
+    assert "finished (exit status 0) while rank(s) 0 were still running" in summary[0], out
+    assert "another node" not in out, out  # a one-node job: no peer elsewhere to blame
 
 
 def test_term_timeout_usage(tmp_path, capsys):
@@ -260,6 +342,27 @@ def _sigkill_rank_1():
 def test_ft_launch_blames_the_killed_rank_not_the_survivor():
     with pytest.raises(LaunchError, match=r"rank 1 of 2 was killed by signal 9 \(SIGKILL\)"):
         ft.launch(_sigkill_rank_1, nprocs=2, dist_timeout=30, timeout=120)
+
+
+def _rank_1_returns_early():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if dist.get_rank() == 1:
+        return 1  # leaves early: fewer steps than rank 0
+    for _ in range(600):
+        dist.all_reduce(t)
+        time.sleep(0.05)
+    return 0
+
+
+def test_ft_launch_blames_the_rank_that_returned_early():
+    with pytest.raises(LaunchError, match=r"rank 1 of 2 finished \(exit status 0\) while rank\(s\) 0 were still "
+                                          r"running") as info:
+        ft.launch(_rank_1_returns_early, nprocs=2, dist_timeout=30, timeout=120)
+    assert "Connection" in str(info.value)  # rank 0's report (it lost its peer) comes with it
 
 
 def test_ft_launch_checks_its_arguments():

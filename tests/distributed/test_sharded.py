@@ -11,7 +11,7 @@ from conftest import kill_when_running
 import functrain as ft
 from functrain import tree as T
 from functrain.checkpoint import folder as ckpt_folder
-from functrain.core.layout import FlatLayout
+from functrain.core.flat import FlatLayout
 
 MODES = ("optimizer", "params")
 CONFIGS = ["plain", "two_dtypes", "accumulate", "clip", "ema", "fp16_overflow", "fp16_shard_overflow", "num_items",
@@ -276,7 +276,7 @@ def test_layout_shards_and_joins_any_tree():
             assert {tuple(s[k].shape) for s in shards} == {(layouts[0].size[k],)}
             joined = torch.cat([s[k] for s in shards])
             assert not joined[layouts[0].numel[k]:].any(), "padding must be zeros"
-        back = layouts[0].unflatten({k: torch.cat([s[k] for s in shards]) for k in layouts[0].keys})
+        back = layouts[0].tree({k: torch.cat([s[k] for s in shards]) for k in layouts[0].keys})
         assert T.tree_equal(back, tree)
         assert all(lay.is_shard_tree(s) for lay, s in zip(layouts, shards))
         assert layouts[0].is_params_like(tree) and not layouts[0].is_params_like(shards[0])

@@ -30,6 +30,10 @@ def test_num_samples_must_be_a_perfect_square():
     ("max_grad_norm", -1.0, "max_grad_norm"),
     ("save_and_sample_every", 0, "save_and_sample_every"),
     ("trackers", ("jsonl", "comet"), "unknown.*comet"),
+    ("ema_update_after_step", -1, r"ema_update_after_step must be an int >= 0 \(updates that copy"),
+    ("ema_power", 0.0, r"ema_power must be a number > 0 \(finite\), or None: no warm-up; got 0.0"),
+    ("ema_inv_gamma", float("inf"), "ema_inv_gamma must be a positive number"),
+    ("split_batches", "yes", r"split_batches must be one of \(True, False\); got 'yes'"),
 ])
 def test_bad_values_are_named(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -45,6 +49,47 @@ def test_save_load_roundtrip(tmp_path_factory, batch, accum, lr, samples, precis
     cfg.save(path)
     back = ft.TrainConfig.load(path)
     assert back == cfg and back.diff(cfg) == {}
+
+
+@pytest.mark.parametrize("name,match", [
+    ("amp", r"TrainConfig has no field 'amp': use mixed_precision='bf16' or 'fp16'"),
+    ("mixed_precision_type", r"has no field 'mixed_precision_type': use mixed_precision"),
+    ("calculate_fid", r"has no field 'calculate_fid': not provided: ft.Trainer computes no FID \(Trainer\(eval_dataset"),
+    ("num_fid_samples", "not provided: ft.Trainer computes no FID"),
+    ("save_best_and_latest_only", "not provided: keep_checkpoints=N keeps the newest N"),
+    ("augment_horizontal_flip", r"an argument of the dataset, ft.data.ImageFolder\(folder, image_size, augment_"),
+    ("convert_image_to", r"ft.data.ImageFolder\(folder, image_size, convert_image_to='RGB'\)"),
+    ("lr", "has no field 'lr': use train_lr$"),
+    ("update_after_step", "use ema_update_after_step$"),
+    ("train_batchsize", "has no field 'train_batchsize': did you mean train_batch_size"),  # difflib
+    ("ema_decy", "did you mean ema_decay"),
+    ("qqq", "has no field 'qqq': no such field$"),
+])
+def test_names_users_bring_get_the_functrain_name(name, match):
+    """denoising-diffusion-pytorch's (and accelerate's, ema-pytorch's) names are answered with the field that does
+    their job, or with 'not provided'; anything else with difflib's closest fields. A TypeError as before (and a
+    ValueError), raised before the dataclass sees the name."""
+    with pytest.raises(TypeError, match=match):
+        ft.TrainConfig(**{name: True})
+    with pytest.raises(ValueError, match=match):
+        ft.TrainConfig(train_batch_size=8, **{name: True})
+    with pytest.raises(ValueError, match=rf"unknown fields \['{name}'\].*'{name}': "):
+        ft.TrainConfig.from_dict({name: True})
+
+
+def test_several_unknown_names_are_all_answered():
+    with pytest.raises(ValueError, match=r"TrainConfig: unknown fields \['amp', 'calculate_fid'\] \('amp': use "
+                                         r"mixed_precision.*'calculate_fid': not provided.*the fields are \["):
+        ft.TrainConfig(amp=True, calculate_fid=False)
+    assert ft.TrainConfig(train_lr=1e-3).replace(seed=2).seed == 2  # replace() goes through the same check
+    with pytest.raises(ValueError, match="has no field 'lr': use train_lr"):
+        ft.TrainConfig().replace(lr=1.0)
+
+
+def test_ema_inv_gamma_without_the_warm_up_is_refused():
+    with pytest.raises(ValueError, match=r"ema_inv_gamma shapes the EMA warm-up.*ema_power=None it would be unused"):
+        ft.TrainConfig(ema_power=None, ema_inv_gamma=2.0)
+    assert ft.TrainConfig(ema_power=None).ema_power is None
 
 
 def test_diff_and_unknown_keys(tmp_path):

@@ -37,7 +37,8 @@ def _data(n=64, d=4, seed=0):
 
 def _config(folder, **kw):
     base = dict(train_batch_size=8, train_num_steps=12, save_and_sample_every=6, results_folder=str(folder),
-                compile=False, log_every=1, ema_update_every=1, ema_decay=0.9, trackers=("jsonl",), train_lr=1e-2)
+                compile=False, log_every=1, ema_update_every=1, ema_decay=0.9, trackers=("jsonl",), train_lr=1e-2,
+                ema_update_after_step=0, ema_power=None)  # the plain ft.ema(0.9) the hand-built steps use
     return ft.TrainConfig(**{**base, **kw})
 
 
@@ -169,6 +170,12 @@ def test_a_ready_step_is_used_as_is(tmp_path):
         ft.Trainer(model, data, config, step=step, optimizer=ft.optim.sgd(0.1))
     with pytest.raises(ValueError, match=r"accumulates 2 micro-batches but TrainConfig.gradient_accumulate_every=1"):
         ft.Trainer(model, data, config, step=ft.accumulate(2)(step))
+    # a streaming accumulation takes one micro-batch per call (Transform.micro_batches): the trainer loads
+    # train_batch_size rows per call for it, never gradient_accumulate_every times as many
+    with pytest.raises(ValueError, match=r"accumulates 1 micro-batches but TrainConfig.gradient_accumulate_every=2"):
+        ft.Trainer(model, data, config.replace(gradient_accumulate_every=2),
+                   step=ft.accumulate(2, streaming=True)(step))
+    ft.Trainer(model, data, config, step=ft.accumulate(2, streaming=True)(step))
     with pytest.raises(TypeError, match="takes a functrain Step"):
         ft.Trainer(model, data, config, step=lambda state, batch: (state, {}))
 

@@ -45,7 +45,8 @@ def _data(nan_rows=(), n=64):
 
 def _config(folder, **kw):
     base = dict(train_batch_size=8, train_num_steps=60, save_and_sample_every=5, keep_checkpoints=3,
-                results_folder=str(folder), compile=False, log_every=10, ema_update_every=1, trackers=())
+                results_folder=str(folder), compile=False, log_every=10, ema_update_every=1, ema_update_after_step=0,
+                trackers=())
     return ft.TrainConfig(**{**base, **kw})
 
 
@@ -183,6 +184,36 @@ def test_sigterm_on_two_processes_saves_in_time_with_rare_log_steps(tmp_path):
     assert ft.CheckpointManager(tmp_path / "checkpoints").steps()[-1] == step
     assert proc.returncode == 128 + signal.SIGTERM  # as documented: the launcher reports it was stopped
     assert took < 25, f"{took:.1f} s from SIGTERM to exit: beyond the bound"
+
+
+def test_sigterm_after_the_steps_slow_down_saves_within_a_step_and_says_so(tmp_path):
+    """150 fast steps, then 1 s steps; SIGTERM to the launcher (--term-timeout 10): the ranks must not keep
+    running on an agreement interval learnt from the fast steps. Both stop at the same step within about a
+    step of the signal, rank 0 saves it, and the launcher exits 143 (every rank ended by itself: saved)."""
+    args = ("--nproc", 2, "--term-timeout", 10, JOB, tmp_path, "--no-compile", "--steps", 1000, "--log-every", 50,
+            "--save-every", 150, "--step-sleep", 1.0, "--slow-after", 150, "--precision", "no")
+    proc = subprocess.Popen([sys.executable, "-m", "functrain.launch", *map(str, args)],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        _wait_for(os.path.join(tmp_path, "checkpoints", "step_00000150", "COMPLETE.json"), proc)
+        time.sleep(2.5)  # two slow steps in
+        sent = time.time()
+        proc.send_signal(signal.SIGTERM)  # to the launcher: forwarded to the ranks, SIGKILL 10 s later
+        out, _ = proc.communicate(timeout=120)
+        took = time.time() - sent
+    finally:
+        _kill(proc)
+    steps = ft.CheckpointManager(tmp_path / "checkpoints").steps()
+    assert steps[-1] > 150, f"no checkpoint after the SIGTERM (steps {steps}):\n{out[-3000:]}"
+    done = re.findall(r"DONE step=(\d+) rank=(\d+)", out)
+    assert sorted(rank for _, rank in done) == ["0", "1"], out[-3000:]
+    assert {int(step) for step, _ in done} == {steps[-1]}, done
+    saved = os.stat(tmp_path / "checkpoints" / f"step_{steps[-1]:08d}" / "COMPLETE.json").st_mtime - sent
+    print(f"SIGTERM at ~step {150 + 2}: saved step {steps[-1]} {saved:.1f} s later, exit after {took:.1f} s")
+    assert saved < 3 * 1.0 + 4, f"the checkpoint came {saved:.1f} s after SIGTERM: more than about a step"
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "every rank ended by itself" in out, out[-3000:]
 
 
 def test_a_slow_sample_fn_beyond_the_collective_timeout_is_not_a_failure(tmp_path):

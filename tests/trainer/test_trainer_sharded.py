@@ -111,7 +111,8 @@ def _trainer(results, shard):
     data = torch.utils.data.TensorDataset(x, x.flip(1) * 0.5)
     torch.manual_seed(0)
     config = ft.TrainConfig(train_batch_size=4, gradient_accumulate_every=2, train_lr=3e-3, train_num_steps=STEPS,
-                            ema_update_every=2, ema_decay=0.9, save_and_sample_every=2, num_samples=4,
+                            ema_update_every=2, ema_decay=0.9, ema_update_after_step=0, save_and_sample_every=2,
+                            num_samples=4,
                             mixed_precision="fp16", results_folder=str(results), seed=3, log_every=1,
                             keep_checkpoints=100, compile=False, shard=shard)
     return ft.Trainer(Model(), data, config)

@@ -2,6 +2,7 @@
 
     python tests/trainer_job.py RESULTS [--steps N] [--save-every K] [--precision fp16] [--no-compile]
                                         [--log-every L] [--step-sleep S] [--slow S] [--shard MODE]
+                                        [--slow-after N]
 """
 import argparse
 import sys
@@ -18,11 +19,14 @@ class Model(torch.nn.Module):
         self.net = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.GELU(), torch.nn.Dropout(0.2),
                                        torch.nn.Linear(32, 6))
 
-    step_sleep = 0.0  # seconds each forward sleeps (eager only): a slow step, for the SIGTERM tests
+    step_sleep = 0.0  # seconds each step sleeps (eager only): a slow step, for the SIGTERM tests
+    slow_after = 0  # ... from this step on (steps before it are fast)
+    calls = 0
 
     def forward(self, x, y):
-        if self.step_sleep:
-            time.sleep(self.step_sleep)
+        self.calls += 1  # (once per micro-batch: 2 per step)
+        if self.step_sleep and self.calls > 2 * self.slow_after:
+            time.sleep(self.step_sleep / 2)
         noise = 0.01 * torch.randn_like(x)  # randomness in the loss too, drawn from the state's generator
         return torch.nn.functional.mse_loss(self.net(x + noise), y)
 
@@ -39,13 +43,15 @@ def main():
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--shard", default="none", help="TrainConfig.shard: none, optimizer or params")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (needs --no-compile)")
+    p.add_argument("--slow-after", type=int, default=0, help="--step-sleep only after this many fast steps")
     a = p.parse_args()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(72, 6, generator=g)
     data = torch.utils.data.TensorDataset(x, x.flip(1) * 0.5)  # 72 samples: 4.5 updates of 16 per epoch
     torch.manual_seed(0)
     config = ft.TrainConfig(train_batch_size=4, gradient_accumulate_every=2, train_lr=3e-3, train_num_steps=a.steps,
-                            ema_update_every=2, ema_decay=0.9, save_and_sample_every=a.save_every, num_samples=4,
+                            ema_update_every=2, ema_decay=0.9, ema_update_after_step=0,  # (the warm-up ramp, no copies)
+                            save_and_sample_every=a.save_every, num_samples=4,
                             mixed_precision=a.precision, results_folder=a.results, seed=3, log_every=a.log_every,
                             keep_checkpoints=100, compile=not a.no_compile, trackers=tuple(a.trackers.split(",")),
                             shard=a.shard)
@@ -57,7 +63,7 @@ def main():
         return torch.sigmoid(w[: n * 4].reshape(n, 1, 4, 6))
 
     model = Model()
-    model.step_sleep = a.step_sleep
+    model.step_sleep, model.slow_after = a.step_sleep, a.slow_after
     state = ft.Trainer(model, data, config, sample_fn=sample_fn).train()
     sys.stdout.write(f"DONE step={int(state.step)} rank={ft.distributed.rank()}\n")
 

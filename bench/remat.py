@@ -14,7 +14,9 @@ compiled with inductor and donated as ``ft.run`` donates (``ft.compile(step).don
   compiles), so the compiler's own memory is not counted;
 * ``step_s``: the median time of ``--steps`` timed steps;
 * ``dparams``: max |params - params of ``none``| after the warm-up and timed steps (the same batches): remat
-  changes memory, never the update (float rounding only).
+  changes memory, never the update (float rounding only);
+* ``x none`` of the time: with ``--rounds N`` the median over rounds of the step time's ratio to the ``none`` run
+  of the same round (runs interleaved, so a load that comes and goes hits both sides of a ratio alike).
 
 The target (issue 17): peak <= 0.5x of ``none`` at <= 1.35x its step time.
 """
@@ -101,6 +103,9 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=9)
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every (workload, policy) this many times, interleaved: on a loaded machine the "
+                        "step-time ratio is the median of each round's ratio to that round's 'none'")
     p.add_argument("--out-json")
     p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -111,18 +116,34 @@ def main(argv=None) -> None:
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536",
            "PYTHONPATH": os.path.join(HERE, "..")}
-    results = []
-    for name in args.workloads.split(","):
-        for policy in args.policies.split(","):
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, policy, "--warmup", str(args.warmup),
-                   "--steps", str(args.steps)]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-            if proc.returncode:
-                r = {"workload": name, "policy": policy, "error": proc.stderr.strip().splitlines()[-1][:300]}
-            else:
-                r = json.loads(proc.stdout.strip().splitlines()[-1])
-            results.append(r)
-            print(json.dumps(r), flush=True)
+    results, rounds = [], []
+    for rnd in range(args.rounds):
+        this = []
+        for name in args.workloads.split(","):
+            for policy in args.policies.split(","):
+                cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, policy, "--warmup",
+                       str(args.warmup), "--steps", str(args.steps)]
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+                if proc.returncode:
+                    r = {"workload": name, "policy": policy, "error": proc.stderr.strip().splitlines()[-1][:300]}
+                else:
+                    r = json.loads(proc.stdout.strip().splitlines()[-1])
+                r["round"] = rnd
+                this.append(r)
+                print(json.dumps(r), flush=True)
+        rounds.append(this)
+    # the table: the last round's peaks and estimates (deterministic up to RSS noise), step-time ratios paired
+    # per round (each policy against the 'none' run of its own round), their median
+    results = rounds[-1]
+    for r in results:
+        ratios = []
+        for this in rounds:
+            mine = [x for x in this if x["workload"] == r["workload"] and x["policy"] == r["policy"]]
+            none = [x for x in this if x["workload"] == r["workload"] and x["policy"] == "none"]
+            if mine and none and "error" not in mine[0] and "error" not in none[0]:
+                ratios.append(mine[0]["step_s"] / none[0]["step_s"])
+        r["time_ratio"] = statistics.median(ratios) if ratios else float("nan")
+        r["time_ratios"] = ratios
     mib = 1 << 20
     print(f"\n{'workload':<8} {'policy':<18} {'peak MiB':>9} {'x none':>7} {'s/step':>7} {'x none':>7} "
           f"{'est MiB':>8} {'est/peak':>8} {'max|dp|':>9}")
@@ -140,11 +161,11 @@ def main(argv=None) -> None:
         r["dparams"] = dp
         print(f"{r['workload']:<8} {r['policy']:<18} {r['peak'] / mib:9.1f} "
               f"{r['peak'] / b['peak'] if b else float('nan'):7.2f} {r['step_s']:7.3f} "
-              f"{r['step_s'] / b['step_s'] if b else float('nan'):7.2f} {r['estimate'] / mib:8.1f} "
+              f"{r['time_ratio']:7.2f} {r['estimate'] / mib:8.1f} "
               f"{r['estimate'] / r['peak']:8.2f} {dp:9.2e}")
     if args.out_json:
         with open(args.out_json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
+            json.dump({"args": vars(args), "results": results, "rounds": rounds}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ step runs); that set is reported apart (``new_state``).
 Why this walk and not inductor's own scheduler estimate: it needs no compile (seconds, not minutes), and the
 recomputation functrain's remat adds is tied to the backward (:func:`functrain.core.recompute.tie`), so inductor
 runs the graph in an order of the same peak: fusion removes short-lived elementwise intermediates, which
-rarely meet at the peak. Measured against the RSS high-water mark of donated inductor steps (bench/memory.py):
+rarely meet at the peak. Measured against the RSS high-water mark of donated inductor steps (bench/remat.py, tests/compiler/peak_job.py):
 within the ±20% the issue asks on the transformer workloads; collectives' internal buffers (gloo's
 reduce-scatter copies its input) are outside any graph and are added per collective (see ``_COLLECTIVES``).
 

@@ -218,16 +218,23 @@ class Step:
         buffers = {} if buffers is None else buffers
         leaves = T.tree_leaves(params)
         device = leaves[0].device if leaves else torch.device("cpu")
-        slots = {t.name: t.init(params, buffers) for t in self.transforms}
+        # a sharding transform hands the optimizer and the params-shaped slot fields this rank's parts
+        # (Transform.init_parts): the moments and an EMA are made as shards, never whole on any rank
+        parts = params
+        for t in self._ordered:
+            if t.shards_state:
+                parts = t.init_parts(params)
+        slots = {t.name: t.init(parts if t.params_fields else params, buffers) for t in self.transforms}
         slots = {name: slot for name, slot in slots.items() if slot is not None}  # stateless: no slot
         state = TrainState(
             params=params,
             buffers=buffers,
-            opt_state=self.optimizer.init(params),
+            opt_state=self.optimizer.init(parts),
             step=torch.zeros((), dtype=torch.int64, device=device),
             rng=None if seed is None else rng_init(seed, device),
             slots=slots,
         )
+        del parts  # (a sharded init: the shard it viewed is freed before post_init makes the rest)
         init = InitContext({t.name: tuple(t.params_fields) for t in self.transforms
                             if t.params_fields and t.name in slots})
         for t in self._ordered:

@@ -183,6 +183,9 @@ class Transform:
       params and the optimizer moments; other fields stay whole and replicated.
     * ``shards_state`` (class attribute): whether the transform cuts the state over
       ranks (the sharded ``data_parallel``): a step with one takes only sharded states.
+      ``init_parts(params)`` (such a transform only) gives what the optimizer and the
+      ``params_fields`` transforms initialise from: this rank's parts, so no rank builds
+      the whole optimizer state or EMA.
     * ``micro_batches``: how many micro-batches one call's batch holds (``accumulate(n)``
       splits it into ``n``; 1 by default, and for a streaming accumulation, which takes one
       micro-batch per call). :attr:`functrain.core.step.Step.micro_batches` is the product
@@ -272,6 +275,14 @@ class Transform:
     def post_init(self, state: TrainState, init: "InitContext") -> TrainState:
         """Adjust the complete initial state once, eagerly (data_parallel broadcasts it from rank 0)."""
         return state
+
+    def init_parts(self, params: Any) -> Any:
+        """What the optimizer's ``init`` and the ``init`` of transforms declaring :attr:`params_fields` build
+        from on this process: ``params`` itself by default. A transform with :attr:`shards_state` returns this
+        rank's parts of (rank 0's) params instead, so that the moments and the declared fields are made as
+        this rank's shard, never whole; its ``post_init`` turns them into its shard trees. Called once per
+        ``step.init``, before any ``init``, for the transforms with ``shards_state`` only."""
+        return params
 
     def rng_offset(self) -> int:
         """What this process adds to each step's random seed (data_parallel: its rank); 0 by default."""

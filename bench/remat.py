@@ -3,6 +3,7 @@
     python bench/remat.py                                    # T4, T8 (d 128, seq 64) and T4L (seq 512)
     python bench/remat.py --workloads T4 --policies none,nothing_saveable --steps 5
     python bench/remat.py --out-json /tmp/remat.json
+    python bench/remat.py --paired T4 nothing_saveable --steps 20   # step time, both in one process, alternated
 
 Each (workload, policy) runs in a fresh process (``MALLOC_MMAP_THRESHOLD_=65536`` so freed blocks go back to the
 system and RSS follows the live tensors; one thread): the workload's functrain step (``bench/workloads.py``:
@@ -96,6 +97,52 @@ def worker(name: str, policy: str, warmup: int, steps: int) -> dict:
     return out
 
 
+def paired_worker(name: str, policy: str, warmup: int, steps: int) -> dict:
+    """Step time of ``policy`` against no remat in ONE process: both steps compiled, then called alternately
+    (the order flipped each pair), so a load that comes and goes hits both sides of each ratio alike."""
+    import copy
+
+    import torch
+
+    import functrain as ft
+    from bench import workloads as W
+
+    torch.set_num_threads(1)
+    wl = W.Workload(name, name, (), 16, "lm", kind="lm", n_batches=4, **WORKLOADS[name])
+    W.build(wl, torch.device("cpu"))
+    runs, states = {}, {}
+    for p in ("none", policy):
+        module = W.make_model(wl)
+        module.load_state_dict(wl.init_state)
+        if p != "none":
+            ft.remat(module.blocks, p)
+        apply_fn, params, buffers = ft.functionalize(module)
+        params = {k: v.detach().clone() for k, v in params.items()}
+
+        def loss_fn(pp, b, batch, apply_fn=apply_fn):
+            return W.lm_loss(apply_fn(pp, b, batch[0]), batch[1])
+
+        step = ft.train_step(loss_fn, ft.optim.adamw(lr=wl.lr))
+        states[p] = step.init(params, buffers)
+        runs[p] = ft.compile(step).donating()
+    for i in range(warmup):
+        for p in runs:
+            states[p], _ = runs[p](states[p], wl.batches[i % len(wl.batches)])
+    times = {p: [] for p in runs}
+    for i in range(steps):
+        order = ("none", policy) if i % 2 == 0 else (policy, "none")
+        for p in order:
+            t = time.perf_counter()
+            states[p], metrics = runs[p](states[p], wl.batches[(warmup + i) % len(wl.batches)])
+            float(metrics["loss"])
+            times[p].append(time.perf_counter() - t)
+    ratios = [a / b for a, b in zip(times[policy], times["none"])]
+    dp = max(float((states["none"].params[k] - states[policy].params[k]).abs().max()) for k in states["none"].params)
+    return {"workload": name, "policy": policy, "paired_ratio": statistics.median(ratios),
+            "step_s_none": statistics.median(times["none"]), "step_s": statistics.median(times[policy]),
+            "ratios": ratios, "dparams": dp}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -108,9 +155,14 @@ def main(argv=None) -> None:
                         "step-time ratio is the median of each round's ratio to that round's 'none'")
     p.add_argument("--out-json")
     p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--paired", nargs=2, metavar=("WORKLOAD", "POLICY"),
+                   help="time POLICY against no remat in one process, alternating calls (prints one JSON line)")
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(*args.worker, args.warmup, args.steps)))
+        return
+    if args.paired:
+        print(json.dumps(paired_worker(*args.paired, args.warmup, args.steps)))
         return
     import torch
 

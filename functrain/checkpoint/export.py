@@ -99,18 +99,36 @@ def flat_state_dict(*trees: Any, module: torch.nn.Module | None = None) -> dict[
 
 def export_state_dict(path: str | os.PathLike, params: Any, buffers: Any = None, *,
                       module: torch.nn.Module | None = None, metadata: Mapping[str, str] | None = None) -> str:
-    """Write ``params`` (and ``buffers``) as a plain state_dict ``.safetensors`` file, atomically; returns the path.
+    """Write ``params`` (and ``buffers``) as a plain state_dict ``.safetensors`` file, atomically.
 
-    ``params``/``buffers`` are ``{name: tensor}`` trees (``state.params``,
-    ``state.buffers``, ``state.ema``); nested containers are flattened with
-    ``"."``. With ``module`` the keys match ``module.state_dict()`` exactly (tied
-    aliases filled in, non-persistent buffers dropped). ``metadata`` (str -> str)
-    goes into the file's header, with ``{"format": "pt"}`` as Hugging Face tools expect.
+    The file is created beside the target and renamed over it (a link at the target is
+    refused), then the folder is fsynced.
+
+    Args:
+        path: the file to write.
+        params: a ``{name: tensor}`` tree (``state.params`` or ``state.ema``); nested containers
+            are flattened with ``"."``.
+        buffers: the buffers tree (``state.buffers``), or ``None`` (default: none).
+        module: ``None`` (default), or the ``torch.nn.Module`` the weights are for: the keys then
+            match ``module.state_dict()`` exactly (tied aliases filled in, non-persistent buffers dropped).
+        metadata: str -> str pairs for the file's header (default ``None``), after
+            ``{"format": "pt"}`` as Hugging Face tools expect.
+
+    Returns:
+        The path written, a str.
+
+    Raises:
+        ValueError: there are no tensors to write, or (with ``module``) the tree and the module's
+            state_dict differ; the message names the keys.
 
     Example::
 
-        ft.checkpoint.export_state_dict("results/model.safetensors", state.params, state.buffers, module=model)
-        model.load_state_dict(safetensors.torch.load_file("results/model.safetensors"), strict=True)
+        >>> import tempfile, torch, safetensors.torch, functrain as ft
+        >>> model = torch.nn.Linear(2, 1)
+        >>> _, params, buffers = ft.functionalize(model)
+        >>> path = ft.export_state_dict(tempfile.mkdtemp() + "/model.safetensors", params, buffers, module=model)
+        >>> model.load_state_dict(safetensors.torch.load_file(path), strict=True)
+        <All keys matched successfully>
     """
     flat = flat_state_dict(params, buffers, module=module)
     if not flat:
@@ -130,15 +148,32 @@ def export_weights(folder: str | os.PathLike, state: Any, *, module: torch.nn.Mo
                    metadata: Mapping[str, str] | None = None) -> dict[str, str]:
     """Write a training state's final weights: ``folder/model.safetensors`` and, with an EMA, ``folder/ema.safetensors``.
 
-    ``state`` is a :class:`functrain.TrainState` (or anything with ``params``,
-    ``buffers`` and optionally ``ema``). The EMA file holds the EMA params with the
-    state's buffers, so it loads strictly into the same module. Returns
-    ``{"model": path}`` plus ``"ema": path`` when the state has an EMA.
+    The EMA file holds the EMA params with the state's buffers, so it loads strictly into
+    the same module. Each file's header records ``"step"`` (when the state has a tensor
+    ``step``) and ``"weights"`` (``"params"`` or ``"ema"``).
+
+    Args:
+        folder: the folder to write into.
+        state: a :class:`functrain.TrainState` (or anything with ``params``, ``buffers`` and
+            optionally ``ema``).
+        module: as in :func:`export_state_dict` (default ``None``).
+        metadata: extra str -> str header pairs for both files (default ``None``).
+
+    Returns:
+        ``{"model": path}``, plus ``"ema": path`` when the state has an EMA.
+
+    Raises:
+        ValueError: as :func:`export_state_dict`.
 
     Example::
 
-        paths = ft.checkpoint.export_weights("results", state, module=model)
-        model.load_state_dict(safetensors.torch.load_file(paths["ema"]), strict=True)
+        >>> import tempfile, torch, functrain as ft
+        >>> model = torch.nn.Linear(2, 1)
+        >>> _, params, buffers = ft.functionalize(model)
+        >>> step = ft.ema(0.9)(ft.train_step(lambda p, b, x: (p["weight"] * x).sum(), ft.optim.sgd(0.1)))
+        >>> paths = ft.export_weights(tempfile.mkdtemp(), step.init(params, buffers), module=model)
+        >>> sorted(paths)
+        ['ema', 'model']
     """
     folder = os.fspath(folder)
     meta = {"step": str(int(state.step))} if isinstance(getattr(state, "step", None), torch.Tensor) else {}

@@ -370,16 +370,28 @@ def _read_structure(path: str, files: dict) -> tuple[Any, list]:
 
 
 def check_structure(path: str | os.PathLike, template: Any) -> None:
-    """Refuse the checkpoint at ``path`` unless its saved structure (``tree.json``: node types, keys, each
-    tensor's dtype and shape) is the template's, before any tensor is read.
+    """Refuse the checkpoint at ``path`` unless its saved structure is the template's, before any tensor is read.
 
-    Raises :class:`StructureMismatch` naming every differing path (e.g. ``'slots'``: a transform's slot only in
-    the checkpoint), or :class:`CheckpointError` if ``tree.json`` is damaged.
+    The structure is ``tree.json``: node types, keys, each tensor's dtype and shape.
+
+    Args:
+        path: the checkpoint folder (unsharded).
+        template: the state it should match (e.g. from ``step.init``); a flat template
+            (``ft.flat``) is compared by name.
+
+    Returns:
+        ``None`` when the structures match.
+
+    Raises:
+        StructureMismatch: naming every differing path (e.g. ``'slots'``: a transform's slot only in
+            the checkpoint).
+        CheckpointError: ``tree.json`` is missing or damaged.
 
     Example::
 
         >>> import tempfile, torch, functrain as ft
         >>> path = ft.save(tempfile.mkdtemp() + "/c", {"w": torch.ones(2)})
+        >>> ft.checkpoint.check_structure(path, {"w": torch.zeros(2)})
         >>> ft.checkpoint.check_structure(path, {"w": torch.zeros(3)})
         Traceback (most recent call last):
         ...

@@ -32,7 +32,19 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in ST_CODES}  # "float32" -> t
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that is incomplete, damaged, not a functrain checkpoint, or does not match the template."""
+    """A checkpoint that is incomplete, damaged, not a functrain checkpoint, or does not match the template.
+
+    A ``ValueError``; the message names the file and what is wrong with it.
+
+    Example::
+
+        >>> import tempfile, functrain as ft
+        >>> try:
+        ...     ft.load(tempfile.mkdtemp())
+        ... except ft.CheckpointError as e:
+        ...     print("no completion mark" in str(e))
+        True
+    """
 
     __module__ = "functrain.checkpoint"  # its public home, in reprs and tracebacks
 
@@ -41,8 +53,23 @@ class CheckpointSpaceError(OSError):
     """A checkpoint that does not fit: the disk or quota is full (ENOSPC, EDQUOT), or a file would pass the
     process's file-size limit (EFBIG, ``RLIMIT_FSIZE``). An ``OSError`` with that errno.
 
-    ``path`` is the checkpoint, ``needed`` the bytes it needs, ``free`` the bytes the file system (or the size
-    limit) allows. Nothing of the new checkpoint is left behind, and the older ones are intact.
+    Nothing of the new checkpoint is left behind, and the older ones are intact. :func:`save`
+    raises it; you catch it (``except OSError`` does too).
+
+    Args:
+        errno_: the ``errno`` (``errno.ENOSPC``, ``errno.EDQUOT`` or ``errno.EFBIG``).
+        message: the error's text (its ``strerror`` and ``str``).
+        path: the checkpoint, kept as the attribute ``path``.
+        needed: the bytes it needs, kept as ``needed``.
+        free: the bytes the file system (or the size limit) allows, or ``None`` if unknown; kept as ``free``.
+
+    Example::
+
+        >>> import errno
+        >>> from functrain.checkpoint import CheckpointSpaceError
+        >>> e = CheckpointSpaceError(errno.ENOSPC, "no space for ckpt", "/ckpt", needed=10, free=2)
+        >>> isinstance(e, OSError), e.errno == errno.ENOSPC, e.needed, e.free, str(e)
+        (True, True, 10, 2, 'no space for ckpt')
     """
 
     __module__ = "functrain.checkpoint"  # its public home, in reprs and tracebacks
@@ -322,8 +349,22 @@ def differences(loaded: Any, template: Any, limit: int = 8) -> tuple[list[tuple[
 class StructureMismatch(CheckpointError):
     """A checkpoint whose state structure (node types, keys, tensor dtypes and shapes) differs from the template.
 
-    ``differences`` lists ``(path, what differs)``; ``path`` is the checkpoint folder. Raised before any tensor
-    is read. Unlike damage, it is never skipped by a fallback to an older checkpoint.
+    A :class:`CheckpointError`, raised before any tensor is read. Unlike damage, it is never
+    skipped by a fallback to an older checkpoint.
+
+    Args:
+        path: the checkpoint folder, kept as the attribute ``path``.
+        differences: ``[(tree path, what differs)]``, kept as ``differences`` (the first one first).
+
+    Example::
+
+        >>> import tempfile, torch, functrain as ft
+        >>> path = ft.save(tempfile.mkdtemp() + "/c", {"w": torch.ones(2)})
+        >>> try:
+        ...     ft.load(path, template={"w": torch.ones(3)})
+        ... except ft.checkpoint.StructureMismatch as e:
+        ...     print(e.differences)
+        [('w', 'tensor (2,) torch.float32 in the checkpoint, (3,) torch.float32 in the template')]
     """
 
     __module__ = "functrain.checkpoint"  # its public home, in reprs and tracebacks

@@ -22,7 +22,26 @@ __all__ = ["FolderLock", "FolderLocked", "hold_dir", "try_hold_dir"]
 
 
 class FolderLocked(RuntimeError):
-    """Another live process holds the :class:`FolderLock` of a folder."""
+    """Another live process holds the :class:`FolderLock` of a folder (a ``RuntimeError``).
+
+    Args:
+        message: the error's text, naming the folder, the holder and what to do.
+        folder: the locked folder, kept as the attribute ``folder``.
+        holder: what the holder wrote in the lock file (``{"pid", "host", "since"}``), or ``None``
+            when unreadable; kept as ``holder``.
+
+    Example::
+
+        >>> import os, tempfile
+        >>> from functrain.checkpoint import FolderLock, FolderLocked
+        >>> folder = tempfile.mkdtemp()
+        >>> with FolderLock(folder):
+        ...     try:
+        ...         FolderLock(folder).acquire()
+        ...     except FolderLocked as e:
+        ...         print(e.folder == folder, e.holder["pid"] == os.getpid())
+        True True
+    """
 
     __module__ = "functrain.checkpoint"  # its public home, in reprs and tracebacks
 
@@ -43,6 +62,15 @@ class FolderLock:
     time, which the holder writes into the lock file). The kernel drops the lock
     when its holder exits or is killed, so a lock left by a dead process is taken
     over without any cleanup. Use it as a context manager or call ``release()``.
+
+    Args:
+        folder: the folder to lock (created if needed); a ``.lock`` that is a symbolic link is
+            refused (:class:`LinkRefused`).
+
+    Attributes:
+        folder: the folder's absolute path.
+        path: the lock file, ``folder/.lock``.
+        held: whether this object holds the lock.
 
     Example::
 
@@ -71,7 +99,15 @@ class FolderLock:
         return self._fd is not None
 
     def acquire(self) -> "FolderLock":
-        """Take the lock, or raise :class:`FolderLocked` if another process holds it."""
+        """Take the lock without waiting (again on a held lock: nothing happens).
+
+        Returns:
+            This lock.
+
+        Raises:
+            FolderLocked: another live process holds it; the message names it.
+            LinkRefused: ``folder/.lock`` is a symbolic link.
+        """
         if self._fd is not None:
             return self
         os.makedirs(self.folder, exist_ok=True)
@@ -98,7 +134,11 @@ class FolderLock:
         return self
 
     def release(self) -> None:
-        """Drop the lock (the lock file stays; its next holder overwrites it)."""
+        """Drop the lock (the lock file stays; its next holder overwrites it); nothing happens if it is not held.
+
+        Returns:
+            ``None``.
+        """
         fd, self._fd = self._fd, None
         if fd is not None:
             try:
@@ -108,7 +148,11 @@ class FolderLock:
             os.close(fd)  # closing the last descriptor releases the flock
 
     def holder(self) -> dict | None:
-        """``{"pid", "host", "since"}`` of the process that holds (or last held) the lock, if written."""
+        """Who holds (or last held) the lock, as written in the lock file.
+
+        Returns:
+            ``{"pid", "host", "since"}``, or ``None`` when there is no readable lock file (a link included).
+        """
         try:
             fd = open_fd(self.path, os.O_RDONLY, what="the results folder's lock")
         except OSError:  # (a link included: its holder is unknown)

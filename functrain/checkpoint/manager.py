@@ -23,7 +23,23 @@ _DAMAGED, _REFUSED, _FAILED = 1, 2, 3  # a rank's verdict on a candidate checkpo
 
 
 class Restored(NamedTuple):
-    """What :meth:`CheckpointManager.load_latest` returns."""
+    """What :meth:`CheckpointManager.load_latest` returns.
+
+    Attributes:
+        state: the loaded state.
+        extra: the ``extra`` JSON value saved with it.
+        step: the checkpoint's step number, an int.
+        path: the checkpoint folder.
+
+    Example::
+
+        >>> import tempfile, torch, functrain as ft
+        >>> manager = ft.CheckpointManager(tempfile.mkdtemp())
+        >>> _ = manager.save(5, {"w": torch.ones(1)}, extra={"epoch": 0})
+        >>> restored = manager.load_latest()
+        >>> restored.step, restored.extra, restored.state["w"]
+        (5, {'epoch': 0}, tensor([1.]))
+    """
 
     __module__ = "functrain.checkpoint"  # its public home, in reprs and docs
 
@@ -54,6 +70,30 @@ class CheckpointManager:
     folder appears complete with its ``SHARDED.json`` last, and then rank 0
     alone prunes. ``load_latest`` (on every rank, with each rank's template)
     reads such checkpoints too, into a template of any world size.
+
+    Args:
+        folder: the folder of the numbered checkpoints (created by the first save).
+        keep: how many checkpoints to keep, an int >= 1 (default 3), or ``None``: keep all.
+        checksum: ``"crc32"`` (default) or ``"sha256"``, as in :func:`save`.
+        fsync: as in :func:`save` (default ``True``).
+
+    Attributes:
+        folder: the folder's absolute path.
+        keep, checksum, fsync: the settings above.
+
+    Raises:
+        ValueError: ``keep`` is not an int >= 1 or ``None``, or an unknown ``checksum``.
+
+    Example::
+
+        >>> import tempfile, torch, functrain as ft
+        >>> manager = ft.CheckpointManager(tempfile.mkdtemp(), keep=2)
+        >>> for step in (10, 20, 30):
+        ...     _ = manager.save(step, {"w": torch.full((1,), float(step))})
+        >>> manager.steps()
+        [20, 30]
+        >>> manager.load_latest(template={"w": torch.zeros(1)}).state["w"]
+        tensor([30.])
     """
 
     __module__ = "functrain.checkpoint"  # its public home, in reprs and tracebacks
@@ -73,7 +113,14 @@ class CheckpointManager:
         return f"CheckpointManager({self.folder!r}, keep={self.keep})"
 
     def path(self, step: int) -> str:
-        """The folder of the checkpoint for ``step``."""
+        """The folder of the checkpoint for ``step`` (whether or not it exists).
+
+        Args:
+            step: the step number (an int, or an int tensor).
+
+        Returns:
+            ``folder/step_{step:08d}``.
+        """
         return os.path.join(self.folder, f"step_{int(step):08d}")
 
     def _scan(self) -> tuple[dict[int, str], dict[int, tuple[str, str]]]:
@@ -120,20 +167,42 @@ class CheckpointManager:
         return self._scan()[0]
 
     def steps(self) -> list[int]:
-        """The steps of the complete checkpoints, oldest first."""
+        """The steps of the complete checkpoints, oldest first.
+
+        Returns:
+            A sorted list of ints (empty when there is none).
+        """
         return sorted(self._complete())
 
     def latest(self) -> str | None:
-        """The path of the newest complete checkpoint, or ``None``."""
+        """The path of the newest complete checkpoint.
+
+        Returns:
+            Its folder, or ``None`` when there is none.
+        """
         found = self._complete()
         return found[max(found)] if found else None
 
     def save(self, step: int, state: Any, extra: Any = None, *, finite: bool | None = None) -> str:
-        """Save ``state`` as the checkpoint of ``step``, then prune to the newest ``keep``. Returns its path.
+        """Save ``state`` as the checkpoint of ``step``, then prune to the newest ``keep``.
 
-        ``finite`` (whether the state's parameters are finite, if the caller checked) is recorded in the
-        checkpoint's completion mark. Pruning never removes the newest checkpoint not marked
-        ``finite=False``: after non-finite saves, the last good one stays (``keep + 1`` folders then).
+        Pruning never removes the newest checkpoint not marked ``finite=False``: after
+        non-finite saves, the last good one stays (``keep + 1`` folders then). A sharded state
+        is saved by every rank calling this together; rank 0 alone prunes.
+
+        Args:
+            step: the step number, an int >= 0 (or an int tensor, such as ``state.step``).
+            state: the state, as :func:`save` takes it.
+            extra: a JSON-serialisable value saved beside it (default ``None``).
+            finite: whether the state's parameters are finite, if the caller checked (default
+                ``None``: unknown); recorded in the checkpoint's completion mark.
+
+        Returns:
+            The checkpoint's path.
+
+        Raises:
+            ValueError: ``step`` is not an int >= 0.
+            TypeError: ``finite`` is not a bool or ``None``; and as :func:`save`.
         """
         if isinstance(step, torch.Tensor):
             step = int(step)
@@ -190,7 +259,15 @@ class CheckpointManager:
                 self._remove(found[old])
 
     def newest_finite(self, found: dict[int, str] | None = None) -> int | None:
-        """The step of the newest complete checkpoint not marked ``finite=False`` (``None`` if there is none)."""
+        """The step of the newest complete checkpoint not marked ``finite=False``.
+
+        Args:
+            found: ``{step: path}`` of the complete checkpoints, when the caller has them
+                (default ``None``: scanned here).
+
+        Returns:
+            That step, or ``None`` if there is none.
+        """
         found = self._complete() if found is None else found
         for step in sorted(found, reverse=True):
             if per_rank.read_marks(found[step]).get("finite") is not False:
@@ -216,29 +293,39 @@ class CheckpointManager:
                     fallback: bool = True, group: Any = None) -> Restored | None:
         """Load the newest complete checkpoint as a :class:`Restored` ``(state, extra, step, path)``.
 
-        ``template``, ``device`` and ``mmap`` are :func:`load`'s; with a template,
-        the saved structure is compared with it first, and a difference raises
-        :class:`StructureMismatch` naming every differing path, before any tensor
-        is read (that is a different run, not damage: there is no fallback).
-        Returns ``None`` when there is no checkpoint. With ``fallback`` (the
-        default), damage in the newest checkpoint (a truncated or missing file,
-        a checksum mismatch, an invalid ``tree.json`` or ``extra.json``) falls back
-        to the newest good one; a ``RuntimeWarning`` names each checkpoint skipped
-        and why. If checkpoints exist and none loads, the newest one's error is
-        raised.
+        With a template, the saved structure is compared with it first, and a difference
+        raises :class:`StructureMismatch` naming every differing path, before any tensor is
+        read (that is a different run, not damage: there is no fallback). With ``fallback``,
+        damage in the newest checkpoint (a truncated or missing file, a checksum mismatch, an
+        invalid ``tree.json`` or ``extra.json``) falls back to the newest good one; a
+        ``RuntimeWarning`` names each checkpoint skipped and why.
 
-        Several processes agree (``group``, a process group whose ranks all call
-        ``load_latest`` together; by default the default group when ``template``
-        is sharded over more than one rank): each rank checks its own part of
-        each candidate, newest first (its shard's files; the whole checkpoint
-        when every rank loads it), the verdicts are combined with one small
-        collective per candidate, and every rank loads the newest checkpoint
-        that is whole on every rank. Rank 0 names each skipped checkpoint once,
-        with the rank, the file and why. If none is whole on every rank, every
-        rank raises the same :class:`CheckpointError` (never one rank starting
-        afresh while another resumes). A rank that dies or hangs meanwhile makes
-        the others raise :class:`functrain.distributed.PeerFailed` within the
-        group's timeout.
+        Several processes agree (``group``): each rank checks its own part of each candidate,
+        newest first (its shard's files; the whole checkpoint when every rank loads it), the
+        verdicts are combined with one small collective per candidate, and every rank loads
+        the newest checkpoint that is whole on every rank. Rank 0 names each skipped
+        checkpoint once, with the rank, the file and why.
+
+        Args:
+            template: as :func:`load` (default ``None``).
+            device: as :func:`load` (default ``None``).
+            mmap: as :func:`load` (default ``True``).
+            fallback: ``True`` (default) skips damaged checkpoints for older good ones; ``False``
+                raises the newest one's damage.
+            group: a process group whose ranks all call ``load_latest`` together (default ``None``:
+                the default group when ``template`` is sharded over more than one rank, else this
+                process alone).
+
+        Returns:
+            The :class:`Restored`, or ``None`` when there is no checkpoint.
+
+        Raises:
+            CheckpointError: checkpoints exist and none loads (the newest one's error; every rank
+                raises the same one, never one rank starting afresh while another resumes), or a
+                damaged newest one without ``fallback``.
+            StructureMismatch: the newest checkpoint's structure is not the template's.
+            functrain.distributed.PeerFailed: another rank could not load it for a reason that is not
+                damage, or died or hung (within the group's timeout).
         """
         agree = Agreement(self._agreeing(template, group), f"which checkpoint of {self.folder} to resume")
         found, damaged = self._scan()

@@ -171,6 +171,47 @@ def _tidy(parent: str, name: str) -> None:
 
 def save(path: str | os.PathLike, state: Any, extra: Any = None, *, checksum: str = "crc32",
          fsync: bool = True, marks: dict | None = None) -> str:
+    """Save ``state`` (any pytree of tensors, e.g. a :class:`~functrain.TrainState`) as a checkpoint folder.
+
+    The folder appears at ``path`` complete or not at all; an existing checkpoint at
+    ``path`` is replaced (old one renamed aside, new one renamed in, old one removed).
+    Everything that could make the state unsavable (an unsupported leaf or node type,
+    an unregistered NamedTuple, ``extra`` that is not JSON) raises before anything is
+    written. A sharded state (from ``ft.data_parallel(shard=...)``) is saved by every
+    rank of its group calling ``save`` with the same ``path`` together: each writes its
+    own shard (no gather), rank 0 completes the folder; see :mod:`functrain.checkpoint.per_rank`.
+
+    Args:
+        path: the checkpoint folder to create (its parent is created if needed).
+        state: the pytree to save: tensors, Python scalars, strings and ``None`` in dicts,
+            lists, tuples and registered NamedTuples (:func:`register_checkpoint_type`).
+        extra: any JSON-serialisable value saved beside it (default ``None``), read back with
+            :func:`load_extra`.
+        checksum: ``"crc32"`` (default, fast) or ``"sha256"``: the checksum of the tensor file's blocks.
+        fsync: ``True`` (default) fsyncs every file and folder; ``False`` is faster and still
+            atomic against a killed process, but not against a power loss.
+        marks: a small JSON dict recorded in (each rank's) completion mark, where
+            :func:`~functrain.checkpoint.per_rank.read_marks` finds it (default ``None``: none).
+
+    Returns:
+        The checkpoint's absolute path, a str.
+
+    Raises:
+        FileExistsError: something other than a checkpoint is at ``path``.
+        LinkRefused: ``path`` (or a file functrain writes in it) is a symbolic link.
+        TypeError: a leaf or node type that cannot be saved, or ``extra`` that is not JSON.
+        ValueError: an unknown ``checksum``, or a path without a name.
+        CheckpointSpaceError: (an ``OSError``) the checkpoint does not fit (free space or the
+            file-size limit), naming the bytes needed and free; older checkpoints stay intact.
+        RuntimeError: a sharded state saved by one process rather than by all ranks of its group.
+
+    Example::
+
+        >>> import tempfile, torch, functrain as ft
+        >>> path = ft.save(tempfile.mkdtemp() + "/ckpt", {"w": torch.ones(2)}, extra={"epoch": 1})
+        >>> ft.load_extra(path)
+        {'epoch': 1}
+    """
     if not is_sharded(state):
         return folder.write_checkpoint(path, state, extra, checksum=checksum, fsync=fsync, marks=marks)
     slot: ShardState = state.slots[SLOT]
@@ -274,15 +315,6 @@ def tidy(parent: str, keep_name: Any) -> None:
 _LEFTOVER = re.compile(r"\.(.+)\.(?:stmp|sold)-[0-9a-f]{12}$")
 
 
-save.__doc__ = (folder.save.__doc__ or "") + """
-    A sharded state (from ``ft.data_parallel(shard=...)``) is saved by every rank
-    of its group calling ``save`` with the same ``path`` together: each writes its
-    own shard (no gather), rank 0 completes the folder; see
-    :mod:`functrain.checkpoint.per_rank`. ``marks`` (a small JSON dict) go into
-    each rank's completion mark (:func:`read_marks`).
-    """
-
-
 # -------------------------------------------------------------------------- load
 def _without_slot(state: Any) -> Any:
     return state._replace(slots={k: v for k, v in state.slots.items() if k != SLOT})
@@ -364,6 +396,50 @@ def _same_slot(a: ShardState, b: ShardState) -> bool:
 
 
 def load(path: str | os.PathLike, template: Any = None, *, device: Any = None, mmap: bool = True) -> Any:
+    """Load the state saved at ``path``; nothing is unpickled.
+
+    Every file is checked against the completion mark before its contents are used.
+    With ``mmap=True`` each CPU tensor of 1 MiB or more is a private copy-on-write
+    mapping of its bytes in the file: no copy is made, writing to the tensor never
+    changes the file, and the file's pages are shared with the page cache until
+    written. Such a tensor is backed by the file while it lives (a rotated-out
+    checkpoint's disk space is freed when the state is dropped, usually after the next
+    step); checkpoints are never modified in place, but if something else rewrites the
+    file in place the mapped pages may change. Tensors bound for another device are
+    copied there from the mapping.
+
+    Sharded checkpoints (see :mod:`functrain.checkpoint.per_rank`) load into a template
+    of any world size and sharding, or unsharded: ``load(path)`` gives the whole state,
+    ``load(path, step.init(params, buffers))`` on every rank of a sharded step cuts each
+    rank's shard.
+
+    Args:
+        path: the checkpoint folder (what :func:`save` returned).
+        template: ``None`` (default: the saved structure as it is), or a state of the same
+            structure, shapes and dtypes (e.g. from ``step.init``): each tensor goes to the
+            device of the template's leaf, and a flat template (``ft.flat``) gets flat params.
+        device: where to place the tensors (default ``None``: CPU without a template, the
+            template's devices with one); given, it overrides the template's devices.
+        mmap: ``True`` (default, as ``safetensors.torch.load_file``) maps large CPU tensors
+            from the file; ``False`` copies every tensor into memory of its own.
+
+    Returns:
+        The loaded state (the template's types where a template is given).
+
+    Raises:
+        CheckpointError: a missing, incomplete, truncated or edited file, naming it.
+        StructureMismatch: (a :class:`CheckpointError`) the checkpoint's structure is not the
+            template's, naming every differing path.
+
+    Example::
+
+        >>> import tempfile, torch, functrain as ft
+        >>> path = ft.save(tempfile.mkdtemp() + "/ckpt", {"w": torch.arange(3.0), "step": 7})
+        >>> ft.load(path)
+        {'w': tensor([0., 1., 2.]), 'step': 7}
+        >>> ft.load(path, template={"w": torch.zeros(3), "step": 0})["w"]
+        tensor([0., 1., 2.])
+    """
     path = os.path.abspath(os.fspath(path))
     sharded_ckpt, sharded_template = is_sharded_checkpoint(path), is_sharded(template)
     if not sharded_ckpt and not sharded_template:
@@ -387,16 +463,27 @@ def load(path: str | os.PathLike, template: Any = None, *, device: Any = None, m
     return out
 
 
-load.__doc__ = (folder.load.__doc__ or "") + """
-    Sharded checkpoints (see :mod:`functrain.checkpoint.per_rank`) load into a
-    template of any world size and sharding, or unsharded: ``load(path)`` gives
-    the whole state, ``load(path, step.init(params, buffers))`` on every rank of
-    a sharded step cuts each rank's shard.
-    """
 
 
 def load_extra(path: str | os.PathLike) -> Any:
-    """The ``extra`` JSON value saved with the checkpoint at ``path`` (rank 0's for a sharded checkpoint)."""
+    """The ``extra`` JSON value saved with the checkpoint at ``path`` (rank 0's for a sharded checkpoint).
+
+    Args:
+        path: the checkpoint folder.
+
+    Returns:
+        The decoded JSON value (``None`` when ``save`` got no ``extra``).
+
+    Raises:
+        CheckpointError: the checkpoint is incomplete or its ``extra.json`` differs from the completion mark.
+
+    Example::
+
+        >>> import tempfile, torch, functrain as ft
+        >>> path = ft.save(tempfile.mkdtemp() + "/ckpt", {"w": torch.ones(1)}, extra={"batches_seen": 12})
+        >>> ft.load_extra(path)
+        {'batches_seen': 12}
+    """
     path = os.fspath(path)
     if is_sharded_checkpoint(path):
         _read_mark(os.path.abspath(path))

@@ -50,6 +50,21 @@ class LinkRefused(OSError):
     """A symbolic link where functrain writes a file or a folder of its own: refused, nothing written through it.
 
     An ``OSError`` with ``errno.ELOOP``; ``filename`` is the link.
+
+    Args:
+        path: the link.
+        what: what functrain was writing there, for the message (default ``"a file functrain writes"``).
+
+    Example::
+
+        >>> import os, tempfile, torch, functrain as ft
+        >>> link = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> os.symlink("/elsewhere", link)   # planted where a checkpoint will be written
+        >>> try:
+        ...     ft.save(link, {"w": torch.ones(1)})
+        ... except ft.checkpoint.LinkRefused as e:
+        ...     print(e.filename == link)
+        True
     """
 
     __module__ = "functrain.checkpoint"  # its public home, in reprs and tracebacks

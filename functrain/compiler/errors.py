@@ -23,7 +23,27 @@ _SAVED_HOOKS = "don't yet support saved tensor hooks"  # torch.func's refusal (t
 
 
 class GraphBreakError(RuntimeError):
-    """The step cannot be captured as one graph under ``fullgraph=True``."""
+    """The step cannot be captured as one graph under ``fullgraph=True``.
+
+    A ``RuntimeError`` raised by a :func:`functrain.compile`'d step's first call, after the
+    step run eagerly succeeded (an error of the step itself is raised as it is). Its message
+    names the cause (a host sync such as ``.item()``, a Python branch on a tensor value,
+    untraceable code) and the tracer's report; ``__cause__`` is the tracer's error. Fix the
+    loss function, or pass ``fullgraph=False`` to allow graph breaks (slower).
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> def loss(p, b, x):
+        ...     y = (p["w"] * x).sum()
+        ...     return y if y.item() > 0 else -y          # a Python branch on a tensor value
+        >>> step = ft.train_step(loss, ft.optim.sgd(0.1))
+        >>> try:
+        ...     ft.compile(step)(step.init({"w": torch.ones(2)}), torch.ones(2))
+        ... except ft.GraphBreakError as e:
+        ...     print(str(e).split(":")[0])
+        the step cannot be compiled as one graph (fullgraph=True)
+    """
 
 
 def _first_line(error: BaseException) -> str:

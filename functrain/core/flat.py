@@ -361,19 +361,28 @@ def find_shard_trees(tree: Any, keys: list[str]) -> list[tuple[str, dict]]:
 class FlatParams(Mapping):
     """A params tree held as one 1-D buffer per dtype; reads like the tree (by name, as views).
 
-    ``buffers``: ``{dtype name: 1-D tensor}``; ``layout``: the :class:`FlatLayout`
-    (``world = 1``) saying where each leaf lives. Build one with :func:`flat`. Mapping
-    access (``params[name]``, ``params.items()``, ``{**params}``) works when the params
-    are a ``{name: tensor}`` dict, the form :func:`functrain.functionalize` gives;
-    :meth:`tree` works for any structure.
+    Build one with :func:`flat` rather than by hand. Mapping access (``params[name]``,
+    ``params.items()``, ``{**params}``) works when the params are a ``{name: tensor}``
+    dict, the form :func:`functrain.functionalize` gives; :meth:`tree` works for any
+    structure. It is a pytree node whose children are the buffers.
+
+    Args:
+        buffers: ``{dtype name: 1-D tensor}``, one buffer per dtype, in the layout's order.
+        layout: the :class:`FlatLayout` (``world = 1``) saying where each leaf lives.
+
+    Attributes:
+        buffers: the buffers, as given.
+        layout: the layout, as given.
 
     Example::
 
         >>> import torch, functrain as ft
-        >>> p = ft.flat({"w": torch.arange(4.0).view(2, 2)})
+        >>> p = ft.flat({"w": torch.arange(4.0).view(2, 2), "h": torch.ones(1, dtype=torch.float64)})
         >>> p["w"]
         tensor([[0., 1.],
                 [2., 3.]])
+        >>> p
+        FlatParams(2 leaves in {float32: (4,) torch.float32, float64: (1,) torch.float64})
     """
 
     __slots__ = ("buffers", "layout")
@@ -383,7 +392,11 @@ class FlatParams(Mapping):
         self.layout = layout
 
     def tree(self) -> Any:
-        """The params tree, each leaf a view of its buffer (no copy)."""
+        """The params tree, each leaf a view of its buffer (no copy).
+
+        Returns:
+            The tree in the structure the params were flattened from.
+        """
         return self.layout.tree(self.buffers)
 
     def _dict_index(self) -> dict:
@@ -450,11 +463,21 @@ def is_flat(x: Any) -> bool:
 def flat(tree: Any) -> Any:
     """The flat form of a params tree, or of a state: one contiguous buffer per dtype (a copy).
 
-    Given a params tree (floating tensors, one device), a :class:`FlatParams`.
-    Given a :class:`~functrain.TrainState`, the state with its params and every
-    subtree shaped like them (optimizer moments, the EMA's params) flat; what is
-    already flat stays as it is. The values are the same; only the memory layout
-    changes, and a step runs on either form with the same results.
+    The values are the same; only the memory layout changes, and a step runs on either
+    form with the same results.
+
+    Args:
+        tree: a params tree (floating tensors, one device), a :class:`FlatParams` (returned as it
+            is), or a :class:`~functrain.TrainState` (not one sharded by ``data_parallel(shard=...)``).
+
+    Returns:
+        For a params tree, a :class:`FlatParams`. For a state, the state with its params and every
+        subtree shaped like them (optimizer moments, the EMA's params) flat; what is already flat
+        stays as it is.
+
+    Raises:
+        TypeError: a leaf that is not a floating-point tensor of a supported dtype (named in the message).
+        ValueError: leaves on several devices, or a sharded state.
 
     Example::
 
@@ -499,6 +522,13 @@ def unflat(tree: Any) -> Any:
 
     What a flat state looks like to code that walks it by name: checkpoints,
     exports, comparisons with a plain state (``ft.testing``).
+
+    Args:
+        tree: any pytree, a :class:`FlatParams` or a state holding them.
+
+    Returns:
+        The same structure with each :class:`FlatParams` node its params tree; ``tree`` itself
+        when it holds none.
 
     Example::
 

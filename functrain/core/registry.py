@@ -43,17 +43,31 @@ def register_checkpoint_type(cls: Any = None, name: str | None = None) -> Any:
 
     Three forms: ``register_checkpoint_type(Cls)``, ``register_checkpoint_type(Cls,
     name="x")``, and as a class decorator ``@register_checkpoint_type`` or
-    ``@register_checkpoint_type("x")``. ``name`` (default
-    ``"<module>.<qualname>"``) is what ``tree.json`` records; loading looks it up
-    among the registered classes and never imports anything named in a file.
+    ``@register_checkpoint_type("x")``. Loading looks the recorded name up among the
+    registered classes and never imports anything named in a file.
+
+    Args:
+        cls: the ``NamedTuple`` class; or, in the decorator form, the name (a str) or ``None``.
+        name: what ``tree.json`` records (default ``None``: ``"<module>.<qualname>"``); registering
+            the same class again under its name is allowed.
+
+    Returns:
+        The class itself (so the call works as a decorator), or, given only a name, the decorator.
+
+    Raises:
+        TypeError: ``cls`` is not a ``NamedTuple`` class, or the name is not a non-empty str.
+        ValueError: the name is already registered for another class.
 
     Example::
 
         >>> from typing import NamedTuple
-        >>> import torch, functrain as ft
+        >>> import tempfile, torch, functrain as ft
         >>> @ft.register_checkpoint_type("example.Momentum")
         ... class Momentum(NamedTuple):
         ...     velocity: torch.Tensor
+        >>> path = ft.save(tempfile.mkdtemp() + "/c", {"m": Momentum(torch.ones(2))})
+        >>> ft.load(path)["m"]
+        Momentum(velocity=tensor([1., 1.]))
     """
     if isinstance(cls, str):  # @register_checkpoint_type("name")
         label = cls

@@ -52,10 +52,27 @@ __all__ = ["rng_init", "with_rng", "host_random_refused", "HostRandomError"]
 
 
 def rng_init(seed: int, device: torch.device) -> dict:
-    """The initial ``state.rng`` for ``seed`` (an int in ``[0, 2**63)``): ``{"key": tensor([seed, 0])}``.
+    """The initial ``state.rng`` for ``seed``.
 
     The key is a host tensor whatever ``device`` is: it is read on the host every
     step, and a device tensor would make that read a sync.
+
+    Args:
+        seed: the stream's seed, an int in ``[0, 2**63)``.
+        device: the state's device (accepted for the caller's symmetry; the key stays on the host).
+
+    Returns:
+        ``{"key": tensor([seed, 0])}``, an int64 CPU tensor ``[seed, counter]``.
+
+    Raises:
+        BadValue: ``seed`` is not an int in ``[0, 2**63)``.
+
+    Example::
+
+        >>> import torch
+        >>> from functrain.core.rng import rng_init
+        >>> rng_init(7, torch.device("cpu"))
+        {'key': tensor([7, 0])}
     """
     check_int("seed", seed, minimum=0, maximum=2**63 - 1, what="an int in [0, 2**63) or None")
     return {"key": torch.tensor([int(seed), 0], dtype=torch.int64)}
@@ -70,7 +87,21 @@ def _mix64(x: int) -> int:
 
 
 def step_seed(seed: int, counter: int) -> int:
-    """The seed of the step at ``counter`` of the stream ``seed`` (< 2**62, so ``+ offset`` stays valid)."""
+    """The seed of the step at ``counter`` of the stream ``seed`` (splitmix64 of both).
+
+    Args:
+        seed: the stream's seed (``state.rng["key"][0]``).
+        counter: the step's counter (``state.rng["key"][1]``).
+
+    Returns:
+        An int in ``[0, 2**62)``, so that ``+ rank`` stays a valid torch seed.
+
+    Example::
+
+        >>> from functrain.core.rng import step_seed
+        >>> step_seed(0, 0) == step_seed(0, 0) != step_seed(0, 1)
+        True
+    """
     return _mix64(_mix64(seed) ^ counter) >> 2
 
 
@@ -104,17 +135,26 @@ def with_rng(fn: Callable, state: Any, batch: Any, rank: int = 0, host_generator
     ``state.rng["key"]`` is a host int64 tensor ``[seed, counter]``, the same on
     every process. Each step hashes it into a step seed (splitmix64), advances
     the counter (into the new state), seeds the global generators with
-    ``step seed + rank`` (``rank`` is the step's RNG offset: data-parallel ranks
-    draw different dropout masks, yet the state stays replicated and a checkpoint
-    holds everything), runs, and restores the caller's generators. All of it is
+    ``step seed + rank``, runs, and restores the caller's generators. All of it is
     host work on host memory: no device sync, no torch op that reads a value.
 
-    ``host_generators`` (the default): Python's ``random`` is seeded and restored too,
-    and numpy's global functions draw from a generator seeded for the step, so an
-    eager step that draws from them (``random.random()``, ``np.random.rand()``) gives
-    the same result from the same state. A compiled graph cannot draw from them (see
-    :func:`host_random_refused`): its caller passes ``False`` and saves their cost
-    (~15 microseconds, mostly Python's ``getstate``).
+    Args:
+        fn: the step, ``fn(state, batch) -> (new_state, metrics)``; it is called with ``rng=None``.
+        state: the state; with ``state.rng`` ``None`` (an unseeded step) ``fn`` runs as it is.
+        batch: the batch, passed through.
+        rank: the step's RNG offset (default 0): data-parallel ranks draw different dropout
+            masks, yet the state stays replicated and a checkpoint holds everything.
+        host_generators: ``True`` (default): Python's ``random`` is seeded and restored too, and
+            numpy's global functions draw from a generator seeded for the step, so an eager step
+            that draws from them gives the same result from the same state. A compiled graph
+            cannot draw from them (see :func:`host_random_refused`): its caller passes ``False``
+            and saves their cost (~15 microseconds, mostly Python's ``getstate``).
+
+    Returns:
+        ``(new_state, metrics)`` from ``fn``, with ``new_state.rng`` the key with its counter advanced.
+
+    Raises:
+        BadValue: ``state.rng`` is not a key this step made (the message says what is wrong).
 
     Example::
 
@@ -193,7 +233,23 @@ def _restore_host(saved: tuple) -> None:
 
 
 class HostRandomError(RuntimeError):
-    """A step drew from Python's ``random`` or numpy's global generator while being traced for compilation."""
+    """A step drew from Python's ``random`` or numpy's global generator while being traced for compilation.
+
+    A ``RuntimeError`` raised by :func:`functrain.compile` (through :func:`host_random_refused`):
+    the number drawn once would be a constant of the compiled graph. Its message names the
+    call, its caller and the way out (a torch op drawing from ``state.rng``, or an eager step).
+
+    Example::
+
+        >>> import random, functrain as ft
+        >>> from functrain.core.rng import host_random_refused
+        >>> try:
+        ...     with host_random_refused("ft.compile"):
+        ...         coin = random.random() < 0.5
+        ... except ft.HostRandomError as e:
+        ...     print(str(e).split(" at ")[0])
+        ft.compile: the step called random.random() (Python's global generator)
+    """
 
 
 _RANDOM_FILE = os.path.normcase(os.path.abspath(random.__file__))
@@ -231,6 +287,15 @@ def host_random_refused(what: str = "ft.compile") -> Iterator[None]:
     trace in them. If another profiler is active the hook is not installed and a change
     of Python's generator state is refused without the call's name. An exception raised
     by the block itself passes through unchanged.
+
+    Args:
+        what: who traces, the start of the error message (default ``"ft.compile"``).
+
+    Returns:
+        A context manager (it yields ``None``).
+
+    Raises:
+        HostRandomError: at the end of the block, when it drew from either generator.
 
     Example::
 

@@ -17,7 +17,10 @@ _ACCESSORS: dict[str, tuple[str, Callable[[Any], Any], str]] = {}
 class TrainState(NamedTuple):
     """Everything that changes during training, as one pytree.
 
-    Fields:
+    Built by ``step.init(params, buffers)``; the constructor takes the six fields below
+    (a :class:`functrain.Step` fills them).
+
+    Attributes:
         params:    the trainable parameters (a pytree of floating tensors, usually a
                    ``{name: tensor}`` dict from :func:`functrain.functionalize`).
         buffers:   non-trainable module state (BatchNorm statistics, ...); the step
@@ -59,7 +62,26 @@ class TrainState(NamedTuple):
     slots: dict
 
     def replace(self, **changes: Any) -> "TrainState":
-        """A copy with the given fields replaced (``state.replace(params=new)``)."""
+        """A copy with the given fields replaced (``state.replace(params=new)``).
+
+        Args:
+            **changes: new values by field name (``params``, ``buffers``, ``opt_state``, ``step``,
+                ``rng``, ``slots``).
+
+        Returns:
+            A new :class:`TrainState`; this one is unchanged.
+
+        Raises:
+            ValueError: a name that is not a field.
+
+        Example::
+
+            >>> import torch, functrain as ft
+            >>> step = ft.train_step(lambda p, b, batch: (p["w"] * batch).sum(), ft.optim.sgd(0.1))
+            >>> state = step.init({"w": torch.ones(3)})
+            >>> int(state.replace(step=torch.tensor(5)).step), int(state.step)
+            (5, 0)
+        """
         return self._replace(**changes)
 
     def __getattr__(self, name: str) -> Any:
@@ -79,9 +101,22 @@ def register_accessor(attr: str, slot: str, fn: Callable[[Any], Any], owner: str
 
     :class:`functrain.Transform` subclasses call this for their ``accessors``
     when they are defined; call it yourself only for slots kept outside a
-    transform class. An attribute names one slot: declaring it again from another
-    ``owner`` (a different transform class) is an error, as is shadowing a field or
-    method; the same owner may re-declare it (a class defined again in a notebook).
+    transform class.
+
+    Args:
+        attr: the attribute name, a public identifier that is not a field or method of the state.
+        slot: the name of the slot it reads.
+        fn: ``fn(slot_value) -> value``.
+        owner: who declares it (default ``""``); an attribute names one slot: declaring it again
+            from another owner is an error, the same owner may re-declare it (a class defined
+            again in a notebook).
+
+    Returns:
+        ``None``.
+
+    Raises:
+        ValueError: a bad or shadowing name, or one already declared for another slot by another owner.
+        TypeError: ``fn`` is not callable.
 
     Example::
 

@@ -22,23 +22,39 @@ __all__ = ["gather_for_eval"]
 def gather_for_eval(tree: Any, loader: ShardedLoader | None = None) -> Any:
     """All ranks' results for the batch ``loader`` yielded last, each sample exactly once.
 
-    Call it once per batch on every rank, with ``tree`` a tensor or pytree of tensors
-    holding one row per sample of that batch (leading dimension = the batch's rows on
-    this rank); every rank gets the same result. The rows of all ranks are gathered
-    (sizes may differ between ranks: they are gathered first and the rows padded to
-    the largest), the loader's wrap-around padding is removed, and the rows are put
-    in the loader's global order: for a map-style dataset the epoch's order (dataset
-    order without shuffling), so concatenating the results of all batches of an
-    epoch gives each sample exactly once, in that order; for a ``DistributedSampler``
-    or a strided iterable likewise (their own order); for an iterable with a
-    ``shard`` hook or a custom rank-aware sampler, rank 0's rows, then rank 1's, ...
-    (padding of a custom sampler is unknown and kept).
+    Call it once per batch on every rank; every rank gets the same result. The rows of all
+    ranks are gathered (sizes may differ between ranks: they are gathered first and the
+    rows padded to the largest), the loader's wrap-around padding is removed, and the rows
+    are put in the loader's global order: for a map-style dataset the epoch's order
+    (dataset order without shuffling), so concatenating the results of all batches of an
+    epoch gives each sample exactly once, in that order; for a ``DistributedSampler`` or a
+    strided iterable likewise (their own order); for an iterable with a ``shard`` hook or a
+    custom rank-aware sampler, rank 0's rows, then rank 1's, ... (padding of a custom
+    sampler is unknown and kept). Without a process group (or with one process) nothing is
+    communicated: the input is returned, less the padding rows of the loader's last batch.
 
-    Without ``loader`` it is a plain gather (rank order, nothing removed). Without a
-    process group (or with one process) nothing is communicated: the input is
-    returned, less the padding rows of the loader's last batch if any; a loader
-    sharded over several ranks then raises (there is nothing to gather from).
-    Returns tensors on the input's device.
+    Args:
+        tree: a tensor or pytree of tensors (numpy arrays are taken as tensors) holding one row
+            per sample of that batch (leading dimension = the batch's rows on this rank).
+        loader: the :class:`~functrain.data.ShardedLoader` that yielded the batch (default
+            ``None``: a plain gather, in rank order, nothing removed).
+
+    Returns:
+        The same structure with every rank's rows, on the input's device and dtype.
+
+    Raises:
+        TypeError: a leaf that is not a tensor with a leading batch dimension.
+        ValueError: leaves of different leading sizes, a row count that is not the loader's last
+            batch's, or a loader sharded over a world size that is not the process group's (or
+            over several ranks without a group).
+        RuntimeError: the loader has not yielded a batch yet.
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> loader = ft.shard(torch.arange(5.0), batch_size=2, shuffle=False, rank=0, world_size=1)
+        >>> [ft.gather_for_eval(b * 10, loader).tolist() for b in loader]   # padding removed
+        [[0.0, 10.0], [20.0, 30.0], [40.0]]
     """
     where = "gather_for_eval"
     leaves, spec = optree.tree_flatten(tree)

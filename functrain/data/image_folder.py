@@ -143,8 +143,11 @@ class ImageFolder(torch.utils.data.Dataset):
         return img
 
     def augmentation(self) -> tuple:
-        """The step transforms this dataset's augmentation needs (``ft.Trainer`` adds them to its step):
-        ``(ft.random_flip(),)`` with ``augment_horizontal_flip``, else ``()``."""
+        """The step transforms this dataset's augmentation needs (``ft.Trainer`` adds them to its step).
+
+        Returns:
+            ``(ft.random_flip(),)`` with ``augment_horizontal_flip``, else ``()``.
+        """
         return (random_flip(0.5, dim=-1),) if self.augment_horizontal_flip else ()
 
     def __repr__(self) -> str:

@@ -238,17 +238,47 @@ def _build_source(data: Any, batch_size: int | None, shuffle: bool | None, seed:
 
 
 class ShardedLoader:
-    """This rank's batches of a dataset or DataLoader; see :func:`shard` (which makes one) and the module docs.
+    """This rank's batches of a dataset or DataLoader; :func:`shard` makes one (see the module docs).
 
-    Attributes (read-only): ``dataset``, ``batch_size``, ``rank``, ``world_size``, ``shuffle``,
-    ``drop_last``, ``seed``, ``collate_fn``, ``kind`` (``"map"``, ``"iterable"`` or
-    ``"rank_aware"``), ``loader_options``; ``device``; ``epoch`` and ``batch`` (the position).
+    Args:
+        data: a map-style dataset, in-memory columns (a ``TensorDataset``, or a tuple/dict of
+            tensors or numpy arrays with equal first dimensions), an iterable dataset (also a
+            Hugging Face ``datasets`` one) or a ``DataLoader``.
+        batch_size: rows per batch *per rank* (default ``None``: the DataLoader's).
+        shuffle: default ``None``: ``True`` for a dataset, the DataLoader's choice for a DataLoader,
+            ``False`` (and only ``False``) for an iterable dataset. The order of epoch ``e`` is
+            ``torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + e))``.
+        seed: the shuffle seed, an int (default 0).
+        drop_last: ``False`` (default for a dataset) pads the last global step by wrapping around
+            to the start of the epoch's order, so every batch on every rank has ``batch_size``
+            rows; ``True`` drops the remainder. Default for a DataLoader: its own.
+        rank: this rank (default ``None``: from the process group, ``ft.distributed``); pass
+            ``rank``/``world_size`` to shard over a sub-group or to simulate ranks in one process.
+        world_size: the number of ranks (default ``None``: from the process group).
+        device: move every tensor of each (nested) batch there (default ``None``: leave it).
+        collate_fn: how samples become a batch (default ``None``: the DataLoader's, else
+            ``torch.utils.data.default_collate``).
+
+    Attributes:
+        dataset, batch_size, rank, world_size, shuffle, drop_last, seed, collate_fn: the
+            configuration (read-only properties).
+        kind: ``"map"``, ``"iterable"`` or ``"rank_aware"``.
+        loader_options: the DataLoader options used to load (``num_workers``, ...).
+        device: where batches are moved, or ``None``.
+        epoch, batch: the position: the batch of ``epoch`` to yield next.
+        last_batch_info: the :class:`~functrain.data.BatchInfo` of the batch yielded last.
+
+    Raises:
+        TypeError, ValueError: a ``data`` of no supported kind, or an option it does not allow
+            (e.g. ``shuffle=True`` for an iterable dataset), naming it.
 
     Example::
 
-        loader = ShardedLoader(train_set, 32, rank=0, world_size=2)   # usually: ft.shard(...)
-        for batch in loader:
-            info = loader.last_batch_info    # rows and padding of the batch just yielded
+        >>> import torch
+        >>> from functrain.data import ShardedLoader
+        >>> loader = ShardedLoader(torch.arange(5.0), 2, shuffle=False, rank=0, world_size=1)
+        >>> [b.tolist() for b in loader], loader.last_batch_info.real   # the last batch wraps around
+        ([[0.0, 1.0], [2.0, 3.0], [4.0, 0.0]], 1)
     """
 
     def __init__(self, data: Any, batch_size: int | None = None, *, shuffle: bool | None = None, seed: int = 0,
@@ -309,14 +339,25 @@ class ShardedLoader:
     def check_nonempty(self, what: str = "dataset", remedy: str | None = None) -> None:
         """Raise ``ValueError`` (naming the sizes) if an epoch has no batch: call it before training.
 
-        ``remedy`` replaces the advice that ends the message (by default: a smaller ``batch_size``, fewer
-        ranks, more data or ``drop_last=False``), for a caller whose users set other knobs (the Trainer's
-        users cannot set ``drop_last``, say).
+        Args:
+            what: what the data is, for the message (default ``"dataset"``).
+            remedy: the advice that ends the message (default ``None``: a smaller ``batch_size``,
+                fewer ranks, more data or ``drop_last=False``), for a caller whose users set other
+                knobs (the Trainer's users cannot set ``drop_last``, say).
+
+        Returns:
+            ``None`` when an epoch has a batch.
+
+        Raises:
+            ValueError: an epoch yields no batch on each rank.
 
         Example::
 
-            loader = ft.shard(eval_set, batch_size=64)
-            loader.check_nonempty("eval dataset")
+            >>> import torch, functrain as ft
+            >>> ft.shard(torch.arange(3.0), batch_size=4, drop_last=True, rank=0, world_size=1).check_nonempty("eval set")
+            Traceback (most recent call last):
+            ...
+            ValueError: the eval set yields no batch per rank: it has 3 samples, fewer than one batch of 4 on each of 1 rank(s) (4 samples) with drop_last=True; use a smaller batch_size (now 4), fewer ranks (now 1), more data or drop_last=False
         """
         if self._source.num_batches() != 0:
             return
@@ -330,17 +371,38 @@ class ShardedLoader:
 
     # ---- order ---------------------------------------------------------------------------------------------
     def global_order(self, epoch: int | None = None) -> torch.Tensor:
-        """Map-style only: the padded global order of ``epoch`` (default: the current one), on every rank the same.
+        """Map-style only: the padded global order of an epoch, on every rank the same.
 
-        ``len(self) * world_size * batch_size`` dataset indices; rank ``r``'s batch ``k`` is
-        ``order[k*W*B + r*B : k*W*B + (r+1)*B]``. Positions ``>= len(dataset)`` are wrap-around padding.
+        Rank ``r``'s batch ``k`` is ``order[k*W*B + r*B : k*W*B + (r+1)*B]``. Positions
+        ``>= len(dataset)`` are wrap-around padding.
+
+        Args:
+            epoch: the epoch (default ``None``: the current one).
+
+        Returns:
+            An int64 tensor of ``len(self) * world_size * batch_size`` dataset indices.
         """
         return self._source.global_order(self.epoch if epoch is None else epoch)
 
     def batch_indices(self, epoch: int | None = None) -> list[list[int]]:
-        """This rank's dataset indices of each batch of ``epoch`` (default: the current one); loads no data.
+        """This rank's dataset indices of each batch of an epoch; loads no data.
 
-        For a rank-aware sampler this calls its ``set_epoch(epoch)``. ``TypeError`` for an iterable dataset.
+        For a rank-aware sampler this calls its ``set_epoch(epoch)``.
+
+        Args:
+            epoch: the epoch (default ``None``: the current one).
+
+        Returns:
+            A list (one per batch) of lists of dataset indices.
+
+        Raises:
+            TypeError: an iterable dataset (it has no indices).
+
+        Example::
+
+            >>> import torch, functrain as ft
+            >>> ft.shard(torch.arange(6.0), batch_size=2, shuffle=False, rank=1, world_size=2).batch_indices()
+            [[2, 3], [0, 1]]
         """
         return self._source.batch_indices(self.epoch if epoch is None else epoch)
 
@@ -368,12 +430,26 @@ class ShardedLoader:
 
     # ---- position ------------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch`` from its first batch (the shuffle order is that of ``seed + epoch``)."""
+        """Start epoch ``epoch`` from its first batch (the shuffle order is that of ``seed + epoch``).
+
+        Args:
+            epoch: the epoch, an int >= 0.
+
+        Returns:
+            ``None``.
+
+        Raises:
+            BadValue: ``epoch`` is not an int >= 0.
+        """
         self.epoch, self.batch = check_int("ShardedLoader.set_epoch: epoch", epoch, minimum=0), 0
 
     def state_dict(self) -> dict:
-        """The position, as plain ints: ``epoch``, ``batch`` (yielded this epoch, per rank), ``seed``,
-        ``samples`` (global samples consumed this epoch), ``world_size``, ``batch_size``."""
+        """The position, as plain ints (for a checkpoint's ``extra``).
+
+        Returns:
+            ``{"epoch", "batch" (yielded this epoch, per rank), "seed", "samples" (global samples
+            consumed this epoch), "world_size", "batch_size"}``.
+        """
         bs = self.batch_size or 0
         return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed,
                 "samples": self.batch * self.world_size * bs, "world_size": self.world_size, "batch_size": bs}
@@ -383,7 +459,28 @@ class ShardedLoader:
         the batches from that position on (map-style and rank-aware; iterables read and discard).
 
         The same ``world_size`` and ``batch_size`` resume at ``batch``; another one resumes at the
-        global sample ``samples`` (see the module docs). The ``seed`` is restored too.
+        global sample ``samples`` (a warning says so when that is not a whole global batch: those
+        samples are seen again). The ``seed`` is restored too.
+
+        Args:
+            state: a dict from :meth:`state_dict` (``epoch``, ``batch``, ``seed`` and ``samples`` are needed).
+
+        Returns:
+            ``None``.
+
+        Raises:
+            ValueError: a key is missing, or ``batch`` is past the end of the epoch.
+            BadValue: a value is not a non-negative int.
+
+        Example::
+
+            >>> import torch, functrain as ft
+            >>> loader = ft.shard(torch.arange(6.0), batch_size=2, shuffle=False, rank=0, world_size=1)
+            >>> first = next(iter(loader))
+            >>> resumed = ft.shard(torch.arange(6.0), batch_size=2, shuffle=False, rank=0, world_size=1)
+            >>> resumed.load_state_dict(loader.state_dict())
+            >>> [b.tolist() for b in resumed]
+            [[2.0, 3.0], [4.0, 5.0]]
         """
         where = "ShardedLoader.load_state_dict"
         for key in ("epoch", "batch", "seed", "samples"):
@@ -418,28 +515,13 @@ class ShardedLoader:
 def shard(data: Any, batch_size: int | None = None, *, shuffle: bool | None = None, seed: int = 0,
           drop_last: bool | None = None, rank: int | None = None, world_size: int | None = None,
           device: torch.device | str | None = None, collate_fn: Callable | None = None) -> ShardedLoader:
-    """This rank's batches of ``data``: a map-style dataset, in-memory columns (a ``TensorDataset``, or a
-    tuple/dict of tensors or numpy arrays with equal first dimensions), an iterable dataset (also a Hugging
-    Face ``datasets`` one) or a DataLoader.
-
-    * ``batch_size``: rows per batch *per rank* (default: the DataLoader's).
-    * ``shuffle``: default ``True`` for a dataset, the DataLoader's choice for a DataLoader,
-      ``False`` (and only ``False``) for an iterable dataset. The order of epoch ``e`` is
-      ``torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + e))``.
-    * ``drop_last``: ``False`` (default for a dataset) pads the last global step by wrapping
-      around to the start of the epoch's order, so every batch on every rank has
-      ``batch_size`` rows; ``True`` drops the remainder. Default for a DataLoader: its own.
-    * ``rank``/``world_size``: default from the process group (``ft.distributed``);
-      pass them to shard over a sub-group or to simulate ranks in one process.
-    * ``device``: move every tensor of each (nested) batch there (default: leave it).
-    * ``collate_fn``: default the DataLoader's, else ``torch.utils.data.default_collate``.
+    """This rank's batches of ``data``, resumable, with an exact length: a :class:`ShardedLoader`.
 
     The result has an exact ``len`` (batches per rank per epoch, equal on all ranks), a
     position (``state_dict``/``load_state_dict``, ``set_epoch``) and advances the epoch
     by itself after its last batch. See the module docs for in-memory columns, iterable
     datasets (the ``functrain_shard(index, count)`` hook), rank-aware samplers and resuming.
-
-    Example::
+    In a job::
 
         loader = ft.shard(train_set, batch_size=32, device="cuda")   # after ft.distributed.init()
         loader = ft.shard((X, y), batch_size=32)                     # tensors or numpy arrays: one gather a batch
@@ -447,6 +529,41 @@ def shard(data: Any, batch_size: int | None = None, *, shuffle: bool | None = No
         for batch in loader:
             state, metrics = step(state, batch)
         checkpoint["data"] = loader.state_dict()
+
+    Args:
+        data: a map-style dataset, in-memory columns (a ``TensorDataset``, or a tuple/dict of
+            tensors or numpy arrays with equal first dimensions), an iterable dataset (also a
+            Hugging Face ``datasets`` one) or a ``DataLoader``.
+        batch_size: rows per batch *per rank* (default ``None``: the DataLoader's).
+        shuffle: default ``None``: ``True`` for a dataset, the DataLoader's choice for a DataLoader,
+            ``False`` (and only ``False``) for an iterable dataset. The order of epoch ``e`` is
+            ``torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + e))``.
+        seed: the shuffle seed, an int (default 0).
+        drop_last: ``False`` (default for a dataset) pads the last global step by wrapping around
+            to the start of the epoch's order, so every batch on every rank has ``batch_size``
+            rows; ``True`` drops the remainder. Default for a DataLoader: its own.
+        rank: this rank (default ``None``: from the process group, ``ft.distributed``); pass
+            ``rank``/``world_size`` to shard over a sub-group or to simulate ranks in one process.
+        world_size: the number of ranks (default ``None``: from the process group).
+        device: move every tensor of each (nested) batch there (default ``None``: leave it).
+        collate_fn: how samples become a batch (default ``None``: the DataLoader's, else
+            ``torch.utils.data.default_collate``).
+
+    Returns:
+        The :class:`ShardedLoader`.
+
+    Raises:
+        TypeError, ValueError: as :class:`ShardedLoader`.
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> x = torch.arange(8.0)
+        >>> [b.tolist() for b in ft.shard(x, batch_size=2, shuffle=False, rank=1, world_size=2)]  # rank 1 of 2
+        [[2.0, 3.0], [6.0, 7.0]]
+        >>> loader = ft.shard((x, 2 * x), batch_size=4, seed=1, rank=0, world_size=1)
+        >>> len(loader), loader.state_dict()["epoch"]
+        (2, 0)
     """
     return ShardedLoader(data, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, rank=rank,
                          world_size=world_size, device=device, collate_fn=collate_fn)

@@ -53,14 +53,23 @@ def loader_options(loader: DataLoader | None) -> dict:
 class BatchInfo:
     """Which samples the batch a rank yielded last holds (what ``ft.gather_for_eval`` needs).
 
-    ``rows``: rows in the batch on this rank; the first ``real`` are samples, the rest
-    wrap-around padding. ``layout``: ``"blocked"`` (rank r's rows follow rank r-1's in the
-    global order) or ``"strided"`` (row l of rank r is global position l*W + r).
+    Read it as :attr:`ShardedLoader.last_batch_info <functrain.data.ShardedLoader.last_batch_info>`.
+
+    Attributes:
+        epoch: the batch's epoch.
+        batch: its index in the epoch.
+        rows: rows in the batch on this rank.
+        real: how many of them (the first) are samples; the rest are wrap-around padding.
+        layout: ``"blocked"`` (rank r's rows follow rank r-1's in the global order) or
+            ``"strided"`` (row l of rank r is global position l*W + r).
 
     Example::
 
-        for batch in loader:
-            info = loader.last_batch_info   # BatchInfo(epoch=0, batch=0, rows=32, real=32, layout='blocked')
+        >>> import torch, functrain as ft
+        >>> loader = ft.shard(torch.arange(3.0), batch_size=2, shuffle=False, rank=0, world_size=1)
+        >>> batches = list(loader)
+        >>> loader.last_batch_info
+        BatchInfo(epoch=0, batch=1, rows=2, real=1, layout='blocked')
     """
 
     epoch: int

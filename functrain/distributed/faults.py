@@ -53,6 +53,7 @@ class PeerFailed(RuntimeError):
 
     Example::
 
+        >>> from functrain.distributed.faults import PeerFailed, cause_of
         >>> cause_of(PeerFailed("rank 0 could not lock the results folder (see its error)"))
         'lost_peer'
     """

@@ -329,19 +329,36 @@ class ShardedDataParallel(Transform):
 def gather_state(state: TrainState, group: Any = None) -> TrainState:
     """The whole, unsharded :class:`~functrain.TrainState` of a sharded one, on every rank.
 
-    Call it on every rank of the group the state is sharded over (it
-    all-gathers each shard): the result has exactly the structure an unsharded
-    step's state has (``{name: tensor}`` params, moments and EMA, no
-    ``"data_parallel"`` slot), for evaluation, export or comparison. A state
-    that is not sharded is returned as it is.
-
-    Example::
+    Call it on every rank of the group the state is sharded over (it all-gathers each
+    shard), for evaluation, export or comparison. In a job::
 
         step = ft.data_parallel(shard="params")(base_step)
         state = step.init(params, buffers)
         ...
         full = ft.gather_state(state)          # every rank
         ft.to_module(model, full.params)
+
+    Args:
+        state: a :class:`~functrain.TrainState`, sharded by ``data_parallel(shard=...)`` or not.
+        group: the process group it is sharded over (default ``None``: the default group).
+
+    Returns:
+        A state with exactly the structure an unsharded step's state has (``{name: tensor}``
+        params, moments and EMA, no ``"data_parallel"`` slot); a state that is not sharded is
+        returned as it is.
+
+    Raises:
+        TypeError: ``state`` is not a ``TrainState``.
+        RuntimeError: the calling group is not the one the state is sharded over (another size,
+            a single process, or another rank's shard); the message says what to do instead.
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1))
+        >>> state = step.init({"w": torch.ones(2)})
+        >>> ft.gather_state(state) is state   # not sharded: nothing to gather
+        True
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"gather_state takes a functrain TrainState; got {type(state).__name__}")

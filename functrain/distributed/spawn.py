@@ -72,8 +72,7 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | No
 
     Each process gets torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``MASTER_ADDR``/``MASTER_PORT`` on a free port), ``OMP_NUM_THREADS=1`` unless set,
-    and joins the group (gloo on CPU, NCCL on CUDA) before ``fn`` runs. ``fn`` and
-    ``args`` must be picklable (a module-level function). Nothing waits forever:
+    and joins the group before ``fn`` runs. Nothing waits forever:
 
     * If a rank raises, the others are stopped and the exception of the rank that
       failed first for its own reason is raised here, with that rank's traceback
@@ -82,13 +81,13 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | No
     * A rank whose ``fn`` returns while the others still run (it left early: their
       next collective fails without it) is named as the cause, not the peers.
     * A hung rank is found by the collective timeout: a peer waiting for it fails
-      after ``dist_timeout`` seconds (default ``$FUNCTRAIN_DIST_TIMEOUT``, else
-      300), and :class:`LaunchError` names the rank that did not arrive.
+      after ``dist_timeout`` seconds, and :class:`LaunchError` names the rank that did
+      not arrive.
     * A job that runs longer than ``timeout`` seconds is killed (:class:`LaunchError`).
     * The ranks die with the calling process, even if it is SIGKILLed (Linux
       parent-death signal).
 
-    Example::
+    A job of two ranks (each spawned process imports torch: seconds)::
 
         def work(x):
             import torch, torch.distributed as dist
@@ -97,6 +96,33 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | No
             return int(t)
 
         ft.launch(work, nprocs=2, args=(10,))   # [21, 21]
+
+    Args:
+        fn: the function each rank runs; it and ``args`` must be picklable (a module-level function).
+        nprocs: the number of processes, an int >= 1 (default 2).
+        args: the positional arguments of ``fn`` (default none).
+        backend: the process group's backend (default ``None``: gloo on CPU, NCCL on CUDA).
+        timeout: the whole job's limit in seconds, > 0 (default 300).
+        dist_timeout: the collective timeout in seconds, > 0 (default ``None``:
+            ``$FUNCTRAIN_DIST_TIMEOUT``, else 300); given, it is passed to the ranks as that variable.
+        env: more environment variables for the ranks (default ``None``).
+
+    Returns:
+        The list of ``fn``'s return values, by rank.
+
+    Raises:
+        BadValue: ``nprocs``, ``timeout`` or ``dist_timeout`` out of range (before anything starts).
+        TypeError: ``fn`` is not callable.
+        LaunchError: a rank was killed, hung, left early, or the job passed ``timeout``.
+        Exception: the first failing rank's own exception, re-raised here.
+
+    Example::
+
+        >>> import os, functrain as ft
+        >>> ft.launch(os.getenv, nprocs=0, args=("RANK",))
+        Traceback (most recent call last):
+        ...
+        functrain.core.validate.BadValue: launch: nprocs must be an int >= 1; got 0 (int)
     """
     check_int("launch: nprocs", nprocs, minimum=1)
     if not callable(fn):

@@ -16,8 +16,12 @@ __all__ = ["adam", "adamw", "AdamState"]
 
 @register_checkpoint_type("functrain.optim.AdamState")
 class AdamState(NamedTuple):
-    """State of :func:`adam` / :func:`adamw`: the update ``count`` (int64 scalar) and the
-    first and second moment estimates (trees shaped like the params; torch's names).
+    """State of :func:`adam` / :func:`adamw` (torch.optim's names).
+
+    Attributes:
+        count: the number of updates already taken, an int64 scalar tensor (0 after ``init``).
+        exp_avg: the first moment estimate, a tree shaped like the params.
+        exp_avg_sq: the second moment estimate (of the squared gradient), a tree shaped like the params.
 
     Example::
 
@@ -113,9 +117,32 @@ def adam(
 ) -> Optimizer:
     """Adam with L2 weight decay (added to the gradient), like ``torch.optim.Adam``.
 
-    ``lr`` is a float or a schedule ``callable(count) -> lr``. ``weight_decay_mask``
-    (which leaves get weight decay) and ``lr_multipliers`` (a factor on the lr per
-    leaf) play the role of torch.optim's param groups; see :mod:`functrain.optim.groups`.
+    ``weight_decay_mask`` and ``lr_multipliers`` play the role of torch.optim's param groups;
+    see :mod:`functrain.optim.groups`.
+
+    Args:
+        lr: the learning rate: a finite float >= 0, or a schedule ``callable(count) -> lr``
+            (:mod:`functrain.optim.schedules`) of the number of updates already taken.
+        betas: ``(beta1, beta2)``, the decay rates of the two moment estimates, each in [0, 1)
+            (default ``(0.9, 0.999)``).
+        eps: a float >= 0 added to the denominator (default ``1e-8``).
+        weight_decay: the L2 factor >= 0 added to the gradient as ``weight_decay * p`` (default 0: none).
+        weight_decay_mask: which leaves get weight decay: ``None`` (default: every leaf), a
+            pytree of bools shaped like the params, or a predicate ``callable(name, param) -> bool``
+            such as :func:`functrain.optim.masks.no_decay_bias_and_norm` (:mod:`functrain.optim.groups`).
+            With ``weight_decay=0`` it has no effect, and a ``UserWarning`` says so.
+        lr_multipliers: a factor on the lr per leaf: ``None`` (default: 1.0 everywhere), a pytree
+            of floats >= 0 shaped like the params, or ``callable(name, param) -> float``; a leaf's
+            lr is ``lr * multiplier``.
+
+    Returns:
+        An :class:`~functrain.optim.Optimizer` whose ``init(params)`` returns :class:`AdamState` and whose
+        ``update(grads, state, params)`` returns ``(new_params, new_state)``.
+
+    Raises:
+        BadValue: (a ``TypeError`` and a ``ValueError``, from :mod:`functrain.core.validate`) for an
+            argument out of range or of the wrong type, naming it and what is allowed; a bad mask or
+            multiplier leaf is reported by ``init``, which sees the params.
 
     Example::
 
@@ -140,15 +167,34 @@ def adamw(
     weight_decay_mask: Any = None,
     lr_multipliers: Any = None,
 ) -> Optimizer:
-    """AdamW: Adam with decoupled weight decay ``p *= 1 - lr * weight_decay``, like
-    ``torch.optim.AdamW``.
+    """AdamW: Adam with decoupled weight decay ``p *= 1 - lr * weight_decay``, like ``torch.optim.AdamW``.
 
-    ``weight_decay_mask``: ``None`` (decay every leaf), a pytree of bools shaped like
-    the params, or a predicate ``callable(name, param) -> bool`` such as
-    :func:`functrain.optim.masks.no_decay_bias_and_norm`. ``lr_multipliers``:
-    ``None``, a pytree of floats or ``callable(name, param) -> float``; a leaf's lr
-    is ``lr * multiplier`` (also in the decoupled decay ``1 - lr * wd``, as in a
-    torch param group with that lr). ``learning_rate(state)`` reports the base lr.
+    A leaf's lr is ``lr * multiplier``, also in the decoupled decay ``1 - lr * wd``, as in a torch
+    param group with that lr. ``learning_rate(state)`` reports the base lr.
+
+    Args:
+        lr: the learning rate: a finite float >= 0, or a schedule ``callable(count) -> lr``
+            (:mod:`functrain.optim.schedules`) of the number of updates already taken.
+        betas: ``(beta1, beta2)``, the decay rates of the two moment estimates, each in [0, 1)
+            (default ``(0.9, 0.999)``).
+        eps: a float >= 0 added to the denominator (default ``1e-8``).
+        weight_decay: the decoupled decay factor >= 0 (default ``0.01``, torch.optim.AdamW's).
+        weight_decay_mask: which leaves get weight decay: ``None`` (default: every leaf), a
+            pytree of bools shaped like the params, or a predicate ``callable(name, param) -> bool``
+            such as :func:`functrain.optim.masks.no_decay_bias_and_norm` (:mod:`functrain.optim.groups`).
+            With ``weight_decay=0`` it has no effect, and a ``UserWarning`` says so.
+        lr_multipliers: a factor on the lr per leaf: ``None`` (default: 1.0 everywhere), a pytree
+            of floats >= 0 shaped like the params, or ``callable(name, param) -> float``; a leaf's
+            lr is ``lr * multiplier``.
+
+    Returns:
+        An :class:`~functrain.optim.Optimizer` whose ``init(params)`` returns :class:`AdamState` and whose
+        ``update(grads, state, params)`` returns ``(new_params, new_state)``.
+
+    Raises:
+        BadValue: (a ``TypeError`` and a ``ValueError``, from :mod:`functrain.core.validate`) for an
+            argument out of range or of the wrong type, naming it and what is allowed; a bad mask or
+            multiplier leaf is reported by ``init``, which sees the params.
 
     Example::
 

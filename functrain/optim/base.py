@@ -25,26 +25,25 @@ __all__ = ["Optimizer"]
 
 
 class Optimizer(NamedTuple):
-    """A functional optimizer: three pure functions over pytrees.
+    """A functional optimizer: three pure functions over pytrees, and two declared fields.
 
-    * ``init(params) -> opt_state``: a pytree (a ``NamedTuple`` of tensors and
-      trees of tensors) whose ``count`` field is an int64 scalar tensor on the
-      params' device holding the number of updates already taken (0 at first).
-    * ``update(grads, opt_state, params) -> (new_params, new_opt_state)``: one
-      step; ``grads`` has the structure of ``params``. Inputs are never modified.
-    * ``learning_rate(opt_state)``: the learning rate the *next* update will
-      use (a float for a constant lr, a float64 scalar tensor for a schedule).
+    Build one with :func:`~functrain.optim.sgd`, :func:`~functrain.optim.adamw`, ... or
+    :func:`~functrain.optim.from_optax_style`; the constructor takes the fields below.
 
-    And two declared fields the step and the trainer read:
-
-    * ``per_param`` (default ``False``): whether ``update`` treats parameters by
-      name (``weight_decay_mask`` / ``lr_multipliers`` groups). A sharded
-      data-parallel step updates flat per-dtype shards, which have no names, and
-      refuses such an optimizer.
-    * ``schedule`` (default ``None``): the lr it was built with, a float or a
-      schedule ``callable(count) -> lr``, so that
-      :func:`functrain.optim.schedules.check_covers` can refuse a schedule that
-      ends before the run does (``None``: unknown, nothing is checked).
+    Attributes:
+        init: ``init(params) -> opt_state``: a pytree (a ``NamedTuple`` of tensors and trees
+            of tensors) whose ``count`` field is an int64 scalar tensor on the params' device
+            holding the number of updates already taken (0 at first).
+        update: ``update(grads, opt_state, params) -> (new_params, new_opt_state)``: one step;
+            ``grads`` has the structure of ``params``. Inputs are never modified.
+        learning_rate: ``learning_rate(opt_state)``: the learning rate the *next* update will use
+            (a float for a constant lr, a float64 scalar tensor for a schedule).
+        per_param: (default ``False``) whether ``update`` treats parameters by name
+            (``weight_decay_mask`` / ``lr_multipliers`` groups). A sharded data-parallel step
+            updates flat per-dtype shards, which have no names, and refuses such an optimizer.
+        schedule: (default ``None``) the lr it was built with, a float or a schedule
+            ``callable(count) -> lr``, so that :func:`functrain.optim.schedules.check_covers` can
+            refuse a schedule that ends before the run does (``None``: unknown, nothing is checked).
 
     Example::
 
@@ -54,8 +53,8 @@ class Optimizer(NamedTuple):
         >>> params = {"w": torch.ones(2)}
         >>> state = opt.init(params)
         >>> params, state = opt.update({"w": torch.ones(2)}, state, params)
-        >>> params["w"], int(state.count)
-        (tensor([0.9000, 0.9000]), 1)
+        >>> params["w"], int(state.count), opt.learning_rate(state)
+        (tensor([0.9000, 0.9000]), 1, 0.1)
     """
 
     init: Callable[[Any], Any]

@@ -34,7 +34,20 @@ _TENSOR_HINT = "; the groups are decided in Python from names and shapes, so ret
 
 
 class Group(NamedTuple):
-    """Leaves (positions in the params' flatten order) that share a weight decay flag and an lr multiplier."""
+    """Leaves that share a weight decay flag and an lr multiplier (one torch.optim param group).
+
+    Attributes:
+        index: the leaves' positions in the params' flatten order.
+        decay: whether weight decay applies to them.
+        lr_mult: the factor on the lr, a float >= 0.
+
+    Example::
+
+        >>> import torch
+        >>> from functrain.optim.groups import make_groups
+        >>> make_groups({"b": torch.ones(2), "w": torch.ones(2, 2)}, lambda n, p: p.ndim > 1, None)
+        [Group(index=(0,), decay=False, lr_mult=1.0), Group(index=(1,), decay=True, lr_mult=1.0)]
+    """
 
     index: tuple[int, ...]
     decay: bool
@@ -50,7 +63,29 @@ def _check_arg(name: str, value: Any, allowed: str) -> Any:
 
 
 def check_group_args(owner: str, weight_decay: float, weight_decay_mask: Any, lr_multipliers: Any) -> None:
-    """Check the group arguments of optimizer ``owner`` at construction (the params come later)."""
+    """Check the group arguments of optimizer ``owner`` at construction (the params come later).
+
+    Args:
+        owner: the optimizer's name, for the messages (``"adamw"``).
+        weight_decay: the optimizer's weight decay; a mask with ``weight_decay=0`` warns.
+        weight_decay_mask: ``None``, a pytree of bools, or a predicate ``callable(name, param) -> bool``.
+        lr_multipliers: ``None``, a pytree of floats, or ``callable(name, param) -> float``.
+
+    Returns:
+        ``None``.
+
+    Raises:
+        BadValue: either argument is a single bool, number, string or tensor (not a tree or callable).
+
+    Example::
+
+        >>> from functrain.optim.groups import check_group_args
+        >>> check_group_args("sgd", 0.1, None, {"w": 2.0})
+        >>> check_group_args("sgd", 0.1, True, None)
+        Traceback (most recent call last):
+        ...
+        functrain.core.validate.BadValue: sgd: weight_decay_mask must be None, a pytree of bools shaped like the params, or a predicate callable(name, param) -> bool; got True (bool)
+    """
     _check_arg(f"{owner}: weight_decay_mask", weight_decay_mask,
                "None, a pytree of bools shaped like the params, or a predicate callable(name, param) -> bool")
     _check_arg(f"{owner}: lr_multipliers", lr_multipliers,
@@ -80,7 +115,18 @@ def _per_leaf(arg: Any, params: Any, argname: str) -> tuple[list[str], list[Any]
 
 
 def decay_mask(weight_decay_mask: Any, params: Any) -> list[bool]:
-    """Per leaf (flatten order): ``True`` where weight decay applies. ``None`` means every leaf.
+    """Per leaf (flatten order): ``True`` where weight decay applies.
+
+    Args:
+        weight_decay_mask: ``None`` (every leaf), a pytree of bools shaped like ``params``, or a
+            predicate ``callable(name, param) -> bool`` (``name``: the leaf's path joined by ``"/"``).
+        params: the params tree (not :class:`~functrain.FlatParams`: flat buffers have no names).
+
+    Returns:
+        A list of bools, one per leaf in flatten order.
+
+    Raises:
+        BadValue: the params are flat, the mask's structure differs from the params', or a value is not a bool.
 
     Example::
 
@@ -102,7 +148,18 @@ def decay_mask(weight_decay_mask: Any, params: Any) -> list[bool]:
 
 
 def lr_multipliers(multipliers: Any, params: Any) -> list[float]:
-    """Per leaf (flatten order): the factor on the lr, a finite float >= 0. ``None`` means 1.0.
+    """Per leaf (flatten order): the factor on the lr.
+
+    Args:
+        multipliers: ``None`` (1.0 everywhere), a pytree of floats shaped like ``params``, or
+            ``callable(name, param) -> float``.
+        params: the params tree (not :class:`~functrain.FlatParams`).
+
+    Returns:
+        A list of floats (finite, >= 0), one per leaf in flatten order.
+
+    Raises:
+        BadValue: the params are flat, the structure differs, or a value is not a finite float >= 0.
 
     Example::
 
@@ -124,8 +181,25 @@ def lr_multipliers(multipliers: Any, params: Any) -> list[float]:
 
 
 def make_groups(params: Any, weight_decay_mask: Any, multipliers: Any, n: int | None = None) -> list[Group]:
-    """Partition the leaves by ``(decay, lr_mult)``, in order of first appearance (``n``: the
-    number of leaves, when the caller has flattened ``params`` already)."""
+    """Partition the leaves by ``(decay, lr_mult)``, in order of first appearance.
+
+    Args:
+        params: the params tree.
+        weight_decay_mask: as in :func:`decay_mask`.
+        multipliers: as in :func:`lr_multipliers`.
+        n: the number of leaves, when the caller has flattened ``params`` already (default
+            ``None``: counted here); used only when both arguments are ``None``.
+
+    Returns:
+        A list of :class:`Group`; one group of every leaf when both arguments are ``None``.
+
+    Example::
+
+        >>> import torch
+        >>> from functrain.optim.groups import make_groups
+        >>> make_groups({"a": torch.ones(1), "b": torch.ones(1)}, None, {"a": 2.0, "b": 1.0})
+        [Group(index=(0,), decay=True, lr_mult=2.0), Group(index=(1,), decay=True, lr_mult=1.0)]
+    """
     if weight_decay_mask is None and multipliers is None:
         return [Group(tuple(range(len(optree.tree_leaves(params)) if n is None else n)), True, 1.0)]
     decay = decay_mask(weight_decay_mask, params)
@@ -137,7 +211,23 @@ def make_groups(params: Any, weight_decay_mask: Any, multipliers: Any, n: int | 
 
 
 def run_groups(groups: Sequence[Group], fn: Callable[..., tuple], *lists: list) -> tuple[list, ...]:
-    """Call ``fn(group, *sublists) -> tuple of sublists`` per group and put the results back in leaf order."""
+    """Call ``fn`` per group on the group's part of each list, and put the results back in leaf order.
+
+    Args:
+        groups: the :class:`Group` list of :func:`make_groups`.
+        fn: ``fn(group, *sublists) -> tuple of sublists``, one output list per result.
+        *lists: per-leaf lists (params, grads, buffers), all in flatten order.
+
+    Returns:
+        A tuple of per-leaf lists, in flatten order.
+
+    Example::
+
+        >>> from functrain.optim.groups import Group, run_groups
+        >>> groups = [Group((0, 2), True, 1.0), Group((1,), True, 10.0)]
+        >>> run_groups(groups, lambda g, xs: ([x * g.lr_mult for x in xs],), [1.0, 2.0, 3.0])
+        ([1.0, 20.0, 3.0],)
+    """
     if len(groups) == 1:
         return fn(groups[0], *lists)
     out: list[list] | None = None
@@ -152,5 +242,19 @@ def run_groups(groups: Sequence[Group], fn: Callable[..., tuple], *lists: list) 
 
 
 def group_lr(lr_t: float | torch.Tensor, group: Group) -> float | torch.Tensor:
-    """The group's lr: ``lr_t * lr_mult`` (a torch param group with ``lr = base_lr * mult``)."""
+    """The group's lr: ``lr_t * lr_mult`` (a torch param group with ``lr = base_lr * mult``).
+
+    Args:
+        lr_t: the base lr of this update, a float or a scalar tensor.
+        group: the :class:`Group`.
+
+    Returns:
+        ``lr_t`` itself when the multiplier is 1.0, else ``lr_t * group.lr_mult``.
+
+    Example::
+
+        >>> from functrain.optim.groups import Group, group_lr
+        >>> group_lr(0.5, Group((0,), True, 4.0))
+        2.0
+    """
     return lr_t if group.lr_mult == 1.0 else lr_t * group.lr_mult

@@ -24,11 +24,23 @@ __all__ = ["from_optax_style", "OptaxStyleState", "check_optimizer"]
 
 @register_checkpoint_type("functrain.optim.OptaxStyleState")
 class OptaxStyleState(NamedTuple):
-    """State of :func:`from_optax_style`: the applied-update ``count`` and the wrapped
-    transformation's own state ``inner``.
+    """State of :func:`from_optax_style`.
 
     ``inner`` is saved in checkpoints as any pytree of tensors; a ``NamedTuple`` of your
     own in it must be registered with :func:`functrain.core.registry.register_checkpoint_type`.
+
+    Attributes:
+        count: the number of updates applied, an int64 scalar tensor (0 after ``init``).
+        inner: the wrapped transformation's own state, what its ``init`` / ``update`` return.
+
+    Example::
+
+        >>> import torch
+        >>> from functrain import optim
+        >>> opt = optim.from_optax_style(lambda p: (), lambda g, s, p: ({k: -0.1 * v for k, v in g.items()}, s))
+        >>> state = opt.init({"w": torch.ones(2)})
+        >>> int(state.count), state.inner
+        (0, ())
     """
 
     count: torch.Tensor
@@ -43,13 +55,25 @@ def from_optax_style(
 ) -> Optimizer:
     """A functrain optimizer from an Optax-style gradient transformation on torch tensors.
 
-    ``init(params) -> state`` and ``update(updates, state, params) -> (updates, state)``,
-    where the incoming ``updates`` are the gradients and the outgoing ones are added to
-    the params (``new_params = params + updates``, so a descent step returns
-    ``-lr * direction``). Both must be pure functions of torch tensors for the step to
-    compile. ``learning_rate`` (a float or a schedule of the applied-update count) is
-    only what the step reports as its ``lr`` metric: the transformation owns its lr;
-    without it the reported lr is NaN.
+    The outgoing updates are added to the params (``new_params = params + updates``, so a
+    descent step returns ``-lr * direction``). Both functions must be pure functions of
+    torch tensors for the step to compile.
+
+    Args:
+        init: ``init(params) -> state``, the transformation's state.
+        update: ``update(updates, state, params) -> (updates, state)``, where the incoming
+            ``updates`` are the gradients; the outgoing ones must be tensors of each param's
+            dtype and shape.
+        learning_rate: only what the step reports as its ``lr`` metric (the transformation owns
+            its lr): a float >= 0, a schedule of the applied-update count, or ``None`` (default:
+            the reported lr is NaN).
+
+    Returns:
+        An :class:`~functrain.optim.Optimizer` over :class:`OptaxStyleState`.
+
+    Raises:
+        TypeError: ``init`` or ``update`` is not callable; at ``update`` time, when the wrapped
+            ``update`` does not return ``(updates, state)`` or an update leaf does not match its param.
 
     Example::
 

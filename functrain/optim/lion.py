@@ -16,8 +16,11 @@ __all__ = ["lion", "LionState"]
 
 @register_checkpoint_type("functrain.optim.LionState")
 class LionState(NamedTuple):
-    """State of :func:`lion`: the update ``count`` (int64 scalar) and the momentum ``exp_avg``
-    (a tree shaped like the params). Lion keeps one buffer per param (Adam keeps two).
+    """State of :func:`lion` (one buffer per param; Adam keeps two).
+
+    Attributes:
+        count: the number of updates already taken, an int64 scalar tensor (0 after ``init``).
+        exp_avg: the momentum, a tree shaped like the params.
 
     Example::
 
@@ -52,8 +55,30 @@ def lion(
     Every element moves by exactly ``lr`` (or not at all where ``c == 0``), so Lion
     wants an lr about 3-10x smaller than AdamW's and a weight decay 3-10x larger to
     keep ``lr * weight_decay`` similar (the paper's advice). The interpolations are
-    ``torch.lerp`` (one rounding each). ``weight_decay_mask`` and ``lr_multipliers``
-    work as in :func:`functrain.optim.adamw`.
+    ``torch.lerp`` (one rounding each).
+
+    Args:
+        lr: the learning rate: a finite float >= 0, or a schedule ``callable(count) -> lr``
+            (:mod:`functrain.optim.schedules`) of the number of updates already taken.
+        betas: ``(beta1, beta2)``: the interpolation of the direction and the momentum's decay,
+            each in [0, 1) (default ``(0.9, 0.99)``).
+        weight_decay: the decoupled decay factor >= 0 (default 0: none).
+        weight_decay_mask: which leaves get weight decay: ``None`` (default: every leaf), a
+            pytree of bools shaped like the params, or a predicate ``callable(name, param) -> bool``
+            such as :func:`functrain.optim.masks.no_decay_bias_and_norm` (:mod:`functrain.optim.groups`).
+            With ``weight_decay=0`` it has no effect, and a ``UserWarning`` says so.
+        lr_multipliers: a factor on the lr per leaf: ``None`` (default: 1.0 everywhere), a pytree
+            of floats >= 0 shaped like the params, or ``callable(name, param) -> float``; a leaf's
+            lr is ``lr * multiplier``.
+
+    Returns:
+        An :class:`~functrain.optim.Optimizer` whose ``init(params)`` returns :class:`LionState` and whose
+        ``update(grads, state, params)`` returns ``(new_params, new_state)``.
+
+    Raises:
+        BadValue: (a ``TypeError`` and a ``ValueError``, from :mod:`functrain.core.validate`) for an
+            argument out of range or of the wrong type, naming it and what is allowed; a bad mask or
+            multiplier leaf is reported by ``init``, which sees the params.
 
     Example::
 

@@ -30,8 +30,13 @@ _NORM_PREFIXES = ("ln", "bn", "gn")
 
 
 def name_tokens(name: str) -> list[str]:
-    """The lower-case alphanumeric words of a parameter name: ``"blocks.0.ln_1/weight"`` ->
-    ``['blocks', '0', 'ln', '1', 'weight']``.
+    """The lower-case alphanumeric words of a parameter name.
+
+    Args:
+        name: a parameter name (a pytree path joined by ``"/"``, or a ``named_parameters()`` name).
+
+    Returns:
+        The list of words: ``"blocks.0.ln_1/weight"`` -> ``['blocks', '0', 'ln', '1', 'weight']``.
 
     Example::
 
@@ -65,6 +70,13 @@ def no_decay_bias_and_norm(name: str, param: torch.Tensor) -> bool:
     conv weights, embeddings) is decayed, as in GPT-2/nanoGPT and the Hugging Face
     Trainer.
 
+    Args:
+        name: the leaf's name (its pytree path joined by ``"/"``).
+        param: the leaf tensor (only its ``ndim`` is read).
+
+    Returns:
+        ``True`` to decay the leaf, ``False`` not to.
+
     Example::
 
         >>> import torch
@@ -81,6 +93,17 @@ def no_decay_bias_and_norm(name: str, param: torch.Tensor) -> bool:
 
 def resolve(weight_decay_mask: Any, params: Any) -> Any:
     """The mask as a pytree of bools shaped like ``params`` (``True`` = decay), to check a rule.
+
+    Args:
+        weight_decay_mask: ``None`` (all ``True``), a pytree of bools, or a predicate
+            ``callable(name, param) -> bool``.
+        params: the params tree.
+
+    Returns:
+        A pytree of the structure of ``params`` with a bool per leaf.
+
+    Raises:
+        BadValue: as :func:`functrain.optim.groups.decay_mask`.
 
     Example::
 

@@ -61,6 +61,15 @@ def _check_schedule(name: str, schedule: Any) -> Schedule:
 def constant(value: float) -> Schedule:
     """Always ``value``.
 
+    Args:
+        value: the learning rate, a finite float.
+
+    Returns:
+        A schedule ``callable(count) -> lr`` (a float64 scalar tensor on ``count``'s device); ``.total_steps`` is ``None`` (it never ends).
+
+    Raises:
+        BadValue: (a ``TypeError`` and a ``ValueError``) for a value that is not a finite float or a step count that is not an int >= 0, naming it.
+
     Example::
 
         >>> from functrain.optim.schedules import constant
@@ -77,6 +86,17 @@ def constant(value: float) -> Schedule:
 
 def linear_warmup(peak: float, warmup_steps: int, start: float = 0.0) -> Schedule:
     """Linear from ``start`` (at count 0) to ``peak`` (at ``warmup_steps``), then ``peak``.
+
+    Args:
+        peak: the lr reached at ``warmup_steps`` and kept after, a finite float.
+        warmup_steps: the number of updates of the warmup, an int >= 0 (0: :func:`constant` ``peak``).
+        start: the lr at count 0, a finite float (default 0.0).
+
+    Returns:
+        A schedule ``callable(count) -> lr`` (a float64 scalar tensor on ``count``'s device); ``.total_steps`` is ``None`` (it never ends).
+
+    Raises:
+        BadValue: (a ``TypeError`` and a ``ValueError``) for a value that is not a finite float or a step count that is not an int >= 0, naming it.
 
     Example::
 
@@ -102,6 +122,17 @@ def linear_warmup(peak: float, warmup_steps: int, start: float = 0.0) -> Schedul
 def cosine_decay(peak: float, decay_steps: int, final: float = 0.0) -> Schedule:
     """Half a cosine from ``peak`` (at count 0) to ``final`` (at ``decay_steps``), then ``final``.
 
+    Args:
+        peak: the lr at count 0, a finite float.
+        decay_steps: the number of updates of the decay, an int >= 1.
+        final: the lr at ``decay_steps`` and after, a finite float (default 0.0).
+
+    Returns:
+        A schedule ``callable(count) -> lr`` (a float64 scalar tensor on ``count``'s device); ``.total_steps`` is ``decay_steps``.
+
+    Raises:
+        BadValue: (a ``TypeError`` and a ``ValueError``) for a value that is not a finite float or a step count that is not an int >= 1, naming it.
+
     Example::
 
         >>> from functrain.optim.schedules import cosine_decay
@@ -123,6 +154,17 @@ def cosine_decay(peak: float, decay_steps: int, final: float = 0.0) -> Schedule:
 
 def linear_decay(peak: float, decay_steps: int, final: float = 0.0) -> Schedule:
     """Linear from ``peak`` (at count 0) to ``final`` (at ``decay_steps``), then ``final``.
+
+    Args:
+        peak: the lr at count 0, a finite float.
+        decay_steps: the number of updates of the decay, an int >= 1.
+        final: the lr at ``decay_steps`` and after, a finite float (default 0.0).
+
+    Returns:
+        A schedule ``callable(count) -> lr`` (a float64 scalar tensor on ``count``'s device); ``.total_steps`` is ``decay_steps``.
+
+    Raises:
+        BadValue: (a ``TypeError`` and a ``ValueError``) for a value that is not a finite float or a step count that is not an int >= 1, naming it.
 
     Example::
 
@@ -149,6 +191,20 @@ def warmup_cosine(
     """Linear warmup from ``start`` to ``peak`` over ``warmup_steps``, then cosine decay to
     ``final`` at ``total_steps`` (which counts the warmup), then ``final``.
 
+    Args:
+        peak: the lr at the end of the warmup, a finite float.
+        warmup_steps: the number of updates of the warmup, an int >= 0.
+        total_steps: the update at which ``final`` is reached, an int > ``warmup_steps``.
+        final: the lr at ``total_steps`` and after, a finite float (default 0.0).
+        start: the lr at count 0, a finite float (default 0.0).
+
+    Returns:
+        A schedule ``callable(count) -> lr`` (a float64 scalar tensor on ``count``'s device); ``.total_steps`` is ``total_steps``.
+
+    Raises:
+        BadValue: (a ``TypeError`` and a ``ValueError``) for a value that is not a finite float or a step count that is not an int >= 0, naming it.
+        ValueError: ``total_steps <= warmup_steps``.
+
     Example::
 
         >>> from functrain.optim.schedules import warmup_cosine
@@ -165,6 +221,20 @@ def warmup_linear_decay(
     """Linear warmup from ``start`` to ``peak`` over ``warmup_steps``, then linear decay to
     ``final`` at ``total_steps`` (which counts the warmup), then ``final`` (the
     Hugging Face "linear" schedule when ``final=0``).
+
+    Args:
+        peak: the lr at the end of the warmup, a finite float.
+        warmup_steps: the number of updates of the warmup, an int >= 0.
+        total_steps: the update at which ``final`` is reached, an int > ``warmup_steps``.
+        final: the lr at ``total_steps`` and after, a finite float (default 0.0).
+        start: the lr at count 0, a finite float (default 0.0).
+
+    Returns:
+        A schedule ``callable(count) -> lr`` (a float64 scalar tensor on ``count``'s device); ``.total_steps`` is ``total_steps``.
+
+    Raises:
+        BadValue: (a ``TypeError`` and a ``ValueError``) for a value that is not a finite float or a step count that is not an int >= 0, naming it.
+        ValueError: ``total_steps <= warmup_steps``.
 
     Example::
 
@@ -193,6 +263,19 @@ def _warmup_then(name: str, decay: Callable[..., Schedule], peak: float, warmup_
 def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
     """Run ``schedules[0]`` until ``boundaries[0]``, then ``schedules[1]`` with the count
     restarted at 0 (``count - boundaries[0]``), and so on (Optax's ``join_schedules``).
+
+    Args:
+        schedules: a non-empty list or tuple of schedules ``callable(count) -> lr``.
+        boundaries: a list or tuple of ``len(schedules) - 1`` non-decreasing ints >= 0: the count at
+            which each next schedule starts.
+
+    Returns:
+        A schedule ``callable(count) -> lr`` (a float64 scalar tensor on ``count``'s device); ``.total_steps`` is the last schedule's horizon plus the last boundary (``None`` if the
+        last schedule never ends).
+
+    Raises:
+        TypeError: ``schedules`` is not a non-empty list of callables, or ``boundaries`` not a list.
+        ValueError: the number of boundaries is not ``len(schedules) - 1``, or they decrease.
 
     Example::
 
@@ -230,6 +313,16 @@ def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
 def scale(schedule: Schedule, factor: float) -> Schedule:
     """``schedule(count) * factor``.
 
+    Args:
+        schedule: a schedule ``callable(count) -> lr``.
+        factor: a finite float.
+
+    Returns:
+        A schedule ``callable(count) -> lr`` (a float64 scalar tensor on ``count``'s device), with ``schedule``'s horizon.
+
+    Raises:
+        TypeError: ``schedule`` is not callable.
+
     Example::
 
         >>> from functrain.optim.schedules import scale, linear_warmup
@@ -252,9 +345,15 @@ def _lr_of(obj: Any) -> Any:
 
 
 def horizon(schedule: Any) -> int | None:
-    """The number of updates ``schedule`` was built for (``schedule.total_steps``), or ``None``
-    if it goes on forever (a float lr, :func:`constant`, :func:`linear_warmup`, or a callable
-    without that attribute). An optimizer's own schedule is found through it.
+    """The number of updates a schedule was built for (its ``total_steps`` attribute).
+
+    Args:
+        schedule: a schedule, a float lr, or a functrain :class:`~functrain.optim.Optimizer` (whose
+            declared ``schedule`` is read).
+
+    Returns:
+        ``schedule.total_steps`` as an int, or ``None`` if it goes on forever (a float lr,
+        :func:`constant`, :func:`linear_warmup`, or a callable without that attribute).
 
     Example::
 
@@ -276,12 +375,21 @@ def horizon(schedule: Any) -> int | None:
 def check_covers(schedule: Any, total_steps: int) -> None:
     """Refuse a schedule that ends before a run of ``total_steps`` updates does.
 
-    ``schedule`` is a schedule, a float lr or a functrain optimizer (its lr is
-    checked). Update ``t`` (0-based) uses ``schedule(t)``, so a schedule built for
-    ``H`` updates covers runs of at most ``H`` updates; a longer run would spend
-    updates ``H .. total_steps - 1`` at the final lr (often 0), which is almost
-    always a config mistake (a ``total_steps`` left over from a shorter run). Raises
-    ``ValueError`` saying so; schedules without a horizon (see :func:`horizon`) pass.
+    Update ``t`` (0-based) uses ``schedule(t)``, so a schedule built for ``H`` updates
+    covers runs of at most ``H`` updates; a longer run would spend updates
+    ``H .. total_steps - 1`` at the final lr (often 0), which is almost always a config
+    mistake (a ``total_steps`` left over from a shorter run). Schedules without a
+    horizon (see :func:`horizon`) pass.
+
+    Args:
+        schedule: a schedule, a float lr or a functrain optimizer (its lr is checked).
+        total_steps: the number of updates of the run, an int >= 0.
+
+    Returns:
+        ``None`` when the schedule covers the run.
+
+    Raises:
+        ValueError: the schedule ends before the run does; the message names both lengths and the final lr.
 
     Example::
 

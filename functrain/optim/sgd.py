@@ -16,8 +16,12 @@ __all__ = ["sgd", "SGDState"]
 
 @register_checkpoint_type("functrain.optim.SGDState")
 class SGDState(NamedTuple):
-    """State of :func:`sgd`: the update ``count`` (int64 scalar) and the momentum
-    buffers (a tree shaped like the params, or ``None`` without momentum).
+    """State of :func:`sgd`.
+
+    Attributes:
+        count: the number of updates already taken, an int64 scalar tensor (0 after ``init``).
+        momentum_buffer: the momentum buffers, a tree shaped like the params, or ``None`` when
+            ``momentum=0``.
 
     Example::
 
@@ -51,13 +55,31 @@ def sgd(
         d   = g + momentum * buf if nesterov else buf   (d = g without momentum)
         p   = p - lr * d
 
-    ``lr`` is a float or a schedule ``callable(count) -> lr`` (see
-    :mod:`functrain.optim.schedules`); ``count`` is the number of updates taken.
-    ``weight_decay_mask`` (which leaves get the L2 term: ``None`` for all, a pytree of
-    bools or a predicate ``callable(name, param) -> bool`` such as
-    :func:`functrain.optim.masks.no_decay_bias_and_norm`) and ``lr_multipliers`` (a
-    pytree of floats or ``callable(name, param) -> float``; the leaf's lr is
-    ``lr * multiplier``) play the role of torch.optim's param groups.
+    Args:
+        lr: the learning rate: a finite float >= 0, or a schedule ``callable(count) -> lr``
+            (:mod:`functrain.optim.schedules`) of the number of updates already taken.
+        momentum: the momentum factor, a float >= 0 (default 0: no momentum, no buffers).
+        nesterov: a bool: Nesterov momentum (default ``False``); needs ``momentum > 0`` and ``dampening == 0``.
+        weight_decay: the L2 factor >= 0 added to the gradient (default 0: none).
+        dampening: a float in [0, 1] damping the gradient in the momentum buffer (default 0).
+        weight_decay_mask: which leaves get weight decay: ``None`` (default: every leaf), a
+            pytree of bools shaped like the params, or a predicate ``callable(name, param) -> bool``
+            such as :func:`functrain.optim.masks.no_decay_bias_and_norm` (:mod:`functrain.optim.groups`).
+            With ``weight_decay=0`` it has no effect, and a ``UserWarning`` says so.
+        lr_multipliers: a factor on the lr per leaf: ``None`` (default: 1.0 everywhere), a pytree
+            of floats >= 0 shaped like the params, or ``callable(name, param) -> float``; a leaf's
+            lr is ``lr * multiplier``.
+
+    Returns:
+        An :class:`~functrain.optim.Optimizer` whose ``init(params)`` returns :class:`SGDState` and whose
+        ``update(grads, state, params)`` returns ``(new_params, new_state)``.
+
+    Raises:
+        BadValue: (a ``TypeError`` and a ``ValueError``, from :mod:`functrain.core.validate`) for an
+            argument out of range or of the wrong type, naming it and what is allowed; a bad mask or
+            multiplier leaf is reported by ``init``, which sees the params.
+        TypeError: ``nesterov`` is not a bool.
+        ValueError: ``nesterov=True`` without ``momentum > 0`` and ``dampening == 0``.
 
     Example::
 

@@ -20,29 +20,72 @@ class Callback:
     * ``should_stop(step, metrics) -> bool``: asked with the metrics of each log step and evaluation; a
       true answer on any process stops every process (agreed like SIGTERM), saving first.
 
+    The constructor takes no arguments; the methods not overridden do nothing (``should_stop``:
+    ``False``). Any object with at least one of these methods is accepted too.
+
     Example::
 
-        class EarlyStop(ft.Callback):
-            best = float("inf")
-
-            def should_stop(self, step, metrics):
-                if "eval_loss" not in metrics:
-                    return False
-                worse = metrics["eval_loss"] > self.best
-                self.best = min(self.best, metrics["eval_loss"])
-                return worse
+        >>> import functrain as ft
+        >>> class EarlyStop(ft.Callback):
+        ...     best = float("inf")
+        ...
+        ...     def should_stop(self, step, metrics):
+        ...         if "eval_loss" not in metrics:
+        ...             return False
+        ...         worse = metrics["eval_loss"] > self.best
+        ...         self.best = min(self.best, metrics["eval_loss"])
+        ...         return worse
+        >>> stop = EarlyStop()
+        >>> [stop.should_stop(s, {"eval_loss": l}) for s, l in ((100, 0.5), (200, 0.4), (300, 0.45))]
+        [False, False, True]
     """
 
     def on_log(self, step: int, metrics: dict) -> None:
+        """Called every log step, on every process.
+
+        Args:
+            step: the number of steps taken.
+            metrics: ``{name: float}``, the host metrics that go to the trackers.
+
+        Returns:
+            ``None``.
+        """
         pass
 
     def on_eval(self, step: int, metrics: dict) -> None:
+        """Called after each evaluation, on every process.
+
+        Args:
+            step: the number of steps taken.
+            metrics: ``{name: float}`` of the evaluation (``eval_loss``, ...).
+
+        Returns:
+            ``None``.
+        """
         pass
 
     def on_save(self, step: int, path: str) -> None:
+        """Called on rank 0 after a checkpoint (and its samples) is written.
+
+        Args:
+            step: the checkpoint's step.
+            path: the checkpoint folder.
+
+        Returns:
+            ``None``.
+        """
         pass
 
     def should_stop(self, step: int, metrics: dict) -> bool:
+        """Asked with the metrics of each log step and evaluation; a true answer on any process stops every process.
+
+        Args:
+            step: the number of steps taken.
+            metrics: the log step's or the evaluation's ``{name: float}``.
+
+        Returns:
+            ``True`` to stop (saving first); the base class says ``False``.
+        """
         return False
 
 

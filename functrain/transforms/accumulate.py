@@ -138,10 +138,23 @@ class StreamingAccumulate(Transform):
 def accumulate(n: int, streaming: bool = False) -> Transform:
     """Accumulate gradients over ``n`` micro-batches per optimizer update.
 
-    ``accumulate(n)``: each step receives a batch whose tensor leaves have a
-    leading dimension divisible by ``n``, splits it into ``n`` micro-batches
-    and makes one update. ``accumulate(n, streaming=True)``: each call receives
-    one micro-batch and the update is made on every ``n``-th call.
+    Law: for a mean loss the update equals the un-accumulated step on the whole batch;
+    with ``aux["num_items"]`` it equals the big batch's item-mean update.
+
+    Args:
+        n: the number of micro-batches per update, an int >= 1 (1: the step unchanged).
+        streaming: ``False`` (default): each call receives a batch whose tensor leaves have a
+            leading dimension divisible by ``n``, splits it into ``n`` micro-batches and makes
+            one update. ``True``: each call receives one micro-batch, the running sums live in
+            the slot ``state.slots["accumulate"]``, and the update is made on every ``n``-th call.
+
+    Returns:
+        The :class:`Accumulate` (or :class:`StreamingAccumulate`) transform; its ``n`` is the factor.
+
+    Raises:
+        BadValue: ``n`` is not an int >= 1.
+        ValueError: (at step time, ``streaming=False``) a batch leaf's leading dimension is not
+            divisible by ``n``; the message names the leaf.
 
     Example::
 

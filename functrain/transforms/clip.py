@@ -65,7 +65,20 @@ class ClipValue(Transform):
 
 
 def clip(max_norm: float) -> Clip:
-    """Clip gradients by their global L2 norm.
+    """Clip gradients by their global L2 norm (as ``torch.nn.utils.clip_grad_norm_``).
+
+    The gradient becomes ``g * min(1, max_norm / (|g| + 1e-6))``; ``metrics["grad_norm"]``
+    is the norm before clipping. Under ``data_parallel(shard=...)`` the norm is over every
+    rank's shard.
+
+    Args:
+        max_norm: the largest norm kept, a number > 0 (``float("inf")``: measure, never clip).
+
+    Returns:
+        The :class:`Clip` transform (stage ``transform``, no slot).
+
+    Raises:
+        BadValue: ``max_norm`` is not a positive number.
 
     Example::
 
@@ -79,12 +92,23 @@ def clip(max_norm: float) -> Clip:
 
 
 def clip_value(value: float) -> ClipValue:
-    """Clip every gradient element to ``[-value, value]``.
+    """Clip every gradient element to ``[-value, value]`` (after :func:`clip` when both are used).
+
+    Args:
+        value: the bound, a number > 0.
+
+    Returns:
+        The :class:`ClipValue` transform (stage ``transform``, no slot).
+
+    Raises:
+        BadValue: ``value`` is not a positive number.
 
     Example::
 
-        >>> import functrain as ft
-        >>> ft.clip_value(0.5)
-        clip_value(0.5)
+        >>> import torch, functrain as ft
+        >>> step = ft.clip_value(0.5)(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(1.0)))
+        >>> state, _ = step(step.init({"w": torch.zeros(2)}), torch.tensor([3.0, -0.25]))
+        >>> state.params["w"]
+        tensor([-0.5000,  0.2500])
     """
     return ClipValue(value)

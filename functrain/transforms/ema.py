@@ -16,7 +16,20 @@ __all__ = ["ema", "EmaState"]
 
 @register_checkpoint_type("functrain.EmaState")
 class EmaState(NamedTuple):
-    """The ``"ema"`` slot: the averaged ``params`` and ``count``, the updates applied so far."""
+    """The ``"ema"`` slot of :func:`ema` (``state.slots["ema"]``; ``state.ema`` is its ``params``).
+
+    Attributes:
+        params: the averaged params, a tree shaped like the params.
+        count: the updates applied so far, an int64 scalar tensor.
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> step = ft.ema(0.9)(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(1.0)))
+        >>> slot = step.init({"w": torch.zeros(1)}).slots["ema"]
+        >>> slot.params["w"], int(slot.count)
+        (tensor([0.]), 0)
+    """
 
     params: Any
     count: torch.Tensor
@@ -109,23 +122,29 @@ def ema(decay: float, every: int = 1, start_step: int = 0, *, power: float | Non
         min_decay: float = 0.0) -> EMA:
     """An EMA of the params in the state, read as ``state.ema``.
 
-    Args:
-        decay: the decay of a blend, in (0, 1); with a warm-up, its cap.
-        every: blend on every ``every``-th applied update (updates, not calls: a skipped update does not count).
-        start_step: copy the params for the first ``start_step`` applied updates.
-        power: ``None`` (a constant ``decay``), or the warm-up ``d_k = clamp(1 - (1 + (k - start_step) /
-            inv_gamma) ** -power, min_decay, decay)`` at applied update ``k``: ema-pytorch's inverse-gamma
-            ramp (its defaults, as denoising-diffusion-pytorch's Trainer uses them: ``start_step=100``,
-            ``power=2/3``, ``inv_gamma=1``, ``min_decay=0``).
-        inv_gamma, min_decay: the ramp's scale and floor (only with ``power``).
-
-    Returns:
-        The :class:`EMA` transform (stage ``after``, slot ``"ema"``).
-
     ema-pytorch decides on the count before the update (its ``step``) and functrain on the count
     including it: ``ema(b, every, start_step=N, power=p)`` after update ``k >= N`` (``N`` a multiple
     of ``every``) equals ema-pytorch's ``EMA(beta=b, update_every=every, update_after_step=N,
     power=p)`` one update later, fed the same params.
+
+    Args:
+        decay: the decay of a blend, in (0, 1); with a warm-up, its cap.
+        every: blend on every ``every``-th applied update, an int >= 1 (default 1; updates, not calls:
+            a skipped update does not count).
+        start_step: copy the params for the first ``start_step`` applied updates, an int >= 0 (default 0).
+        power: ``None`` (default: a constant ``decay``), or a number > 0 turning on the warm-up
+            ``d_k = clamp(1 - (1 + (k - start_step) / inv_gamma) ** -power, min_decay, decay)`` at
+            applied update ``k``: ema-pytorch's inverse-gamma ramp (its defaults, as
+            denoising-diffusion-pytorch's Trainer uses them: ``start_step=100``, ``power=2/3``,
+            ``inv_gamma=1``, ``min_decay=0``).
+        inv_gamma: the ramp's scale, a number > 0 (default 1.0; only with ``power``).
+        min_decay: the ramp's floor, in [0, decay] (default 0.0; only with ``power``).
+
+    Returns:
+        The :class:`EMA` transform (stage ``after``, slot ``"ema"`` holding an :class:`EmaState`).
+
+    Raises:
+        BadValue: an argument out of its range, or ``inv_gamma`` / ``min_decay`` changed without ``power``.
 
     Example::
 

@@ -42,6 +42,13 @@ class SkipNonfinite(Transform):
 def skip_nonfinite() -> SkipNonfinite:
     """Skip the update of any step whose loss or gradients are not finite.
 
+    Params, optimizer state and EMA stay bitwise unchanged on such a step (a select on
+    the device); ``metrics["skipped"]`` says whether it happened and
+    ``state.slots["skip_nonfinite"]["skipped"]`` counts the skipped updates.
+
+    Returns:
+        The :class:`SkipNonfinite` transform (stage ``check``, slot ``"skip_nonfinite"``).
+
     Example::
 
         >>> import torch, functrain as ft

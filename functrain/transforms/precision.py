@@ -18,8 +18,18 @@ _NAMES = {"no": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float1
 class Policy(NamedTuple):
     """Which dtype params are kept in, computed in, and the loss is returned in.
 
-    ``Policy(torch.float32, torch.bfloat16, torch.float32)`` keeps fp32 master
-    params, runs the model in bf16 and differentiates an fp32 loss.
+    Attributes:
+        param_dtype: the master params' dtype (default ``torch.float32``); ``init`` refuses params of another.
+        compute_dtype: the dtype the loss function runs in, under ``torch.autocast`` (default
+            ``torch.float32``); ``torch.float16`` turns on dynamic loss scaling.
+        output_dtype: the dtype of the differentiated loss (default ``torch.float32``).
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> policy = ft.Policy(torch.float32, torch.bfloat16, torch.float32)  # fp32 master, bf16 compute
+        >>> ft.mixed_precision(policy)
+        mixed_precision(Policy(param_dtype=torch.float32, compute_dtype=torch.bfloat16, output_dtype=torch.float32))
     """
 
     param_dtype: torch.dtype = torch.float32
@@ -29,7 +39,20 @@ class Policy(NamedTuple):
 
 @register_checkpoint_type("functrain.LossScaleState")
 class LossScaleState(NamedTuple):
-    """The ``"mixed_precision"`` slot: the current ``scale`` and the finite steps since the last change."""
+    """The ``"mixed_precision"`` slot with a dynamic loss scale (``state.loss_scale``).
+
+    Attributes:
+        scale: the current loss scale, a float32 scalar tensor.
+        good_steps: the finite updates since the scale last changed, an int64 scalar tensor.
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> step = ft.mixed_precision("fp16")(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1)))
+        >>> s = step.init({"w": torch.ones(2)}).loss_scale
+        >>> float(s.scale), int(s.good_steps)
+        (65536.0, 0)
+    """
 
     scale: torch.Tensor
     good_steps: torch.Tensor
@@ -159,12 +182,25 @@ def _policy(policy: Any) -> Policy:
 
 
 def mixed_precision(policy: Any = "bf16", **loss_scale: Any) -> MixedPrecision:
-    """Mixed-precision compute: ``"no"``, ``"bf16"``, ``"fp16"`` (dynamic loss scaling) or a :class:`Policy`.
+    """Mixed-precision compute from fp32 master params, with dynamic loss scaling for fp16.
 
-    Keyword arguments configure the fp16 loss scale: ``init_scale=2**16``,
-    ``growth_factor=2.0``, ``backoff_factor=0.5``, ``growth_interval=2000``,
-    ``dynamic`` (default: on for fp16 compute only). The slot is
-    ``state.slots["mixed_precision"]`` (``state.loss_scale``).
+    Args:
+        policy: ``"no"`` / ``"fp32"`` (no casts), ``"bf16"`` (default), ``"fp16"``, or a :class:`Policy`.
+        **loss_scale: the loss scale's settings: ``init_scale`` (> 0, default ``2**16``),
+            ``growth_factor`` (>= 1, default 2.0), ``backoff_factor`` (in (0, 1), default 0.5),
+            ``growth_interval`` (finite updates in a row before growing, an int >= 1, default 2000),
+            ``dynamic`` (a bool; default ``None``: on for fp16 compute only).
+
+    Returns:
+        The :class:`MixedPrecision` transform (stages ``loss``, ``check``, ``commit``); its slot
+        ``state.slots["mixed_precision"]`` (``state.loss_scale``) is a :class:`LossScaleState`, or
+        ``None`` without a dynamic scale.
+
+    Raises:
+        ValueError: an unknown policy name.
+        TypeError: a policy that is neither a name nor a :class:`Policy`, an unknown keyword, or (at
+            ``init``) params not of the policy's ``param_dtype``.
+        BadValue: a loss-scale setting out of its range.
 
     Example::
 

@@ -129,7 +129,7 @@ def test_with_a_profiler_active_a_changed_generator_is_still_refused():
     previous = sys.getprofile()
     sys.setprofile(other)
     try:
-        with pytest.raises(HostRandomError, match="Python.s random generator changed \(a profiler is active, so the call is not known\)"):
+        with pytest.raises(HostRandomError, match=r"Python.s random generator changed \(a profiler is active, so the call is not known\)"):
             with host_random_refused("test"):
                 random.random()
         assert sys.getprofile() is other

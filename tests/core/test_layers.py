@@ -5,7 +5,7 @@ Layers, bottom to top (a module may import from its own unit and the layers belo
     0 core         functrain/core/        the state, the stage pipeline, the transform protocol, grad, rng, checks
     1 compiler     functrain/compiler/    ft.compile: capture, backend, runtime, memory, caches
     2 transforms   functrain/transforms/, optim  functrain/optim/, distributed  functrain/distributed/,
-                   driver  functrain/driver.py (ft.run), testing  functrain/testing.py
+                   driver  functrain/driver.py (ft.run), testing  functrain/testing/
     3 data         functrain/data/,       checkpoint  functrain/checkpoint/
     4 trainer      functrain/trainer/
 

@@ -25,6 +25,12 @@ def functionalize(module: torch.nn.Module) -> tuple[Callable[..., Any], dict, di
     ``gradient_checkpointing_enable()``: while ``apply_fn`` runs they use functrain's
     :func:`~functrain.core.remat.checkpoint` (which runs under ``torch.func``, so in a compiled step).
 
+    Args:
+        module: the ``torch.nn.Module`` to split (left as it is: its tensors are shared, not copied).
+
+    Returns:
+        ``(apply_fn, params, buffers)``: the pure function and two ``{name: tensor}`` dicts.
+
     Example::
 
         >>> import torch, functrain as ft
@@ -64,6 +70,17 @@ def to_module(module: torch.nn.Module, params: dict, buffers: dict | None = None
     The way back from :func:`functionalize`: use the result for inference,
     ``torch.save(module.state_dict())`` or export. Every name must exist in the
     module with the same shape; a missing or extra name raises ``KeyError``.
+
+    Args:
+        module: the module to write into (in place).
+        params: ``{name: tensor}`` of its parameters (a state's ``params`` or ``ema``).
+        buffers: ``{name: tensor}`` of its buffers, or ``None`` to leave them.
+
+    Returns:
+        ``module`` itself.
+
+    Raises:
+        KeyError: a name the module does not have, or one of its names missing.
 
     Example::
 

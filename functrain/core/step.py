@@ -155,6 +155,19 @@ class Step:
 
     Attributes: ``loss_fn``, ``optimizer``, ``transforms`` (in the order applied) and
     :attr:`micro_batches`.
+
+    Args:
+        loss_fn: as :func:`train_step` takes it.
+        optimizer: a functrain optimizer.
+        transforms: the transforms applied (each at its stage; see :class:`Transform`).
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> step = ft.clip(1.0)(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1)))
+        >>> [t.name for t in step.transforms], step.micro_batches
+        (['clip'], 1)
+
     """
 
     loss_fn: LossFn
@@ -337,6 +350,14 @@ def train_step(loss_fn: LossFn, optimizer: Any) -> Step:
     ``aux["num_items"]`` is present the loss is taken as a *sum* over that many
     items, and the gradient is normalised by the total item count (over
     micro-batches, and processes with data parallelism).
+
+    Args:
+        loss_fn: ``loss_fn(params, buffers, batch) -> loss | (loss, aux)``, pure (no in-place writes to its inputs).
+        optimizer: a functrain optimizer (``ft.optim.adamw(1e-3)``, ...); a ``torch.optim`` one is refused naming its
+            functional equivalent.
+
+    Returns:
+        The :class:`Step`; wrap it in transforms (``ft.clip(1.0)(step)``) and compile it (``ft.compile(step)``).
 
     Example::
 

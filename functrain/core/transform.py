@@ -63,6 +63,25 @@ class StepContext:
                   (streaming accumulation sets it; loss scaling only adapts there)
         metrics:  the dict returned to the caller.
         shard_sum: ``None``, or (while ``grads`` is one rank's shard) sums a tensor over shards: :meth:`global_sum`
+
+    Args:
+        state: the step's input state.
+        batch: the step's batch.
+
+    A step makes one per call (transforms never construct it); a hook reads and sets its attributes.
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> class Seen(ft.Transform):
+        ...     name = "seen"
+        ...     def after(self, ctx):
+        ...         ctx.metrics["grad_norm"] = ft.tree.global_norm(ctx.grads)
+        >>> step = Seen()(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1)))
+        >>> _, metrics = step(step.init({"w": torch.ones(2)}), torch.tensor([3.0, 4.0]))
+        >>> float(metrics["grad_norm"])
+        5.0
+
     """
 
     def __init__(self, state: TrainState, batch: Any):
@@ -219,6 +238,22 @@ class Transform:
     cannot end up baked into a graph; ``ft.ema``'s ``after`` is the example.
 
     Applying a transform to a step returns a new step; the original is unchanged.
+
+    Args:
+        (none: a subclass takes its own options in ``__init__``; calling a transform on a step, ``t(step)``,
+        returns the new step.)
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> class Halve(ft.Transform):
+        ...     name, order = "halve", 50
+        ...     def transform(self, ctx):
+        ...         ctx.grads = ft.tree.tree_scale(ctx.grads, 0.5)
+        >>> step = Halve()(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(1.0)))
+        >>> state, _ = step(step.init({"w": torch.zeros(2)}), torch.tensor([2.0, 4.0]))
+        >>> state.params["w"]
+        tensor([-1., -2.])
 
     Example, a transform that adds Gaussian noise to the gradients, with a count
     in its slot and ``state.noise_count`` to read it::

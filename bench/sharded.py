@@ -17,7 +17,10 @@ live memory. Variants:
   sharded parameters
 
 Reported per variant (rank 0; ranks are symmetric): ``state_bytes`` (params + optimizer moments + EMA held at
-rest by this rank), its ratio to ``replicated``, RSS at rest after init, the peak RSS of the init (VmHWM) and
+rest by this rank), its ratio to ``replicated``, RSS at rest after init, the peak RSS of the init (VmHWM from the start
+of the init on, absolute: what the process held at most while initialising) and ``init_delta``, the init's own high-water mark above the RSS before
+it (functrain: ``step.init``, the params already made; DDP/FSDP2: the wrapping or ``fully_shard`` plus the first
+step, since torch's AdamW makes its moments there), and
 of the timed steps (VmHWM reset after the warm-up steps, so the compiler's memory is not counted), and the median step time over ``--steps`` timed steps after
 ``--warmup`` untimed ones (the first compiles), the slower rank's, between barriers.
 """
@@ -96,7 +99,11 @@ def _worker(variant: str, width: int, depth: int, batch: int, warmup: int, steps
         base = ft.ema(DECAY)(ft.train_step(loss_fn, ft.optim.adamw(LR, weight_decay=WD)))
         shard = {"replicated": "none"}.get(variant, variant)
         step = ft.data_parallel(shard=shard)(base)
+        gc.collect()
+        rest = _status("VmRSS")
+        _reset_peak()
         state = step.init(params, buffers)
+        out["init_delta"] = _status("VmHWM") - rest  # step.init alone: the params exist already
         del params
         gc.collect()
         out["state_bytes"] = _nbytes(ft.tree.tree_leaves(state.params)) + _nbytes(
@@ -108,6 +115,9 @@ def _worker(variant: str, width: int, depth: int, batch: int, warmup: int, steps
             nonlocal state
             state, _ = cstep(state, data[i % len(data)])
     else:
+        gc.collect()
+        rest = _status("VmRSS")
+        _reset_peak()
         if variant == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -137,6 +147,7 @@ def _worker(variant: str, width: int, depth: int, batch: int, warmup: int, steps
                 torch._foreach_lerp_(ema, [p.detach() for p in params], 1.0 - DECAY)
 
         run(0)  # the moments exist after the first step
+        out["init_delta"] = _status("VmHWM") - rest  # wrapping/sharding + the first step (which makes the moments)
         out["state_bytes"] = _nbytes(params) + _nbytes(
             [v for s in opt.state.values() for k, v in s.items() if k != "step"]) + _nbytes(ema)
     gc.collect()
@@ -190,8 +201,8 @@ def main(argv=None) -> None:
         print(json.dumps(r), flush=True)
     base = next((r for r in results if r["variant"] == "replicated" and "error" not in r), None)
     mib = 1 << 20
-    print(f"\n{'variant':<11} {'state MiB':>9} {'x repl':>7} {'RSS rest':>9} {'peak init':>9} {'peak step':>9} "
-          f"{'s/step':>7} {'x repl':>7}")
+    print(f"\n{'variant':<11} {'state MiB':>9} {'x repl':>7} {'RSS rest':>9} {'peak init':>9} {'init +':>7} "
+          f"{'peak step':>9} {'s/step':>7} {'x repl':>7}")
     for r in results:
         if "error" in r:
             print(f"{r['variant']:<11} did not run: {r['error']}")
@@ -199,7 +210,7 @@ def main(argv=None) -> None:
         ratio = r["state_bytes"] / base["state_bytes"] if base else float("nan")
         tratio = r["step_s"] / base["step_s"] if base else float("nan")
         print(f"{r['variant']:<11} {r['state_bytes'] / mib:9.0f} {ratio:7.3f} {r['rss_at_rest'] / mib:9.0f} "
-              f"{r['peak_rss_init'] / mib:9.0f} {r['peak_rss_steps'] / mib:9.0f} {r['step_s']:7.3f} {tratio:7.2f}")
+              f"{r['peak_rss_init'] / mib:9.0f} {r['init_delta'] / mib:7.0f} {r['peak_rss_steps'] / mib:9.0f} {r['step_s']:7.3f} {tratio:7.2f}")
     if results:
         print(f"(params: {results[0].get('num_params', 0) / 1e6:.1f} M; MiB per rank; rank 0)")
     if args.out_json:

@@ -24,12 +24,13 @@ Example::
 from . import checkpoint, distributed, optim
 from .core import tree
 from .checkpoint import CheckpointError, CheckpointManager, Restored, export_state_dict, export_weights, load, load_extra, register_checkpoint_type, save
-from .compiler import CompiledStep, GraphBreakError, compile
+from .compiler import CompiledStep, GraphBreakError, MemoryEstimate, compile, memory
 from .data import ShardedLoader, gather_for_eval, shard
 from .distributed import data_parallel, gather_state, launch
 from . import data  # noqa: F401 - ``ft.data``: the data package
 from .driver import run, to_device
 from .core.module import functionalize, to_module
+from .core.remat import remat
 from .core.rng import HostRandomError
 from .core.flat import FlatParams, flat, unflat
 from .core.state import TrainState
@@ -42,7 +43,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "TrainState", "Step", "StepContext", "Transform", "STAGES", "train_step",
-    "functionalize", "to_module", "flat", "unflat", "FlatParams", "compile", "CompiledStep", "GraphBreakError", "HostRandomError", "run", "to_device",
+    "functionalize", "to_module", "remat", "flat", "unflat", "FlatParams", "compile", "CompiledStep", "GraphBreakError", "HostRandomError", "memory", "MemoryEstimate", "run", "to_device",
     "accumulate", "clip", "clip_value", "ema", "EmaState", "skip_nonfinite", "random_flip", "mixed_precision", "Policy",
     "LossScaleState", "optim", "tree", "data_parallel", "gather_state", "launch", "distributed", "TrainConfig", "shard", "ShardedLoader", "gather_for_eval", "data", "save", "load", "load_extra", "CheckpointManager",
     "CheckpointError", "Trainer", "Callback", "export_state_dict", "export_weights", "Restored", "register_checkpoint_type", "checkpoint",

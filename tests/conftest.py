@@ -24,6 +24,7 @@ Tolerances used across them (see each test for the reasoning):
 from __future__ import annotations
 
 import os
+import warnings
 
 import optree
 import pytest
@@ -32,6 +33,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 import functrain as ft
+from functrain import tree as T
 
 settings.register_profile("functrain", deadline=None, suppress_health_check=[HealthCheck.too_slow],
                           derandomize=os.environ.get("CI") == "true")
@@ -215,3 +217,110 @@ def fixed_problem(seed=0):
               "w1": torch.randn(8, 3, generator=gen) / 8**0.5, "b1": torch.zeros(3)}
     batches = [(torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)) for _ in range(10)]
     return params, batches
+
+# -- shared by the remat tests (tests/core/test_remat.py, tests/compiler/test_compiled_remat.py) ---------------
+aten = torch.ops.aten
+
+
+class Block(torch.nn.Module):
+    """A residual MLP block: norm, Linear, GELU, optional dropout, Linear. ``calls`` counts its forward runs."""
+
+    def __init__(self, width: int, norm: str, dropout: bool):
+        super().__init__()
+        self.norm = {"ln": torch.nn.LayerNorm(width), "bn": torch.nn.BatchNorm1d(width), "none": torch.nn.Identity()}[norm]
+        self.fc1 = torch.nn.Linear(width, 2 * width)
+        self.fc2 = torch.nn.Linear(2 * width, width)
+        self.drop = torch.nn.Dropout(0.3) if dropout else torch.nn.Identity()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x + self.fc2(self.drop(torch.nn.functional.gelu(self.fc1(self.norm(x)))))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, width=6, depth=2, norm="ln", dropout=False):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*[Block(width, norm, dropout) for _ in range(depth)])
+        self.head = torch.nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def torch_policy(ctx, op, *args, **kwargs):
+    """torch's selective-checkpoint policy form: keep the matmuls."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in (aten.mm.default, aten.addmm.default) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+POLICIES = {"nothing_saveable": "nothing_saveable", "dots_saveable": "dots_saveable",
+            "dots_with_no_batch_dims_saveable": "dots_with_no_batch_dims_saveable",
+            "ops": {aten.addmm.default, aten.gelu}, "torch_policy": torch_policy}
+TRANSFORMS = {"accumulate": lambda: ft.accumulate(2), "bf16": lambda: ft.mixed_precision("bf16"),
+              "fp16": lambda: ft.mixed_precision("fp16", init_scale=2.0**8, growth_interval=2),
+              "clip": lambda: ft.clip(0.05), "ema": lambda: ft.ema(0.5), "skip_nonfinite": lambda: ft.skip_nonfinite()}
+
+
+def build(*, width=6, depth=2, norm="ln", dropout=False, policy=None, transforms=(), optimizer="adamw", seed=0):
+    torch.manual_seed(seed)
+    net = Net(width, depth, norm, dropout)
+    if policy is not None:
+        ft.remat(net.blocks, POLICIES.get(policy, policy) if isinstance(policy, str) else policy)
+    apply_fn, params, buffers = ft.functionalize(net)
+
+    def loss_fn(p, b, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(apply_fn(p, b, x), y)
+
+    step = ft.train_step(loss_fn, OPTIMIZERS[optimizer]())
+    for name in transforms:
+        step = TRANSFORMS[name]()(step)
+    return net, step, step.init(params, buffers, seed=seed)
+
+
+def batches(width, n=2, rows=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(rows, width, generator=g), torch.randn(rows, 1, generator=g)) for _ in range(n)]
+
+
+def run(step, state, data):
+    for b in data:
+        state, metrics = step(state, b)
+    return state, metrics
+
+
+def max_diff(a, b) -> float:
+    return max((float((x.double() - y.double()).abs().max()) for x, y in zip(T.tree_leaves(a), T.tree_leaves(b))
+                if torch.is_tensor(x) and x.is_floating_point() and x.numel()), default=0.0)
+
+
+def hf_step(checkpointing: bool, offload: bool = False):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.train()
+    if checkpointing:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the deprecated alias is what most scripts call
+            if offload:
+                model.activation_checkpointing_enable(offload=True)
+            else:
+                model.gradient_checkpointing_enable()
+    calls = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda m, a, k: calls.append(1), with_kwargs=True)
+        layer.self_attn.register_forward_hook(lambda m, a, o: calls.append(2))  # inside the checkpointed forward
+    apply_fn, params, buffers = ft.functionalize(model)
+
+    def loss_fn(p, b, ids):
+        return apply_fn(p, b, input_ids=ids, labels=ids).loss
+
+    step = ft.train_step(loss_fn, ft.optim.sgd(1.0))
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    return model, step, step.init(params, buffers), ids, calls
+
+

@@ -126,6 +126,16 @@ class CompiledStep:
             self._owned = CompiledStep(self.step, self.options.replace(donate=True))
         return self._owned
 
+    def direct(self, donate: bool) -> DirectCall | None:
+        """The direct path's call that ``ft.run`` (``donate=True``) or a plain call (``False``) uses, or ``None``
+        (the Dynamo path, or a donating step asked for an undonated call): where :func:`functrain.memory` keeps
+        its capture for the first call to compile."""
+        if self._fast is None:
+            return None
+        if donate:
+            return self._fast if self.donate else self.donating()
+        return None if self.donate else self._fast
+
     def init(self, params: Any, buffers: Any = None, **kwargs: Any) -> TrainState:
         """Same as :meth:`Step.init`."""
         return self.step.init(params, buffers, **kwargs)

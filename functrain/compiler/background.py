@@ -256,7 +256,7 @@ class Background:
         if _preloading is not None:
             _preloading.join()  # (the trace would import the same modules: wait for them here instead)
         try:
-            cap = self.direct.trace(s, state, batch)
+            cap = self.direct.pending.pop(key, None) or self.direct.trace(s, state, batch)  # (ft.memory traced it)
         except Exception as e:  # noqa: BLE001 - GraphBreakError (or what the step raises): train on eagerly
             if self._spare is not None:
                 self._spare.close()

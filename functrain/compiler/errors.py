@@ -19,6 +19,9 @@ from ..core.validate import path_str
 __all__ = ["GraphBreakError", "explain"]
 
 
+_SAVED_HOOKS = "don't yet support saved tensor hooks"  # torch.func's refusal (torch/_functorch/vmap.py)
+
+
 class GraphBreakError(RuntimeError):
     """The step cannot be captured as one graph under ``fullgraph=True``.
 
@@ -67,6 +70,14 @@ def explain(step: Step, error: BaseException, state: Any, batch: Any, *, tracer:
         raise ValueError(f"ft.compile: batch leaf {empty[0]!r} is empty (shape {empty[1]}): the compiled step "
                          f"cannot trace a batch without rows (the eager step's loss over it is NaN). Skip empty "
                          f"batches (a data loader with drop_last=True never yields one)") from error
+    if _SAVED_HOOKS in str(error):
+        raise GraphBreakError(
+            "the loss uses saved-tensor hooks (torch.utils.checkpoint.checkpoint(use_reentrant=False), "
+            "torch.autograd.graph.save_on_cpu, ...): they run eagerly, but the compiled step takes its gradient "
+            "with torch.func, which refuses them. For activation checkpointing mark the blocks with "
+            "ft.remat(module) or call ft.remat(fn)(*args): the same recomputation, eager and compiled "
+            "(Hugging Face models' gradient_checkpointing_enable() is routed there by ft.functionalize). The "
+            f"tracer ({tracer}) said: {_first_line(error)}") from error
     if graph_break or isinstance(error, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
         raise GraphBreakError(
             f"the step cannot be compiled as one graph (fullgraph=True): {_first_line(error)}. "

@@ -59,6 +59,7 @@ class DirectCall:
 
     Attributes:
         captures: ``{signature key: Captured}``.
+        pending: ``{signature key: Captured}`` traced for :func:`functrain.memory`, not compiled yet.
         last: the capture the last call used.
         fallback: ``None`` (a new signature is captured and compiled in the call), or what runs a call whose
             graph is not compiled yet, ``fallback(state, batch, s, key)``: background compilation.
@@ -76,6 +77,7 @@ class DirectCall:
         self.cuda_graphs = cuda_graphs
         self.reuse_blocks = reuse_blocks and packages is None  # (a package's key covers the graph's code only)
         self.captures: dict = {}
+        self.pending: dict = {}  # traced by ft.memory, compiled on first use
         self.last: Captured | None = None
         self.trusted: list | None = None  # the tensors of the state the last call returned
         self.fallback: Any = None
@@ -100,7 +102,12 @@ class DirectCall:
             if cap is None:
                 if self.fallback is not None:  # background compilation: eager until this graph is compiled
                     return self.fallback(state, batch, s, key)
-                cap = self.captures[key] = self.capture(s, state, batch)
+                cap = self.pending.pop(key, None)  # traced already (ft.memory): compile that capture
+                if cap is None:
+                    cap = self.capture(s, state, batch)
+                else:
+                    compile_captured(cap, self.backend, packages=self.packages, cuda_graphs=self.cuda_graphs)
+                self.captures[key] = cap
                 self.pauses += 1
             tensors = cap.signature.tensors(leaves)
             self.last, self.trusted = cap, None
@@ -128,6 +135,22 @@ class DirectCall:
         """Trace and compile the graph for ``(s, batch)`` (``s``: the state without its RNG key)."""
         cap = self.trace(s, state, batch)
         compile_captured(cap, self.backend, packages=self.packages, cuda_graphs=self.cuda_graphs)
+        return cap
+
+    def traced(self, state: Any, batch: Any) -> Captured:
+        """The traced, not yet compiled, capture for ``(state, batch)`` (for :func:`functrain.memory`): kept, so
+        the first call with this signature compiles it instead of tracing again (a signature compiled already
+        is traced afresh and not kept)."""
+        self.step.check_state(state)
+        check_batch(batch)
+        s = state._replace(rng=None) if getattr(state, "rng", None) is not None else state
+        leaves, spec = optree.tree_flatten((s, batch))
+        key = Signature(spec, leaves, len(optree.tree_leaves(s))).key
+        if key in self.pending:
+            return self.pending[key]
+        cap = self.trace(s, state, batch)
+        if key not in self.captures:
+            self.pending[key] = cap
         return cap
 
     def trace(self, s: Any, state: Any, batch: Any) -> Captured:

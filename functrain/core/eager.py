@@ -306,16 +306,49 @@ def grad_with_aux(fn: Callable[..., tuple[torch.Tensor, Any]], leaves: list[torc
     live = [p.detach().requires_grad_(True) for p in leaves]
     if torch.is_grad_enabled():
         objective, aux = fn(live, *args)
-        grads = torch.autograd.grad(objective, live, allow_unused=True)
+        grads = _autograd(objective, live)
     else:
         with torch.enable_grad():
             objective, aux = fn(live, *args)
-            grads = torch.autograd.grad(objective, live, allow_unused=True)
+            grads = _autograd(objective, live)
     if not all(map(torch.is_tensor, grads)):  # an unused leaf: a zero gradient
+        if _reentrant_in_graph(objective):  # ... unless torch's reentrant checkpoint hid it from autograd.grad
+            raise RuntimeError(_REENTRANT_MSG)
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
     if has_grad(aux):
         aux = optree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, aux)
     return list(grads), aux
+
+
+_REENTRANT_MSG = ("the loss calls torch.utils.checkpoint.checkpoint(use_reentrant=True), which only runs under "
+                  "loss.backward(): its parameters get no gradient from torch.autograd.grad (functrain's eager "
+                  "gradient) and it cannot run under torch.func (the compiled step's). Mark the block with "
+                  "ft.remat(module) or call ft.remat(fn)(*args) instead: the same recomputation, eager and compiled")
+
+
+def _autograd(objective: torch.Tensor, live: list) -> tuple:
+    try:
+        return torch.autograd.grad(objective, live, allow_unused=True)
+    except RuntimeError as e:
+        if "with .grad()" in str(e) and "checkpoint" in str(e).lower():  # torch's reentrant checkpoint refuses
+            raise RuntimeError(_REENTRANT_MSG) from e
+        raise
+
+
+def _reentrant_in_graph(objective: torch.Tensor) -> bool:
+    """Whether the autograd graph of ``objective`` holds torch's reentrant checkpoint (a walk of the graph, done
+    only when some leaf got no gradient)."""
+    seen: set = set()
+    todo = [objective.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        todo.extend(n for n, _ in node.next_functions)
+    return False
 
 
 def has_grad(tree: Any) -> bool:

@@ -260,6 +260,50 @@ class FlatLayout:
                 out[k] = torch.cat(pieces)
         return out
 
+    # -- this rank's parts: what a sharded init builds the state from --------------------------------
+    def part_sizes(self, rank: int | None = None) -> list[int]:
+        """Per leaf (pytree order), how many of its elements fall in ``rank``'s slice (default: this one)."""
+        out = []
+        for k, _, n, off in self.entries:
+            lo, hi = self.span(k, rank)
+            out.append(max(0, min(hi, off + n) - max(lo, off)))
+        return out
+
+    def parts(self, shard: dict[str, torch.Tensor]) -> "FlatParams":
+        """This rank's elements of each leaf, as a :class:`FlatParams` over the owned, unpadded prefix of
+        ``shard`` (a shard tree of this layout; no copy): leaf ``i`` is the 1-D run of its elements in this
+        rank's slice (empty if none), under the params' names. What an elementwise ``init`` maps over it
+        (an optimizer's zero moments, an EMA's copy) is the flat form of its shard, never the whole:
+        :meth:`from_parts` turns it into the shard tree.
+
+        Example::
+
+            >>> import torch
+            >>> lay = FlatLayout.from_params({"a": torch.ones(4), "b": torch.ones(2)}, world=2, rank=1)
+            >>> part = lay.parts({"float32": torch.arange(3.0)})
+            >>> part["a"], part["b"], lay.from_parts(part)
+            (tensor([0.]), tensor([1., 2.]), {'float32': tensor([0., 1., 2.])})
+        """
+        sizes = self.part_sizes()
+        used = {k: sum(n for (key, _, _, _), n in zip(self.entries, sizes) if key == k) for k in self.keys}
+        layout = FlatLayout(self.spec, [self.dtypes[e[0]] for e in self.entries], [(n,) for n in sizes])
+        return FlatParams({k: shard[k][:used[k]] for k in self.keys}, layout)
+
+    def is_parts(self, node: Any) -> bool:
+        """Whether ``node`` is a :class:`FlatParams` of this rank's parts (what :meth:`parts` makes)."""
+        return (isinstance(node, FlatParams) and node.layout.world == 1 and node.layout.spec == self.spec
+                and [e[1] for e in node.layout.entries] == [(n,) for n in self.part_sizes()])
+
+    def from_parts(self, node: "FlatParams") -> dict[str, torch.Tensor]:
+        """The shard tree of a :meth:`parts`-shaped :class:`FlatParams`: its buffers, zero-padded to the shard
+        size where this rank's slice runs past the end (the buffer itself where it does not: no copy)."""
+        out = {}
+        for k in self.keys:
+            buf = node.buffers[k]
+            pad = self.size[k] - buf.numel()
+            out[k] = torch.cat([buf, buf.new_zeros(pad)]) if pad else buf
+        return out
+
     def _leaves(self, tree: Any) -> list:
         if tracing():  # the structure was checked eagerly or at the first trace
             leaves = optree.tree_leaves(tree)

@@ -1,6 +1,7 @@
 """From an ``nn.Module`` to a pure function and back."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -8,6 +9,7 @@ from torch.func import functional_call
 
 from . import regions
 from .regions import Blocks
+from .remat import checkpointing_layers, route_checkpointing
 
 __all__ = ["functionalize", "to_module"]
 
@@ -21,10 +23,18 @@ def functionalize(module: torch.nn.Module) -> tuple[Callable[..., Any], dict, di
     trainable parameters and ``buffers`` of the buffers. The tensors are detached
     and share storage with the module (no copy); functrain's steps never write
     into them unless you opt into donation (``ft.compile(step, donate=True)``).
-    Tied parameters appear once, as ``named_parameters()`` lists them. While
-    :func:`functrain.compile` traces a step, the module's repeated blocks (a
-    transformer's layers) are traced once each and reused
-    (:mod:`functrain.core.regions`): compile time that does not grow with depth.
+    Tied parameters appear once, as ``named_parameters()`` lists them. Blocks marked with
+    :func:`functrain.remat` recompute in the backward; so do Hugging Face layers after the model's
+    ``gradient_checkpointing_enable()``: while ``apply_fn`` runs they use functrain's
+    :func:`~functrain.core.remat.checkpoint` (which runs under ``torch.func``, so in a compiled step).
+    While ``ft.compile(step, reuse_blocks=True)`` traces a step, the module's repeated blocks (a
+    transformer's layers) are traced once each and reused (:mod:`functrain.core.regions`).
+
+    Args:
+        module: the ``torch.nn.Module`` to split (left as it is: its tensors are shared, not copied).
+
+    Returns:
+        ``(apply_fn, params, buffers)``: the pure function and two ``{name: tensor}`` dicts.
 
     Example::
 
@@ -44,12 +54,19 @@ def functionalize(module: torch.nn.Module) -> tuple[Callable[..., Any], dict, di
     tied = (len(list(module.named_parameters(remove_duplicate=False))) != len(list(module.named_parameters()))
             or len(list(module.named_buffers(remove_duplicate=False))) != len(list(module.named_buffers())))
 
-    blocks = Blocks(module)  # repeated blocks: traced once each by ft.compile (functrain.core.regions)
+    blocks = Blocks(module)  # repeated blocks: traced once each by ft.compile(reuse_blocks=True) (core.regions)
+    # Hugging Face layers with gradient checkpointing on recompute through functrain's remat while the model
+    # runs (torch.utils.checkpoint cannot run under the compiled step's torch.func gradient)
+    layers = checkpointing_layers(module)
 
     def apply_fn(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> Any:
         tensors = {**(buffers or {}), **params}
-        if blocks and regions.active():
-            with blocks.patched():
+        if layers or (blocks and regions.active()):
+            with contextlib.ExitStack() as stack:
+                if layers:
+                    stack.enter_context(route_checkpointing(layers))
+                if blocks and regions.active():
+                    stack.enter_context(blocks.patched())
                 return functional_call(module, tensors, args, kwargs, tie_weights=tied, strict=False)
         return functional_call(module, tensors, args, kwargs, tie_weights=tied, strict=False)
 
@@ -63,6 +80,17 @@ def to_module(module: torch.nn.Module, params: dict, buffers: dict | None = None
     The way back from :func:`functionalize`: use the result for inference,
     ``torch.save(module.state_dict())`` or export. Every name must exist in the
     module with the same shape; a missing or extra name raises ``KeyError``.
+
+    Args:
+        module: the module to write into (in place).
+        params: ``{name: tensor}`` of its parameters (a state's ``params`` or ``ema``).
+        buffers: ``{name: tensor}`` of its buffers, or ``None`` to leave them.
+
+    Returns:
+        ``module`` itself.
+
+    Raises:
+        KeyError: a name the module does not have, or one of its names missing.
 
     Example::
 

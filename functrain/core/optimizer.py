@@ -69,6 +69,15 @@ def check_optimizer(obj: Any) -> Any:
     :func:`from_optax_style`), and an optimizer factory passed uncalled
     (``ft.optim.adamw`` instead of ``ft.optim.adamw(1e-3)``).
 
+    Args:
+        obj: what was given as the optimizer.
+
+    Returns:
+        ``obj`` itself, when it follows the protocol.
+
+    Raises:
+        TypeError: it does not, with what to use instead.
+
     Example::
 
         >>> import torch

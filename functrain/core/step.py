@@ -155,6 +155,19 @@ class Step:
 
     Attributes: ``loss_fn``, ``optimizer``, ``transforms`` (in the order applied) and
     :attr:`micro_batches`.
+
+    Args:
+        loss_fn: as :func:`train_step` takes it.
+        optimizer: a functrain optimizer.
+        transforms: the transforms applied (each at its stage; see :class:`Transform`).
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> step = ft.clip(1.0)(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1)))
+        >>> [t.name for t in step.transforms], step.micro_batches
+        (['clip'], 1)
+
     """
 
     loss_fn: LossFn
@@ -219,16 +232,23 @@ class Step:
         buffers = {} if buffers is None else buffers
         leaves = T.tree_leaves(params)
         device = leaves[0].device if leaves else torch.device("cpu")
-        slots = {t.name: t.init(params, buffers) for t in self.transforms}
+        # a sharding transform hands the optimizer and the params-shaped slot fields this rank's parts
+        # (Transform.init_parts): the moments and an EMA are made as shards, never whole on any rank
+        parts = params
+        for t in self._ordered:
+            if t.shards_state:
+                parts = t.init_parts(params)
+        slots = {t.name: t.init(parts if t.params_fields else params, buffers) for t in self.transforms}
         slots = {name: slot for name, slot in slots.items() if slot is not None}  # stateless: no slot
         state = TrainState(
             params=params,
             buffers=buffers,
-            opt_state=self.optimizer.init(params),
+            opt_state=self.optimizer.init(parts),
             step=torch.zeros((), dtype=torch.int64, device=device),
             rng=None if seed is None else rng_init(seed, device),
             slots=slots,
         )
+        del parts  # (a sharded init: the shard it viewed is freed before post_init makes the rest)
         init = InitContext({t.name: tuple(t.params_fields) for t in self.transforms
                             if t.params_fields and t.name in slots})
         for t in self._ordered:
@@ -345,6 +365,14 @@ def train_step(loss_fn: LossFn, optimizer: Any) -> Step:
     ``aux["num_items"]`` is present the loss is taken as a *sum* over that many
     items, and the gradient is normalised by the total item count (over
     micro-batches, and processes with data parallelism).
+
+    Args:
+        loss_fn: ``loss_fn(params, buffers, batch) -> loss | (loss, aux)``, pure (no in-place writes to its inputs).
+        optimizer: a functrain optimizer (``ft.optim.adamw(1e-3)``, ...); a ``torch.optim`` one is refused naming its
+            functional equivalent.
+
+    Returns:
+        The :class:`Step`; wrap it in transforms (``ft.clip(1.0)(step)``) and compile it (``ft.compile(step)``).
 
     Example::
 

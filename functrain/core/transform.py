@@ -63,6 +63,25 @@ class StepContext:
                   (streaming accumulation sets it; loss scaling only adapts there)
         metrics:  the dict returned to the caller.
         shard_sum: ``None``, or (while ``grads`` is one rank's shard) sums a tensor over shards: :meth:`global_sum`
+
+    Args:
+        state: the step's input state.
+        batch: the step's batch.
+
+    A step makes one per call (transforms never construct it); a hook reads and sets its attributes.
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> class Seen(ft.Transform):
+        ...     name = "seen"
+        ...     def after(self, ctx):
+        ...         ctx.metrics["grad_norm"] = ft.tree.global_norm(ctx.grads)
+        >>> step = Seen()(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1)))
+        >>> _, metrics = step(step.init({"w": torch.ones(2)}), torch.tensor([3.0, 4.0]))
+        >>> float(metrics["grad_norm"])
+        5.0
+
     """
 
     def __init__(self, state: TrainState, batch: Any):
@@ -183,6 +202,9 @@ class Transform:
       params and the optimizer moments; other fields stay whole and replicated.
     * ``shards_state`` (class attribute): whether the transform cuts the state over
       ranks (the sharded ``data_parallel``): a step with one takes only sharded states.
+      ``init_parts(params)`` (such a transform only) gives what the optimizer and the
+      ``params_fields`` transforms initialise from: this rank's parts, so no rank builds
+      the whole optimizer state or EMA.
     * ``micro_batches``: how many micro-batches one call's batch holds (``accumulate(n)``
       splits it into ``n``; 1 by default, and for a streaming accumulation, which takes one
       micro-batch per call). :attr:`functrain.core.step.Step.micro_batches` is the product
@@ -219,6 +241,22 @@ class Transform:
     cannot end up baked into a graph; ``ft.ema``'s ``after`` is the example.
 
     Applying a transform to a step returns a new step; the original is unchanged.
+
+    Args:
+        (none: a subclass takes its own options in ``__init__``; calling a transform on a step, ``t(step)``,
+        returns the new step.)
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> class Halve(ft.Transform):
+        ...     name, order = "halve", 50
+        ...     def transform(self, ctx):
+        ...         ctx.grads = ft.tree.tree_scale(ctx.grads, 0.5)
+        >>> step = Halve()(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(1.0)))
+        >>> state, _ = step(step.init({"w": torch.zeros(2)}), torch.tensor([2.0, 4.0]))
+        >>> state.params["w"]
+        tensor([-1., -2.])
 
     Example, a transform that adds Gaussian noise to the gradients, with a count
     in its slot and ``state.noise_count`` to read it::
@@ -275,6 +313,14 @@ class Transform:
     def post_init(self, state: TrainState, init: "InitContext") -> TrainState:
         """Adjust the complete initial state once, eagerly (data_parallel broadcasts it from rank 0)."""
         return state
+
+    def init_parts(self, params: Any) -> Any:
+        """What the optimizer's ``init`` and the ``init`` of transforms declaring :attr:`params_fields` build
+        from on this process: ``params`` itself by default. A transform with :attr:`shards_state` returns this
+        rank's parts of (rank 0's) params instead, so that the moments and the declared fields are made as
+        this rank's shard, never whole; its ``post_init`` turns them into its shard trees. Called once per
+        ``step.init``, before any ``init``, for the transforms with ``shards_state`` only."""
+        return params
 
     def rng_offset(self) -> int:
         """What this process adds to each step's random seed (data_parallel: its rank); 0 by default."""

@@ -187,6 +187,16 @@ def data_parallel(group: Any = None, shard: str = "none") -> DataParallel | Shar
     params at rest too and all-gathers them for the forward and backward.
     :func:`functrain.gather_state` gives the whole state back.
 
+    Args:
+        group: the ``torch.distributed`` process group to average over, or ``None`` for all processes.
+        shard: ``"none"`` (replicated), ``"optimizer"`` (ZeRO-2) or ``"params"`` (ZeRO-3 / FSDP).
+
+    Returns:
+        The transform: ``ft.data_parallel()(step)`` is the data-parallel step.
+
+    Raises:
+        ValueError: a ``shard`` other than the three (``BadValue``, also a ``TypeError``).
+
     Example::
 
         >>> import functrain as ft

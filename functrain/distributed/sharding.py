@@ -36,12 +36,18 @@ are functional (in the compiled graph, no host sync); gloo implements the
 reduce-scatter, so every backend runs the same collectives (except the
 all-gather, which gloo runs as a sum: see ``_all_gather``; gloo's cost below).
 
-At init, ``post_init`` sends rank 0's moments and EMA as a scatter of their flat
-buffers (each rank receives only its shard; the rest of the state is broadcast).
-Not done: ``step.init`` still builds the whole optimizer state and EMA before
-``post_init`` cuts them, so the init's peak holds the whole state once: the
-optimizer protocol's ``init`` takes the params tree (it checks per-leaf masks
-against its names) and may make any values, so it cannot run on a flat shard.
+At init no rank builds the whole optimizer state or EMA: ``init_parts`` (the
+protocol's hook for a state-sharding transform) sends each rank its shard of
+rank 0's params (rank 0 cuts and sends one shard at a time), and the optimizer's
+``init`` and the ``init`` of each transform declaring ``params_fields`` run on this
+rank's *parts* (:meth:`FlatLayout.parts`: a :class:`~functrain.FlatParams` of the
+leaves' elements in this rank's slice, views of that shard): their zeros and copies
+are this rank's shard, flat, and ``post_init`` pads them into shard trees (no
+communication); the rest of the state is broadcast. So those ``init`` functions
+must map over the params they are given, elementwise (the elementwise optimizers
+and ``ft.ema`` do); a declared field that is not parts-shaped is refused by name.
+The params themselves are whole on every rank until ``step.init`` returns (the
+caller made them); with ``shard="params"`` the state holds only the shard.
 
 On gloo the reduce-scatter is gloo's own, which allocates a whole-size buffer
 inside (measured: +358 MiB of peak for a 190 MiB input, vs +262 MiB for an
@@ -144,6 +150,7 @@ class ShardedDataParallel(Transform):
         self.replicated = replicated  # data_parallel(): the reduction, the broadcast at init, the rank offset
         self.shard = shard
         self.layout: FlatLayout | None = None
+        self._params_shard: dict | None = None  # init_parts' shard of rank 0's params, until post_init
 
     def __call__(self, step: Any) -> Any:
         # per_param: a declared, optional field of the optimizer protocol (functrain.optim.Optimizer's)
@@ -152,7 +159,7 @@ class ShardedDataParallel(Transform):
                              f"parameter names: this optimizer's weight_decay_mask / lr_multipliers groups cannot "
                              f"apply there; use shard='none' or an optimizer without per-parameter groups")
         t = copy.copy(self)  # one layout per step: the same transform object may wrap several steps
-        t.layout = None
+        t.layout, t._params_shard = None, None
         return Transform.__call__(t, step)
 
     @property
@@ -173,48 +180,68 @@ class ShardedDataParallel(Transform):
         """The replicated data_parallel's :meth:`~functrain.Transform.agree` (a MIN over the group's ranks)."""
         return self.replicated.agree(value)
 
-    # -- init: broadcast, then cut -----------------------------------------------------------------
-    def post_init(self, state: TrainState, init: InitContext) -> TrainState:
-        # Rank 0's initial state, cut. The params-like trees (the optimizer's moments, the slots' declared
-        # params_fields (Transform.params_fields: an EMA, slow weights), and with
-        # shard="params" the params) travel as a scatter of rank 0's flat buffers: each rank receives only its
-        # shard, so no rank makes a second whole copy of them; every other leaf is broadcast as by
-        # data_parallel() (the params too, with shard="optimizer")
+    # -- init: this rank's parts, then its shards ---------------------------------------------------------
+    def init_parts(self, params: Any) -> Any:
+        # Rank 0's params, cut: each rank receives only its shard of them (rank 0 sends one shard at a time),
+        # and the optimizer and the params_fields transforms initialise from its parts (FlatLayout.parts:
+        # views of that shard), so the moments, an EMA or slow weights are made as shards on every rank
         rep = self.replicated
         rep.ensure_group()
         world = self._world()
         rank = dist.get_rank(self._group()) if world > 1 else 0
-        layout = FlatLayout.from_params(state.params, world, rank)
-        big = layout.is_params_like
+        self.layout = layout = FlatLayout.from_params(params, world, rank)
+        self._params_shard = self._scatter(layout, params)
+        return layout.parts(self._params_shard)
 
-        def cut(tree: Any) -> dict:
-            return self._scatter(layout, tree)
-
-        nodes, spec = optree.tree_flatten(state.opt_state, is_leaf=big)
-        opt_state = optree.tree_unflatten(spec, [cut(n) if big(n) else rep.broadcast(n) for n in nodes])
-        marked = init.map_params_like(state.slots, lambda tree: _Cut(cut(tree)))
+    def post_init(self, state: TrainState, init: InitContext) -> TrainState:
+        # The parts-shaped trees (the optimizer's moments, the slots' declared params_fields) become this rank's
+        # shard trees where they are (no communication: each rank made its own from rank 0's params); every
+        # other leaf is broadcast from rank 0 as by data_parallel() (the params too, with shard="optimizer")
+        rep, layout, params_shard = self.replicated, self.layout, self._params_shard
+        if layout is None or params_shard is None:
+            raise RuntimeError(f"{self!r}.post_init runs inside step.init, after init_parts")
+        self._params_shard = None  # shard="params": the state holds it; "optimizer": freed before the broadcast
+        if self.shard != "params":
+            params_shard = None
+        parts = layout.is_parts
+        cut = layout.from_parts
+        nodes, spec = optree.tree_flatten(state.opt_state, is_leaf=parts)
+        opt_state = optree.tree_unflatten(spec, [cut(n) if parts(n) else rep.broadcast(n) for n in nodes])
+        marked = init.map_params_like(state.slots, lambda tree: _Cut(self._declared(tree)))
         slots = optree.tree_map(lambda x: x.shard if isinstance(x, _Cut) else rep.broadcast(x), marked,
                                 is_leaf=lambda x: isinstance(x, _Cut))
         slots[SLOT] = layout.slot(self.shard == "params", state.step.device)
-        params = cut(state.params) if self.shard == "params" else rep.broadcast(state.params)
-        self.layout = layout
+        params = params_shard if self.shard == "params" else rep.broadcast(state.params)
         return TrainState(params, rep.broadcast(state.buffers), opt_state, rep.broadcast(state.step),
                           rep.broadcast(state.rng), slots)
 
+    def _declared(self, tree: Any) -> dict[str, torch.Tensor]:
+        if not self.layout.is_parts(tree):
+            raise ValueError(f"{self!r}: a slot field declared in params_fields is not shaped like this rank's "
+                             f"parts of the params (its transform's init must map over the params it is given, "
+                             f"elementwise: under a sharded step it is given this rank's parts); got "
+                             f"{type(tree).__name__}")
+        return self.layout.from_parts(tree)
+
     def _scatter(self, layout: FlatLayout, tree: Any) -> dict[str, torch.Tensor]:
-        """This rank's shard tree of rank 0's params-like ``tree``: rank 0 flattens it and scatters the slices."""
+        """This rank's shard tree of rank 0's params-like ``tree``: rank 0 cuts each other rank's shard and sends
+        it, one at a time (point to point: no rank, rank 0 included, ever holds more than two shards of it)."""
         if layout.world == 1:
             return layout.shard_of(tree, copy=True)
         group = self._group()
-        src = dist.get_global_rank(group, 0) if self.group is not None else 0
-        flats = layout.flatten(tree) if layout.rank == 0 else None  # only the sender builds the whole buffers
+        glob = (lambda r: dist.get_global_rank(group, r)) if self.group is not None else int  # noqa: E731
         device = optree.tree_leaves(tree)[0].device
+        if layout.rank == 0:
+            for r in range(1, layout.world):
+                for k, shard in layout.shard_of(tree, rank=r).items():
+                    if shard.numel():
+                        dist.send(shard.contiguous(), dst=glob(r), group=group)
+            return layout.shard_of(tree, copy=True)
         out = {}
         for k in layout.keys:
             shard = torch.empty(layout.size[k], dtype=layout.dtypes[k], device=device)
             if shard.numel():
-                parts = list(flats[k].split(layout.size[k])) if flats is not None else None
-                dist.scatter(shard, parts, src=src, group=group)
+                dist.recv(shard, src=glob(0), group=group)
             out[k] = shard
         return out
 

@@ -83,6 +83,12 @@ class TrainConfig:
     ``N + 1`` on waits for the compiled code. ``compile_background=False``: the first step compiles
     and training waits for it.
 
+    Args:
+        **fields: keyword arguments, one per field (the dataclass fields below: ``train_batch_size``, ``train_lr``,
+            ``train_num_steps``, ``gradient_accumulate_every``, ``ema_decay``, ... each with its default); the table of
+            every field, its default and what it allows is docs/trainer.md, "The config". Positional arguments
+            follow the fields' order; an unknown name is refused naming the functrain name that does the job.
+
     Example::
 
         >>> from functrain import TrainConfig

@@ -1,11 +1,51 @@
-"""The end-of-run summary: what the run reached, how long it took, and where everything went."""
+"""The run's reports: the memory line at the start, the end-of-run summary (what the run reached, how long it
+took, and where everything went)."""
 from __future__ import annotations
 
 import math
 import os
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
-__all__ = ["run_summary", "format_duration"]
+__all__ = ["run_summary", "format_duration", "memory_line", "FirstBatch"]
+
+
+def memory_line(run_step: Any, state: Any, batch: Any) -> str:
+    """The Trainer's start-of-run line: :func:`functrain.memory` of a compiled step (its capture is what the
+    first step compiles, so this costs no second trace), or the state's bytes of an eager one.
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1))
+        >>> memory_line(step, step.init({"w": torch.zeros(1024)}), torch.ones(1024)).split(" (")[0]
+        'memory per rank on cpu: state 4.03 KiB'
+    """
+    from ..compiler.api import CompiledStep
+    from ..compiler.estimate import MemoryEstimate, device_memory, memory, state_bytes
+
+    if isinstance(run_step, CompiledStep):
+        return str(memory(run_step, state, batch, donate=True))  # ft.run donates
+    device = state.step.device
+    return str(MemoryEstimate(device=device, state=state_bytes(state), traced=False,
+                              capacity=device_memory(device)))
+
+
+class FirstBatch:
+    """``data`` (iterated as often as the loop iterates it, with its ``len``) that calls ``fn(batch)`` once,
+    before its first batch is handed on: how the Trainer reports memory before the first step."""
+
+    def __init__(self, data: Any, fn: Callable[[Any], None]):
+        self.data, self.fn = data, fn
+
+    def __iter__(self) -> Iterator:
+        for batch in self.data:
+            if self.fn is not None:
+                fn, self.fn = self.fn, None
+                fn(batch)
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.data)
 
 
 def format_duration(seconds: float) -> str:

@@ -1,0 +1,140 @@
+"""Measure a compiled step's peak memory in this fresh process: a small transformer LM (SGD) or an MLP (AdamW and
+an EMA), with or without remat.
+
+    python tests/compiler/peak_job.py --policy none,nothing_saveable [--model lm|mlp] [--layers 4] [--d 128]
+                                      [--seq 256] [--batch 8] [--backend inductor] [--device cpu|cuda]
+
+Prints one JSON object: per policy, the RSS high-water mark of one donated compiled step above the RSS before it
+(``peak``, bytes; on ``--device cuda`` ``torch.cuda.max_memory_allocated`` above the allocated bytes before it),
+after two warm-up steps (the first compiles) so the compiler's own memory is not counted, and
+the updated params' checksum (``sum``) so the caller can check that the policies computed the same update;
+``estimate`` is ft.memory's step peak for the same step, computed before the first step (``compiles`` shows the
+first call compiled that capture rather than tracing again: 1).
+Run it with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed blocks go back to the system and RSS follows the live
+tensors (the caller sets it).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+
+import torch
+import torch.nn.functional as F
+
+import functrain as ft
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class LM(torch.nn.Module):
+    def __init__(self, vocab: int, d: int, heads: int, layers: int, seq: int):
+        super().__init__()
+        self.tok, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(seq, d)
+        self.blocks = torch.nn.Sequential(*[Block(d, heads) for _ in range(layers)])
+        self.ln, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        h = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        return self.head(self.ln(self.blocks(h)))
+
+
+def status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def measure(policy: str, args) -> dict:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if args.model == "lm":
+        model = LM(args.vocab, args.d, 4, args.layers, args.seq)
+        blocks = model.blocks
+        batch = (torch.randint(0, args.vocab, (args.batch, args.seq), generator=g),
+                 torch.randint(0, args.vocab, (args.batch, args.seq), generator=g))
+    else:  # an MLP of args.layers Linear(d, d) + ReLU blocks, trained with AdamW and an EMA
+        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(args.d, args.d), torch.nn.ReLU())
+                                      for _ in range(args.layers)])
+        blocks = model
+        batch = (torch.randn(args.batch, args.d, generator=g), torch.randn(args.batch, args.d, generator=g))
+    if policy != "none":
+        ft.remat(blocks, policy)
+    apply_fn, params, buffers = ft.functionalize(model)
+    params = {k: v.detach().clone() for k, v in params.items()}
+
+    def loss_fn(p, b, batch):
+        x, y = batch
+        out = apply_fn(p, b, x)
+        if args.model == "mlp":
+            return F.mse_loss(out, y)
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    if args.model == "lm":
+        step = ft.train_step(loss_fn, ft.optim.sgd(0.1))
+    else:
+        step = ft.ema(0.99)(ft.train_step(loss_fn, ft.optim.adamw(1e-3, weight_decay=0.01)))
+    device = torch.device(args.device)
+    params, buffers, batch = ft.to_device((params, buffers, batch), device)
+    state = step.init(params, buffers)
+    cstep = ft.compile(step, donate=True, backend=args.backend)
+    out = {"policy": policy}
+    est = ft.memory(cstep, state, batch)  # before any step: the capture the first call then compiles
+    out["estimate"] = est.step_peak
+    out["state"] = est.state_total
+    for _ in range(2):
+        state, _ = cstep(state, batch)
+    gc.collect()
+    if device.type == "cuda":  # the caching allocator's own count: what ft.memory rounds for
+        torch.cuda.synchronize()
+        rest = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        state, metrics = cstep(state, batch)
+        torch.cuda.synchronize()
+        out["peak"] = torch.cuda.max_memory_allocated(device) - rest
+    else:
+        rest = status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        state, metrics = cstep(state, batch)
+        out["peak"] = status("VmHWM") - rest
+    out["compiles"] = cstep.compiles
+    out["sum"] = float(sum(p.double().sum() for p in state.params.values()))
+    out["loss"] = float(metrics["loss"])
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--policy", default="none,nothing_saveable")
+    p.add_argument("--model", default="lm", choices=("lm", "mlp"))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--backend", default="inductor")
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    print(json.dumps([measure(policy, args) for policy in args.policy.split(",")]))
+
+
+if __name__ == "__main__":
+    main()

@@ -17,7 +17,22 @@ __all__ = ["run", "to_device", "PhaseRates"]
 
 
 def to_device(batch: Any, device: torch.device | str) -> Any:
-    """Move every tensor (and numpy array) leaf of ``batch`` to ``device`` without blocking the host."""
+    """Move every tensor (and numpy array) leaf of ``batch`` to ``device`` without blocking the host.
+
+    Args:
+        batch: a pytree of tensors, numpy arrays and other values (left as they are).
+        device: the target device.
+
+    Returns:
+        The same structure with every tensor on ``device`` (numpy arrays become tensors).
+
+    Example::
+
+        >>> import numpy as np, torch, functrain as ft
+        >>> out = ft.to_device({"x": np.ones(2, dtype=np.float32), "n": 3}, "cpu")
+        >>> out["x"], out["n"]
+        (tensor([1., 1.]), 3)
+    """
     device = torch.device(device)
 
     def move(x: Any) -> Any:
@@ -87,6 +102,30 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
         state = ft.run(ft.compile(step), state, loader, num_steps=1000, log_every=100)
         stop = lambda i, state, metrics: time.monotonic() > deadline
         state = ft.run(step, state, loader, num_steps=1000, on_step=stop)
+
+    Args:
+        step: a step (eager or ``ft.compile``d): ``step(state, batch) -> (state, metrics)``.
+        state: the initial state (copied once when donating; never written).
+        data: an iterable of batches (a loader, a list).
+        num_steps: how many steps to run (iterating ``data`` again as needed); ``None``: one pass.
+        log_every: pull the metrics to the host every this many steps (and at the last).
+        device: where batches go (``None``: the state's device).
+        progress: show a tqdm bar when tqdm is installed.
+        on_log: ``on_log(step_index, host_metrics)`` on log steps.
+        donate: let a compiled step write each new state into the previous one's buffers.
+        on_step: ``on_step(index, state, device_metrics) -> stop`` after every step.
+        start: the index of the step before the first one run here (a resumed run's step count).
+
+    Returns:
+        The final state.
+
+    As a doctest::
+
+        >>> import torch, functrain as ft
+        >>> step = ft.train_step(lambda p, b, x: (p["w"] - x).pow(2).mean(), ft.optim.sgd(0.5))
+        >>> state = ft.run(step, step.init({"w": torch.zeros(2)}), [torch.ones(2)] * 10, progress=False)
+        >>> int(state.step), [round(v, 3) for v in state.params["w"].tolist()]   # 1 - 2 ** -10
+        (10, [0.999, 0.999])
     """
     if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0):
         raise ValueError(f"run: num_steps must be an int >= 0 or None; got {num_steps!r}")

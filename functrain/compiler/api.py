@@ -34,6 +34,18 @@ class CompiledStep:
                    recompile shows up as an increase after the first call.
         donate:    whether calls donate the input state's storage.
         cache_dir: the inductor cache folder in use when ``cache_dir=`` was given, else ``None``.
+
+    Args:
+        step: the :class:`~functrain.Step` to compile.
+        options: the checked options (what :func:`compile` builds from its arguments), or ``None`` to build them from
+            ``**kwargs`` (the arguments of :func:`compile` after ``step``).
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> cstep = ft.compile(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1)))
+        >>> isinstance(cstep, ft.CompiledStep), cstep.compiles, cstep.donate
+        (True, 0, False)
     """
 
     def __init__(self, step: Step, options: Options | None = None, **kwargs: Any):
@@ -235,6 +247,17 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture
         cstep.compiles                      # 1
         cstep = ft.compile(step, cache_dir="runs/a/compile_cache")   # a resumed run loads, not compiles
         cstep = ft.compile(step, background=True)   # eager calls until the compiled code is ready
+
+    As a doctest (the ``aot_eager`` backend: eager kernels, no C++ compile)::
+
+        >>> import torch, functrain as ft
+        >>> step = ft.train_step(lambda p, b, x: (p["w"] * x).pow(2).sum(), ft.optim.sgd(0.1))
+        >>> cstep = ft.compile(step, backend="aot_eager")
+        >>> state = step.init({"w": torch.ones(3)})
+        >>> new, _ = cstep(state, torch.ones(3))
+        >>> ref, _ = step(state, torch.ones(3))
+        >>> cstep.compiles, bool(torch.allclose(new.params["w"], ref.params["w"]))
+        (1, True)
     """
     named = {k: torch_compile_kwargs.pop(k) for k in ("backend", "mode", "options", "dynamic")
              if k in torch_compile_kwargs}

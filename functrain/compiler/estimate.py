@@ -284,6 +284,18 @@ class MemoryEstimate:
         new_state: bytes of the new state's buffers held besides the input state (0 when donating).
         capacity: the device's memory (:func:`device_memory`), or ``None``.
         traced: whether the step was traced (``False``: the state only, ``step_peak`` unknown).
+
+    Args:
+        (the attributes below, as :func:`memory` fills them; users read an estimate, they do not build one)
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.adamw(1e-3))
+        >>> state = step.init({"w": torch.zeros(1024)})
+        >>> est = ft.memory(step, state, torch.ones(1024))
+        >>> est.state["params"], est.state["optimizer"] >= 2 * 4096
+        (4096, True)
     """
 
     device: torch.device

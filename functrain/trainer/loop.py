@@ -140,6 +140,39 @@ class Trainer:
         config = ft.TrainConfig(train_num_steps=1000, lr_schedule="warmup_cosine", warmup_steps=50)
         trainer = ft.Trainer(model, dataset, config, sample_fn=sample, eval_dataset=held_out)
         state = trainer.train()
+
+    Args:
+        model_or_loss: a module whose ``forward(*batch)`` (or ``forward(**batch)``) returns the loss (or an object
+            or dict holding it), or a ``loss_fn(params, buffers, batch)`` (then pass ``params``/``buffers``).
+        dataset: a map-style dataset, a sequence, in-memory columns, a ``DataLoader``, or a folder of images.
+        config: the :class:`TrainConfig`.
+        sample_fn: ``sample_fn(ema_params, n) -> images`` for the sample grids (``None``: no samples).
+        params, buffers: with a ``loss_fn``: the initial tensors.
+        optimizer: a functrain optimizer instead of the config's AdamW.
+        transforms: transforms added to the composed step.
+        step: a ready step used as it is (its ``accumulate`` must match the config).
+        eval_dataset: held-out data for ``eval_loss`` / ``eval_loss_ema``.
+        callbacks, on_log, on_save, on_eval, should_stop: hooks (see :class:`Callback`).
+        trackers: tracker objects with ``log(step, metrics)``, besides ``config.trackers``.
+
+    As a doctest (eager, 3 updates, into a temporary folder)::
+
+        >>> import contextlib, io, tempfile, torch, functrain as ft
+        >>> class Regress(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.lin = torch.nn.Linear(2, 1)
+        ...     def forward(self, x, y):
+        ...         return torch.nn.functional.mse_loss(self.lin(x), y)
+        >>> data = [(torch.randn(2), torch.randn(1)) for _ in range(16)]
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     config = ft.TrainConfig(train_batch_size=4, gradient_accumulate_every=1, train_num_steps=3,
+        ...                             compile=False, results_folder=folder, save_and_sample_every=3,
+        ...                             log_every=1, trackers=())
+        ...     with contextlib.redirect_stdout(io.StringIO()):   # the run's summary
+        ...         state = ft.Trainer(Regress(), data, config).train()
+        >>> int(state.step)
+        3
     """
 
     PLOT_SECONDS = 10.0  # the metrics plot is redrawn at a save if the last one is older than this

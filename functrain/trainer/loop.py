@@ -99,41 +99,14 @@ class Trainer:
     objects in ``callbacks=``; see :class:`~functrain.trainer.hooks.Callback`).
     The loop adds no host sync per step: metrics are read at log steps only.
 
-    Under faults:
-
-    * **Non-finite updates** are skipped (params, optimizer state and EMA stay
-      as they were); at log steps a warning gives the step and the count, and
-      ``max_consecutive_nonfinite`` skipped updates in a row save and stop with
-      ``FloatingPointError``. A checkpoint whose params or EMA are not finite is
-      marked so, and rotation never removes the newest finite one.
-    * **SIGTERM** (or a ``should_stop`` hook) finishes the current step, saves
-      and returns. On several processes every rank votes at every step: a
-      one-number all-reduce (any rank wants to stop?) on a gloo group of its own,
-      started without waiting and read at the next step, so the ranks pair their
-      votes by step and all stop at the same step, at most one step after the one
-      the signal arrived in, however the step time changes (no host sync of device
-      tensors: the vote is a CPU number). Then rank 0 saves (every rank its shard):
-      the next step plus the save must fit in the launcher's grace period before
-      SIGKILL (``--term-timeout``, 30 s by default). Under ``python -m
-      functrain.launch`` the launcher then exits 143 (every rank ended by itself:
-      saved), or 137 if a rank had to be SIGKILLed.
-    * **One run per results folder**: rank 0 holds :class:`~functrain.checkpoint.FolderLock`
-      on it for the whole of ``train()``; a second run fails at once naming the
-      folder and the holder's pid and host. A killed holder's lock is released by
-      the OS and taken over.
-    * **Slow saves and samples** are waited for on a gloo group of their own with
-      ``save_timeout`` seconds (not the collective timeout).
-    * **Resume** skips damaged checkpoints with a warning naming each and why,
-      and refuses a checkpoint whose state structure differs from this run's
-      (naming the paths and the config changes) before reading any tensor. On
-      several processes the ranks agree on one checkpoint (each checks its own
-      shard): all resume from the newest that is whole on every rank, or all
-      refuse with the same error.
-    * **The results folder** is written only through names it owns: a symbolic
-      link where the trainer writes a file (``.lock``, ``metrics.jsonl``,
-      ``config.json``, plots, sample grids, weights) is refused with
-      :class:`~functrain.checkpoint.LinkRefused`; temporary files get random
-      names and are created exclusively.
+    Under faults the Trainer keeps these promises (docs/faults.md says each in full): non-finite updates
+    are skipped and counted, ``max_consecutive_nonfinite`` in a row save and stop; SIGTERM (or
+    ``should_stop``) stops every rank at the same step, at most one step late (a vote every step, a CPU
+    number on a gloo group: no device sync), and saves within the launcher's ``--term-timeout``; one run per
+    results folder (:class:`~functrain.checkpoint.FolderLock`); saves waited for ``save_timeout`` seconds;
+    resume skips damaged checkpoints naming each, and on several processes the ranks agree on one
+    checkpoint whole on every rank, or all refuse; a symbolic link where the trainer writes is refused
+    (:class:`~functrain.checkpoint.LinkRefused`).
 
     Example::
 

@@ -241,23 +241,8 @@ class ShardedLoader:
     """This rank's batches of a dataset or DataLoader; :func:`shard` makes one (see the module docs).
 
     Args:
-        data: a map-style dataset, in-memory columns (a ``TensorDataset``, or a tuple/dict of
-            tensors or numpy arrays with equal first dimensions), an iterable dataset (also a
-            Hugging Face ``datasets`` one) or a ``DataLoader``.
-        batch_size: rows per batch *per rank* (default ``None``: the DataLoader's).
-        shuffle: default ``None``: ``True`` for a dataset, the DataLoader's choice for a DataLoader,
-            ``False`` (and only ``False``) for an iterable dataset. The order of epoch ``e`` is
-            ``torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + e))``.
-        seed: the shuffle seed, an int (default 0).
-        drop_last: ``False`` (default for a dataset) pads the last global step by wrapping around
-            to the start of the epoch's order, so every batch on every rank has ``batch_size``
-            rows; ``True`` drops the remainder. Default for a DataLoader: its own.
-        rank: this rank (default ``None``: from the process group, ``ft.distributed``); pass
-            ``rank``/``world_size`` to shard over a sub-group or to simulate ranks in one process.
-        world_size: the number of ranks (default ``None``: from the process group).
-        device: move every tensor of each (nested) batch there (default ``None``: leave it).
-        collate_fn: how samples become a batch (default ``None``: the DataLoader's, else
-            ``torch.utils.data.default_collate``).
+        data, batch_size, shuffle, seed, drop_last, rank, world_size, device, collate_fn: as :func:`shard`
+            takes them (its Args say each, with its default).
 
     Attributes:
         dataset, batch_size, rank, world_size, shuffle, drop_last, seed, collate_fn: the

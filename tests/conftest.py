@@ -29,6 +29,7 @@ import warnings
 import optree
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
@@ -324,3 +325,14 @@ def hf_step(checkpointing: bool, offload: bool = False):
     return model, step, step.init(params, buffers), ids, calls
 
 
+class CountHostPulls(TorchDispatchMode):
+    """Counts ``aten._local_scalar_dense``: what .item(), float(t), bool(t) and .tolist() run to read a value."""
+
+    def __init__(self):
+        super().__init__()
+        self.pulls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.pulls += 1
+        return func(*args, **(kwargs or {}))

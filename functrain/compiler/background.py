@@ -51,7 +51,6 @@ inline, cache hit) are :mod:`functrain.compiler.jobs`.
 from __future__ import annotations
 
 import os
-import threading
 import time
 import warnings
 from typing import Any, Callable
@@ -61,7 +60,7 @@ import torch
 
 from ..core.state import TrainState
 from .backend import compile_captured
-from .capture import Captured
+from .capture import Captured, importing as _importing, preload as _preload, wait_for_imports
 from .jobs import (FAILED, READY, RUNNING, TIMEOUT_ENV, FailedJob, InlineJob, Job, LoadedJob, ThreadJob, WorkerJob,
                    _first, _timeout)
 
@@ -104,32 +103,6 @@ class Progress:
     def __repr__(self) -> str:
         return (f"Progress(phase={self.phase!r}, eager_calls={self.eager_calls}, compile_s={self.compile_s}, "
                 f"reason={self.reason!r})")
-
-
-_preloading: threading.Thread | None = None
-
-
-def _importing() -> bool:
-    """Whether :func:`_preload`'s thread is still importing."""
-    return _preloading is not None and _preloading.is_alive()
-
-
-def _preload() -> None:
-    """Import what the trace needs (Dynamo and inductor's config: seconds on a small CPU) in a daemon thread,
-    once per process, so that the first call's trace does not wait for it."""
-    global _preloading
-    if _preloading is None:
-        import importlib
-
-        def run() -> None:
-            for name in ("torch._dynamo", "torch._inductor.config", "torch._inductor.compile_fx"):
-                try:
-                    importlib.import_module(name)
-                except Exception:  # noqa: BLE001 - the trace imports it again and reports what fails
-                    return
-
-        _preloading = threading.Thread(target=run, name="functrain-compile-import", daemon=True)
-        _preloading.start()
 
 
 def _unaliased(state: Any) -> Any:
@@ -253,8 +226,7 @@ class Background:
         """Trace the graph here, then start compiling it where the code can be made."""
         self.direct.pauses += 1
         t0 = time.perf_counter()
-        if _preloading is not None:
-            _preloading.join()  # (the trace would import the same modules: wait for them here instead)
+        wait_for_imports()  # (the trace waits for them too; counted here, in the pause)
         try:
             cap = self.direct.pending.pop(key, None) or self.direct.trace(s, state, batch)  # (ft.memory traced it)
         except Exception as e:  # noqa: BLE001 - GraphBreakError (or what the step raises): train on eagerly

@@ -17,7 +17,9 @@ counter (no generator save/restore).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import operator
+import threading
 from typing import Any, Callable, Iterator
 
 import optree
@@ -27,7 +29,8 @@ from ..core import regions
 from ..core.rng import HostRandomError, host_random_refused
 from .memory import Memory, Written
 
-__all__ = ["Captured", "Signature", "CaptureError", "trace", "draws_random", "flatten", "tensor_metas"]
+__all__ = ["Captured", "Signature", "CaptureError", "trace", "draws_random", "flatten", "tensor_metas", "preload",
+           "importing", "wait_for_imports"]
 
 
 class CaptureError(RuntimeError):
@@ -184,6 +187,37 @@ class Captured:
         return [next(it) if p is None else written[p.j] if isinstance(p, Written) else p[1] for p in self.out_plan]
 
 
+_preloading: threading.Thread | None = None
+
+
+def preload() -> None:
+    """Import what a trace needs (Dynamo and inductor's config: seconds on a small CPU) in a daemon thread, once per
+    process, so that a background-compiled step's first trace need not wait for it while eager calls run."""
+    global _preloading
+    if _preloading is None:
+        def run() -> None:
+            for name in ("torch._dynamo", "torch._inductor.config", "torch._inductor.compile_fx"):
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - the trace imports it again and reports what fails
+                    return
+
+        _preloading = threading.Thread(target=run, name="functrain-compile-import", daemon=True)
+        _preloading.start()
+
+
+def importing() -> bool:
+    """Whether :func:`preload`'s thread is still importing."""
+    return _preloading is not None and _preloading.is_alive()
+
+
+def wait_for_imports() -> None:
+    """Wait for :func:`preload`'s imports: every trace does, as two threads importing ``torch._dynamo`` at once
+    deadlock in Python's import lock (``_DeadlockError``)."""
+    if _preloading is not None:
+        _preloading.join()
+
+
 def trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse_blocks: bool = False) -> Captured:
     """Trace ``apply(state, batch) -> (new_state, metrics)`` over flat leaves (not compiled yet: ``fn`` is ``None``).
 
@@ -192,6 +226,7 @@ def trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse_block
     modules become one region each (:mod:`functrain.core.regions`); a step whose blocks cannot be traced
     that way is traced flat.
     """
+    wait_for_imports()
     if reuse_blocks and regions.wanted():
         try:
             return _trace(apply, state, batch, memory_kind, True)

@@ -146,9 +146,9 @@ def test_no_orphan_worker_after_sigkill_of_the_training_process(tmp_path):
 def _compiler_imported():
     """The first trace waits for the compiler's modules, which a thread imports (seconds) while calls run
     eagerly: have them imported, so that the tests below can count which call traced."""
-    from functrain.compiler import background
-    background._preload()
-    background._preloading.join()
+    from functrain.compiler import capture
+    capture.preload()
+    capture.wait_for_imports()
 
 
 def _problem(dropout=0.1):

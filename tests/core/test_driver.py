@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import functrain as ft
+from conftest import CountHostPulls  # noqa: F401 - shared with tests/trainer and test_driver_hooks
 from functrain import tree as T
 
 
@@ -22,17 +22,6 @@ def problem():
     return step, step.init(params, buffers), data
 
 
-class CountHostPulls(TorchDispatchMode):
-    """Counts ``aten._local_scalar_dense``: what .item(), float(t), bool(t) and .tolist() run to read a value."""
-
-    def __init__(self):
-        super().__init__()
-        self.pulls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.pulls += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_run_equals_manual_loop_and_cycles_epochs():

@@ -5,7 +5,8 @@ import torch
 import functrain as ft
 from functrain import tree as T
 
-from test_driver import CountHostPulls, problem
+from conftest import CountHostPulls
+from test_driver import problem
 
 
 def test_on_step_sees_every_step_and_stops_the_loop():

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from test_driver import CountHostPulls
+from conftest import CountHostPulls
 
 import functrain as ft
 from functrain import tree as T

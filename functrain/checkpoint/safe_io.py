@@ -148,6 +148,15 @@ def new_temp(path: str, mode: int = 0o644) -> tuple[str, int]:
     raise FileExistsError(errno.EEXIST, f"cannot create a temporary file beside {path}: every name tried exists")
 
 
+def _discard(tmp: str) -> None:
+    """Remove a temporary file of ours after a failed write (never through a link planted at its name)."""
+    try:
+        if not os.path.islink(tmp):
+            os.unlink(tmp)
+    except OSError:
+        pass
+
+
 def replace_file(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], Any], *, fsync: bool = False,
                  mode: int = 0o644, what: str = "a file functrain writes") -> str:
     """Write ``path`` atomically: a new temporary file beside it, then a rename over it; returns the path.
@@ -173,10 +182,7 @@ def replace_file(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], An
         check_not_link(path, what)  # (a rename would replace a link itself, but say so rather than hide it)
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _discard(tmp)
         raise
     if fsync:
         _fsync_dir(folder)
@@ -197,11 +203,7 @@ def replace_created(path: str | os.PathLike, create: Callable[[str], Any], *, fs
         check_not_link(path, what)
         os.replace(tmp, path)
     except BaseException:
-        try:
-            if not os.path.islink(tmp):
-                os.unlink(tmp)
-        except OSError:
-            pass
+        _discard(tmp)
         raise
     if fsync:
         _fsync_dir(folder)

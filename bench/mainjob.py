@@ -8,7 +8,9 @@ Variants (``--variants``, default all, in this order within each round):
 
 * ``blocking``: ``python -m functrain.launch --nproc 2 examples/diffusion.py --compile-blocking`` (the compile
   runs before the first step: ``TrainConfig.compile_background=False``);
-* ``background``: the same without the flag (the default: eager steps while a worker compiles);
+* ``background``: the same without the flag (the default: eager steps while a worker compiles; a compile still
+  running when the run ends finishes after it, into the caches: the script waits for it before the next run and
+  reports how long it ran on);
 * ``eager``: ``--no-compile``;
 * ``accelerate``: the Accelerate anchor (``/work/shared/bench/anchors/diffusion_accelerate.py``, eager,
   ``accelerate launch --multi_gpu --num_processes 2 --main_process_port <a free port>``, ``FT_EXAMPLES=examples``;
@@ -121,6 +123,30 @@ def one_run(results: str, cache: str, steps: int, nproc: int, timeout: float, va
     return out
 
 
+def _workers() -> list[int]:
+    """Compile workers still running on this machine (a background run's detached compile finishing)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if b"functrain.compiler.worker" in f.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def wait_for_workers(timeout: float) -> float:
+    """Wait (bounded) until no compile worker runs: a run that ended before its background compile leaves its
+    worker to finish into the caches (FUNCTRAIN_COMPILE_FINISH), and the next run must neither race it nor share
+    the CPU with it. Returns the seconds waited."""
+    t0 = time.perf_counter()
+    while _workers() and time.perf_counter() - t0 < timeout:
+        time.sleep(0.1)
+    return time.perf_counter() - t0
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
@@ -150,10 +176,12 @@ def main(argv: list[str] | None = None) -> int:
             for name in runs:
                 r = one_run(args.results, cache, args.steps, args.nproc, args.timeout, variant)
                 r.update(round=rnd, variant=variant, run=name, load=os.getloadavg()[0])
+                r["worker_after_exit_s"] = wait_for_workers(args.timeout)
                 rows.append(r)
                 print(f"round {rnd} {variant} {name}: rc {r['rc']}, first loss on the bar "
                       f"{_fmt(r['first_loss_on_bar_s'])}, first logged step {_fmt(r['first_step_s'])}, total "
-                      f"{r['total_s']:.1f} s (load {r['load']:.1f})", flush=True)
+                      f"{r['total_s']:.1f} s (load {r['load']:.1f}); its compile worker ran on for "
+                      f"{r['worker_after_exit_s']:.1f} s after it", flush=True)
                 if r["rc"] != 0:
                     print(r["tail"], file=sys.stderr)
             if not args.cache:

@@ -170,6 +170,8 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
                 break
         if metrics is not None and logged != i:
             _log(i, metrics, bar, on_log)
+        if isinstance(step, DirectCall):  # a normal end: a compile still running may finish for the next run
+            step.finish_after_exit()
     finally:
         if bar is not None:
             bar.close()

@@ -36,6 +36,12 @@ from hypothesis import strategies as st
 import functrain as ft
 from functrain import tree as T
 
+# A background compile still running when a test's run ends normally would go on after the test (ft.run lets it
+# finish, for the next run: functrain.compiler.jobs.finish_after_exit_allowed); the suite's many short runs would
+# leave compile workers loading the machine, so the suite stops them at exit. Subprocesses inherit it;
+# tests/compiler/test_background.py::test_a_run_shorter_than_its_compile_leaves_the_next_run_compiled sets it to 1.
+os.environ.setdefault("FUNCTRAIN_COMPILE_FINISH", "0")
+
 settings.register_profile("functrain", deadline=None, suppress_health_check=[HealthCheck.too_slow],
                           derandomize=os.environ.get("CI") == "true")
 settings.load_profile("functrain")

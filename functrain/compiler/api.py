@@ -103,6 +103,13 @@ class CompiledStep:
             if isinstance(form.fallback, Background):
                 form.fallback.close()
 
+    def finish_after_exit(self, finish: bool = True) -> None:
+        """Whether this step's background compiles that still run when the process exits finish after it (into
+        the caches the next run loads; ``FUNCTRAIN_COMPILE_FINISH=0`` overrides) or are killed. ``ft.run`` asks
+        for it when its loop completes; the Trainer takes it back when SIGTERM stopped the run."""
+        for form in self._forms.values():
+            form.finish_after_exit(finish)
+
     @property
     def compiles(self) -> int:
         twin = self._owned.compiles if isinstance(self._owned, CompiledStep) else 0  # the Dynamo path's twin

@@ -44,7 +44,10 @@ text and trains on eagerly; so does a worker that fails (its error and the tail 
 (the signal) or runs past ``FUNCTRAIN_COMPILE_TIMEOUT`` seconds (default 3600; it is killed).
 A worker is its own process group, killed with its compiler children when its job ends early,
 when the step is garbage-collected and at exit, and it dies with the training process if that
-is killed. Backends other than inductor, whose code cannot travel between processes, compile
+is killed. One exception: when ``ft.run``'s loop completes (:meth:`Background.finish_after_exit`),
+a compile still running at exit finishes after the process has gone, into the caches the next
+run loads, and says so on stderr (``FUNCTRAIN_COMPILE_FINISH=0``: killed too). A run shorter than
+its compile would otherwise never start compiled, however often it is repeated. Backends other than inductor, whose code cannot travel between processes, compile
 on the training thread right after the first eager call. The jobs themselves (worker, thread,
 inline, cache hit) are :mod:`functrain.compiler.jobs`.
 """
@@ -344,6 +347,17 @@ class Background:
     def _say(self, reason: str) -> None:
         warnings.warn(f"ft.compile: training on with the eager step; the background compile failed: {reason}",
                       RuntimeWarning, stacklevel=5)
+
+    def finish_after_exit(self, finish: bool = True) -> None:
+        """The run ended normally: compiles still running at exit finish after it (into the caches a later run
+        loads), unless ``FUNCTRAIN_COMPILE_FINISH=0``; a worker waiting for a graph is stopped now.
+        ``finish=False`` takes that back (a run stopped by a signal: its workers die with it)."""
+        for _, job in self.jobs.values():
+            if isinstance(job, WorkerJob):
+                job.finish_after_exit(finish)
+        if self._spare is not None:
+            self._spare.close()
+            self._spare = None
 
     def close(self) -> None:
         """Stop every compile still running; their signatures run eagerly from now on (said by no warning:

@@ -7,7 +7,9 @@ thread loads from them), a daemon thread (:class:`ThreadJob`, for comparison), t
 (:class:`InlineJob`: backends whose code cannot travel), a cache hit (:class:`LoadedJob`) and a trace that
 failed (:class:`FailedJob`). Every job is bounded: ``FUNCTRAIN_COMPILE_TIMEOUT`` seconds (default 3600),
 and a worker is killed with its compiler children when its job ends early, when it is garbage-collected
-and at exit.
+and at exit, with one exception: a job whose run ended normally (:meth:`WorkerJob.finish_after_exit`,
+called by ``ft.run`` when its loop completes) is left to finish at exit, so that the next run finds
+the code in the caches (``FUNCTRAIN_COMPILE_FINISH=0``: killed as the others).
 """
 from __future__ import annotations
 
@@ -25,10 +27,11 @@ from typing import Any, Callable
 from .backend import compile_graph
 from .capture import Captured
 
-__all__ = ["Job", "FailedJob", "InlineJob", "LoadedJob", "ThreadJob", "WorkerJob", "TIMEOUT_ENV", "RUNNING", "READY",
-           "FAILED"]
+__all__ = ["Job", "FailedJob", "InlineJob", "LoadedJob", "ThreadJob", "WorkerJob", "TIMEOUT_ENV", "FINISH_ENV",
+           "RUNNING", "READY", "FAILED", "finish_after_exit_allowed"]
 
 TIMEOUT_ENV = "FUNCTRAIN_COMPILE_TIMEOUT"
+FINISH_ENV = "FUNCTRAIN_COMPILE_FINISH"
 _TIMEOUT = 3600.0
 RUNNING, READY, FAILED = 0, 1, -1  # a job's status, and what the ranks agree on (their MIN)
 
@@ -180,9 +183,32 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         pass
 
 
-def _kill_all() -> None:
+def finish_after_exit_allowed() -> bool:
+    """Whether a compile still running when its run ends normally may finish after the process exits
+    (``FUNCTRAIN_COMPILE_FINISH``: ``1``, the default, or ``0``)."""
+    raw = os.environ.get(FINISH_ENV, "1").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"{FINISH_ENV} must be 0 (stop a running compile at exit) or 1 (let it finish so the "
+                         f"next run starts compiled); got {raw!r}")
+    return raw == "1"
+
+
+def _at_exit() -> None:
+    """At exit: a worker whose run ended normally finishes its compile (said once on stderr); every other is
+    killed with its compiler children."""
+    try:
+        keep = finish_after_exit_allowed()
+    except ValueError as e:
+        print(f"functrain: {e}; stopping the background compile", file=sys.stderr)
+        keep = False
     for job in list(_LIVE):
-        job.close()
+        if keep and job.keep and job.detach():
+            print(f"functrain: the background compile goes on in process {job.pid} (nice +"
+                  f"{os.environ.get('FUNCTRAIN_COMPILE_NICE', '10')}, at most {job.timeout:g} s) after this process "
+                  f"exits, so that the next run of this step starts compiled ({FINISH_ENV}=0 stops it at exit "
+                  f"instead)", file=sys.stderr, flush=True)
+        else:
+            job.close()
 
 
 class WorkerJob(Job):
@@ -201,15 +227,21 @@ class WorkerJob(Job):
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        self.proc = subprocess.Popen([sys.executable, "-m", "functrain.compiler.worker", str(os.getpid())],
+        self.proc = subprocess.Popen([sys.executable, "-m", "functrain.compiler.worker", str(os.getpid()),
+                                      repr(float(timeout))],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
                                      start_new_session=True)
         self.pid = self.proc.pid
+        self.sent = False  # the worker has its graph
+        self.keep = False  # finish_after_exit(): at exit, let it finish instead of killing it
         _LIVE.add(self)
         if not _atexit_registered:
-            atexit.register(_kill_all)
+            # (registered after weakref.finalize's own exit hook, so it runs first: a detached worker's finalizer
+            # is detached before that hook would kill it)
+            weakref.finalize(self, lambda: None)
+            atexit.register(_at_exit)
             _atexit_registered = True
-        weakref.finalize(self, _kill_tree, self.proc)
+        self._finalizer = weakref.finalize(self, _kill_tree, self.proc)
 
     def send(self, payload: bytes) -> None:
         """Give the worker its job (from a thread: a pipe write blocks until the worker reads it)."""
@@ -221,7 +253,57 @@ class WorkerJob(Job):
             except (BrokenPipeError, OSError):
                 pass  # the worker died: poll() says how
 
-        threading.Thread(target=feed, name="functrain-compile-feed", daemon=True).start()
+        self.sent = True
+        self._feeder = threading.Thread(target=feed, name="functrain-compile-feed", daemon=True)
+        self._feeder.start()
+
+    def finish_after_exit(self, finish: bool = True) -> None:
+        """The run that started this compile ended normally: if it still runs at exit, let it finish there (see
+        :func:`_at_exit`) rather than kill it. A worker with no graph yet is closed now. ``finish=False``:
+        killed at exit after all."""
+        if not self.sent:
+            self.close()
+        else:
+            self.keep = finish and self.status == RUNNING
+
+    def detach(self, wait: float = 10.0) -> bool:
+        """Ask the running worker to outlive this process and stop watching it: once it has said ``ready`` (it
+        handles the signal from then on), ``SIGUSR1``, and it answers ``detached``. ``False`` (and the worker is
+        killed) if that did not happen within ``wait`` seconds."""
+        import select
+
+        if self.poll() != RUNNING:
+            return False
+        deadline = time.monotonic() + wait
+        fd = self.proc.stdout.fileno()
+        said = b""
+
+        def until(word: bytes) -> bool:
+            nonlocal said
+            while word not in said and time.monotonic() < deadline:
+                ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0.0))
+                chunk = os.read(fd, 4096) if ready else b""
+                if ready and not chunk:  # it exited meanwhile
+                    return False
+                said += chunk
+            return word in said
+
+        # the whole graph must be in the pipe before this process exits (the feeding thread dies with it, and a
+        # worker that reads half a job fails): the worker reads it once its imports are done
+        self._feeder.join(max(deadline - time.monotonic(), 0.0))
+        if self._feeder.is_alive() or not until(b"ready\n"):
+            self.close()
+            return False
+        try:
+            os.kill(self.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return False
+        if not until(b"detached\n"):
+            self.close()
+            return False
+        self._finalizer.detach()
+        _LIVE.discard(self)
+        return True
 
     def poll(self) -> int:
         if self.status != RUNNING:

@@ -131,6 +131,12 @@ class DirectCall:
         self.trusted = new_tensors if cap.stable else None
         return new, metrics
 
+    def finish_after_exit(self, finish: bool = True) -> None:
+        """The caller's run ended normally: a background compile still running may finish after the process exits
+        (:meth:`~functrain.compiler.background.Background.finish_after_exit`); nothing without one."""
+        if self.fallback is not None:
+            self.fallback.finish_after_exit(finish)
+
     def capture(self, s: Any, state: Any, batch: Any) -> Captured:
         """Trace and compile the graph for ``(s, batch)`` (``s``: the state without its RNG key)."""
         cap = self.trace(s, state, batch)

@@ -1,6 +1,6 @@
 """The compile worker: a child process that compiles one traced graph into the shared caches.
 
-    python -m functrain.compiler.worker PARENT_PID < job
+    python -m functrain.compiler.worker PARENT_PID [TIMEOUT_S] < job
 
 :mod:`functrain.compiler.background` starts it for each graph it compiles in the background,
 before tracing the graph (the worker imports torch and inductor meanwhile), and then writes
@@ -19,7 +19,10 @@ then loads (:meth:`~functrain.compiler.backend.CountingBackend.load`), and a lat
 It answers one JSON line on stdout, ``{"ok": true, "seconds": s}`` or ``{"ok": false, "error":
 "..."}``, and exits. It runs at a lower priority (``nice`` + ``FUNCTRAIN_COMPILE_NICE``, 10 by
 default: its compiler subprocesses inherit it), ignores Ctrl-C (its parent decides) and dies
-with its parent (``PR_SET_PDEATHSIG``; :func:`functrain.core.procs.die_with_parent`).
+with its parent (``PR_SET_PDEATHSIG``; :func:`functrain.core.procs.die_with_parent`), unless the
+parent, ending its run normally, sends it ``SIGUSR1`` first (once it has said ``ready``: the signal
+is handled from then on): then it answers ``detached`` on stdout at once and finishes its compile after the parent has gone (so the next run loads the
+code from the caches; :meth:`functrain.compiler.jobs.WorkerJob.detach`).
 """
 from __future__ import annotations
 
@@ -206,8 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     """The worker's entry point: read the job from stdin, compile, answer one JSON line."""
     from ..core.procs import die_with_parent
 
+    started = time.monotonic()
     argv = sys.argv[1:] if argv is None else argv
     die_with_parent(int(argv[0]) if argv and argv[0].isdigit() else None)
+    try:
+        timeout = float(argv[1]) if len(argv) > 1 else 3600.0
+    except ValueError:
+        timeout = 3600.0
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
     try:
         os.nice(int(os.environ.get(NICE_ENV, "10")))
@@ -215,6 +223,21 @@ def main(argv: list[str] | None = None) -> int:
         pass
     out = sys.stdout
     sys.stdout = sys.stderr  # whatever the compiler prints goes to the log, not into the answer
+
+    def detach(signum: int, frame: Any) -> None:  # the parent ends its run normally: finish the compile
+        from ..core.procs import outlive_parent
+
+        # the parent no longer bounds this process: its own timer does (what is left of the parent's timeout),
+        # killing it with its compiler children (its own process group)
+        signal.signal(signal.SIGALRM, lambda *_: os.killpg(0, signal.SIGKILL))
+        signal.setitimer(signal.ITIMER_REAL, max(timeout - (time.monotonic() - started), 1.0))
+        outlive_parent()
+        out.write("detached\n")
+        out.flush()
+
+    signal.signal(signal.SIGUSR1, detach)
+    out.write("ready\n")  # SIGUSR1 is handled from now on (until here it would kill the process)
+    out.flush()
     try:
         _prepare()
         data = sys.stdin.buffer.read()
@@ -224,8 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # noqa: BLE001 - every failure becomes the answer
         text = f"{type(e).__name__}: {e}".strip()
         result = {"ok": False, "error": text[:4000]}
-    out.write(json.dumps(result) + "\n")
-    out.flush()
+    try:
+        out.write(json.dumps(result) + "\n")
+        out.flush()
+    except (BrokenPipeError, OSError):  # detached: the parent is gone; the caches hold the result
+        pass
     return 0 if result.get("ok") else 1
 
 

@@ -11,9 +11,10 @@ import signal
 import sys
 import threading
 
-__all__ = ["die_with_parent"]
+__all__ = ["die_with_parent", "outlive_parent"]
 
 _PR_SET_PDEATHSIG = 1
+_watching = [False]  # the watchdog of die_with_parent runs (where prctl is missing) until outlive_parent()
 
 
 def die_with_parent(parent_pid: int | None = None) -> str:
@@ -44,12 +45,32 @@ def die_with_parent(parent_pid: int | None = None) -> str:
     if os.getppid() != parent:  # the parent is gone already: the signal will never come
         os.kill(os.getpid(), signal.SIGKILL)
     if how == "watchdog":
+        _watching[0] = True
+
         def watch() -> None:
             import time
 
             while os.getppid() == parent:
                 time.sleep(1.0)
-            os.kill(os.getpid(), signal.SIGKILL)
+            if _watching[0]:
+                os.kill(os.getpid(), signal.SIGKILL)
 
         threading.Thread(target=watch, name="functrain-parent-watchdog", daemon=True).start()
     return how
+
+
+def outlive_parent() -> None:
+    """Undo :func:`die_with_parent`: this process goes on when its parent exits.
+
+    For a compile worker whose parent ended its run normally and asked it to finish (so the
+    next run finds the compiled code in the caches); a parent killed before asking still
+    takes the worker with it.
+    """
+    _watching[0] = False
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass

@@ -384,6 +384,8 @@ class Trainer:
                         log_every=c.log_every, device=self.device, progress=self.rank == 0, on_log=self._on_log,
                         on_step=self._on_step, start=start)
             run_state.end_vote()  # the last step's vote, which every rank started: let it finish
+            if self._signalled and isinstance(self.run_step, CompiledStep):
+                self.run_step.finish_after_exit(False)  # stopped by SIGTERM: a running compile dies with us
             if run_state.n != run_state.saved_at:  # stopped between saves (SIGTERM, should_stop)
                 self.save(state, run_state.n)
             if run_state.in_a_row >= c.max_consecutive_nonfinite:  # counted by the stop step's log

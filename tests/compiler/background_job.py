@@ -13,6 +13,11 @@ worker runs, for the tests that kill things). Modes:
   ``FUNCTRAIN_COMPILE_TIMEOUT``, which the test sets low): eager steps go on, one warning.
 * ``fail``: inductor's C++ compiler is ``/bin/false`` (a broken toolchain): the worker fails.
 * ``die``: the worker is SIGKILLed while it compiles.
+* ``short``: ``ft.run`` of 3 steps, which end long before a cold compile: the run ends normally while its
+  worker compiles (the test then watches the worker finish after this process has exited).
+* ``lock``: holds the step's compile lock (as another process compiling it would) and sleeps (bounded): a
+  worker started meanwhile waits on it.
+* ``again``: the same step by ``ft.run`` again, 40 steps: where its code came from and when it took over.
 * ``corrupt``: ``switch_at`` far ahead; once the compiled code is ready, every cache entry it
   wrote is truncated; the switch must not load them (rebuilt here, with a warning).
 """
@@ -186,6 +191,39 @@ def corrupt() -> dict:
             "compiles": cstep.compiles, "close": T.tree_allclose(state, ref, rtol=1e-5, atol=1e-6)}
 
 
+def short() -> dict:
+    from functrain.compiler import capture
+
+    step, params, buffers, batches, calls = problem()
+    capture.preload()  # the compiler's modules imported first, so the first call's trace is not put off
+    capture.wait_for_imports()
+    cstep = ft.compile(step)
+    state = step.init(params, buffers)
+    runner = cstep.donating(background=True)  # the call form ft.run uses (its progress is cstep.progress)
+    ft.run(cstep, state, batches, num_steps=3, progress=False)
+    p = runner.progress
+    return {"phase": p.phase, "worker_pid": p.worker_pid, "eager_calls": p.eager_calls}
+
+
+def again() -> dict:
+    from functrain.compiler import capture
+
+    step, params, buffers, batches, calls = problem()
+    capture.preload()
+    capture.wait_for_imports()
+    cstep = ft.compile(step)
+    state = step.init(params, buffers)
+    runner = cstep.donating(background=True)
+    seen = []
+    ft.run(cstep, state, batches * 5, progress=False, on_step=lambda i, s, m: seen.append(runner.progress.phase))
+    p = runner.progress
+    first = seen.index("compiled") + 1 if "compiled" in seen else None
+    root = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    return {"phase": p.phase, "source": p.source, "compiled_from_step": first, "compiles": cstep.compiles,
+            "reason": p.reason, "worker_pid": p.worker_pid,
+            "cache": sorted(d for d in os.listdir(root) if d in ("fxgraph", "aotautograd"))}
+
+
 def hold() -> dict:
     step, params, buffers, batches, calls = problem()
     cstep = ft.compile(step, background=True)
@@ -205,6 +243,14 @@ def main() -> None:
         out = corrupt()
     elif mode == "hold":
         out = hold()
+    elif mode == "lock":
+        step, params, buffers, batches, calls = problem()
+        hold_the_lock(step, params, buffers, batches[0])
+        print("HELD", flush=True)
+        time.sleep(float(os.environ.get("HOLD_S", "120")))
+        out = {}
+    elif mode in ("short", "again"):
+        out = short() if mode == "short" else again()
     else:
         out = fault(mode)
     print("RESULT " + json.dumps(out), flush=True)

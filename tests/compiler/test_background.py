@@ -141,6 +141,64 @@ def test_no_orphan_worker_after_sigkill_of_the_training_process(tmp_path):
     assert not _group_alive(worker), f"its compilers outlived it: {_group_alive(worker)}"
 
 
+def test_a_run_shorter_than_its_compile_leaves_the_next_run_compiled(tmp_path):
+    """ft.run ends (3 steps) while its worker compiles cold: the worker says so on stderr and finishes after the
+    process has exited; the next run of the same step loads the code from the caches at its first trace and runs
+    compiled from its second step. With FUNCTRAIN_COMPILE_FINISH=0 the worker dies with the run."""
+    out = subprocess.run([sys.executable, JOB, "short"], env=_env(tmp_path, FUNCTRAIN_COMPILE_FINISH=1),
+                         capture_output=True, text=True, timeout=300)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
+    r = json.loads(lines[-1][len("RESULT "):])
+    assert r["phase"] == "compiling" and r["eager_calls"] == 3 and r["worker_pid"], r  # the run ended first
+    worker = r["worker_pid"]
+    assert f"the background compile goes on in process {worker}" in out.stderr, out.stderr[-2000:]
+    deadline = time.monotonic() + 400
+    while _group_alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _group_alive(worker), "the detached worker did not finish in time"
+    r = _job("again", tmp_path, FUNCTRAIN_COMPILE_FINISH=0)
+    assert r["source"] == "cache" and r["phase"] == "compiled" and r["compiles"] == 1, r
+    assert r["compiled_from_step"] is not None and r["compiled_from_step"] <= 2, r
+
+    # opted out: the same short run on a cold folder leaves no worker behind
+    cold = tmp_path / "cold"
+    out = subprocess.run([sys.executable, JOB, "short"], env=_env(cold, FUNCTRAIN_COMPILE_FINISH=0),
+                         capture_output=True, text=True, timeout=300)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
+    worker = json.loads(lines[-1][len("RESULT "):])["worker_pid"]
+    assert worker and "goes on in process" not in out.stderr
+    deadline = time.monotonic() + 30
+    while _group_alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _group_alive(worker), f"the worker outlived a run that opted out: {_group_alive(worker)}"
+
+
+def test_a_worker_left_to_finish_is_still_bounded_by_its_timeout(tmp_path):
+    """A worker left to finish after its run (which no parent watches any more) kills itself and its compilers
+    at FUNCTRAIN_COMPILE_TIMEOUT: here it waits on a compile lock another process holds."""
+    holder = subprocess.Popen([sys.executable, JOB, "lock"], env=_env(tmp_path, HOLD_S=120), stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert holder.stdout.readline().startswith("HELD")
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, JOB, "short"],
+                             env=_env(tmp_path, FUNCTRAIN_COMPILE_FINISH=1, FUNCTRAIN_COMPILE_TIMEOUT=15),
+                             capture_output=True, text=True, timeout=300)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+        assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
+        worker = json.loads(lines[-1][len("RESULT "):])["worker_pid"]
+        assert f"goes on in process {worker}" in out.stderr and _group_alive(worker), out.stderr[-2000:]
+        while _group_alive(worker) and time.monotonic() - t0 < 60:
+            time.sleep(0.2)
+        assert not _group_alive(worker), "the detached worker ran past its timeout"
+        assert time.monotonic() - t0 >= 10, "the worker ended before its timeout: it was not waiting on the lock"
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+
+
 # ------------------------------------------------------------------------------------------ policies (aot_eager)
 @pytest.fixture(autouse=True)
 def _compiler_imported():

@@ -86,14 +86,9 @@ class Trainer:
     tensors are needed: sample grids, evaluation and the exported weights, which
     rank 0 alone writes. ``train()`` returns the sharded state then.
 
-    Outputs in ``results_folder``: ``metrics.jsonl`` (and the trackers of
-    ``config.trackers`` plus your ``trackers=`` objects; one record per log step,
-    with ``steps_per_s`` measured after the compile and ``compile_s`` once),
-    ``metrics.png`` (one panel per metric against the step, redrawn at saves at
-    most every ``PLOT_SECONDS`` and at the last), ``sample-{step}.png`` grids
-    captioned with the step, and at the end ``model.safetensors`` /
-    ``ema.safetensors`` (``module.load_state_dict(..., strict=True)`` accepts
-    them) and a summary printed by rank 0.
+    Outputs in ``results_folder`` (docs/trainer.md lists each): ``metrics.jsonl`` and your trackers, ``metrics.png``,
+    ``sample-{step}.png`` grids, ``checkpoints/``, and at the end ``model.safetensors`` / ``ema.safetensors``
+    (plain state dicts) and a summary printed by rank 0.
 
     Hooks for you (``on_log=``, ``on_eval=``, ``on_save=``, ``should_stop=``, or
     objects in ``callbacks=``; see :class:`~functrain.trainer.hooks.Callback`).

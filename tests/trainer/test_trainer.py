@@ -227,7 +227,9 @@ def _compile_workers_of(pid):
 def test_sigterm_while_compiling_in_the_background_saves_at_once(tmp_path):
     """A cold compile runs in its worker when SIGTERM comes: the trainer saves the step it is on and exits
     within seconds (the launcher's grace period is 30 s); the worker does not hold it up and does not outlive it."""
-    env = {**_env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # cold: the compile takes long
+    # cold: the compile takes long; FUNCTRAIN_COMPILE_FINISH=1 (the default outside the suite): a run that ends
+    # normally would let its worker finish, one stopped by SIGTERM must not
+    env = {**_env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "FUNCTRAIN_COMPILE_FINISH": "1"}
     proc = subprocess.Popen(_cmd(tmp_path / "run", 1, "--steps", 100000, "--save-every", 2, "--precision", "no"),
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     target = tmp_path / "run" / "checkpoints" / "step_00000002" / "COMPLETE.json"

@@ -104,9 +104,23 @@ class CompiledStep:
                 form.fallback.close()
 
     def finish_after_exit(self, finish: bool = True) -> None:
-        """Whether this step's background compiles that still run when the process exits finish after it (into
-        the caches the next run loads; ``FUNCTRAIN_COMPILE_FINISH=0`` overrides) or are killed. ``ft.run`` asks
-        for it when its loop completes; the Trainer takes it back when SIGTERM stopped the run."""
+        """Choose whether this step's background compiles that still run when the process exits finish after it
+        (into the caches the next run loads) or are killed with it.
+
+        ``ft.run`` asks for it when its loop returns normally; the Trainer takes it back when SIGTERM stopped
+        the run. ``FUNCTRAIN_COMPILE_FINISH=0`` kills them at exit whatever was chosen. A worker that has no
+        graph yet is stopped now (it would only wait).
+
+        Args:
+            finish: ``True``: let them finish after exit (one line on stderr says so); ``False``: kill them at
+                exit.
+
+        Example::
+
+            cstep = ft.compile(step)
+            state = ft.run(cstep, state, loader, num_steps=10)   # (ft.run already called finish_after_exit())
+            cstep.finish_after_exit(False)                        # this process's compiles end with it after all
+        """
         for form in self._forms.values():
             form.finish_after_exit(finish)
 

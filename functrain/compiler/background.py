@@ -47,8 +47,9 @@ when the step is garbage-collected and at exit, and it dies with the training pr
 is killed. One exception: when ``ft.run``'s loop completes (:meth:`Background.finish_after_exit`),
 a compile still running at exit finishes after the process has gone, into the caches the next
 run loads, and says so on stderr (``FUNCTRAIN_COMPILE_FINISH=0``: killed too). A run shorter than
-its compile would otherwise never start compiled, however often it is repeated. Backends other than inductor, whose code cannot travel between processes, compile
-on the training thread right after the first eager call. The jobs themselves (worker, thread,
+its compile would otherwise never start compiled, however often it is repeated. Backends other
+than inductor, whose code cannot travel between processes, compile on the training thread right
+after the first eager call. The jobs themselves (worker, thread,
 inline, cache hit) are :mod:`functrain.compiler.jobs`.
 """
 from __future__ import annotations

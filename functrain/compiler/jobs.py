@@ -202,13 +202,17 @@ def _at_exit() -> None:
         print(f"functrain: {e}; stopping the background compile", file=sys.stderr)
         keep = False
     for job in list(_LIVE):
-        if keep and job.keep and job.detach():
+        if not (keep and job.keep):
+            job.close()
+        elif job.detach():
             print(f"functrain: the background compile goes on in process {job.pid} (nice +"
                   f"{os.environ.get('FUNCTRAIN_COMPILE_NICE', '10')}, at most {job.timeout:g} s) after this process "
                   f"exits, so that the next run of this step starts compiled ({FINISH_ENV}=0 stops it at exit "
                   f"instead)", file=sys.stderr, flush=True)
-        else:
-            job.close()
+        else:  # (detach killed it) said, since the next run will compile from scratch again
+            print(f"functrain: the background compile in process {job.pid} could not be left to finish (it did not "
+                  f"answer within 10 s, or it had exited); it was stopped: the next run compiles this step again",
+                  file=sys.stderr, flush=True)
 
 
 class WorkerJob(Job):
@@ -236,12 +240,10 @@ class WorkerJob(Job):
         self.keep = False  # finish_after_exit(): at exit, let it finish instead of killing it
         _LIVE.add(self)
         if not _atexit_registered:
-            # (registered after weakref.finalize's own exit hook, so it runs first: a detached worker's finalizer
-            # is detached before that hook would kill it)
-            weakref.finalize(self, lambda: None)
             atexit.register(_at_exit)
             _atexit_registered = True
         self._finalizer = weakref.finalize(self, _kill_tree, self.proc)
+        self._finalizer.atexit = False  # at exit _at_exit decides (kill, or let a completed run's job finish)
 
     def send(self, payload: bytes) -> None:
         """Give the worker its job (from a thread: a pipe write blocks until the worker reads it)."""

@@ -21,8 +21,9 @@ It answers one JSON line on stdout, ``{"ok": true, "seconds": s}`` or ``{"ok": f
 default: its compiler subprocesses inherit it), ignores Ctrl-C (its parent decides) and dies
 with its parent (``PR_SET_PDEATHSIG``; :func:`functrain.core.procs.die_with_parent`), unless the
 parent, ending its run normally, sends it ``SIGUSR1`` first (once it has said ``ready``: the signal
-is handled from then on): then it answers ``detached`` on stdout at once and finishes its compile after the parent has gone (so the next run loads the
-code from the caches; :meth:`functrain.compiler.jobs.WorkerJob.detach`).
+is handled from then on): then it answers ``detached`` on stdout at once, finishes its compile after
+the parent has gone (so the next run loads the code from the caches;
+:meth:`functrain.compiler.jobs.WorkerJob.detach`), and bounds itself by ``TIMEOUT_S``.
 """
 from __future__ import annotations
 

@@ -260,10 +260,20 @@ def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: boo
         return [x for x in out_leaves if torch.is_tensor(x)]
 
     example = [leaves[i].detach() for i in sig.tensor_pos] + memory.example_buffers()
-    try:
+
+    def make(name_calls: bool) -> torch.fx.GraphModule:
         # a draw from random/numpy would be frozen into the graph: refused
-        with _compiling(), _regions(reuse), host_random_refused("ft.compile"):
-            gm = make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+        with _compiling(), _regions(reuse), host_random_refused("ft.compile", name_calls=name_calls):
+            return make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+
+    try:
+        try:
+            gm = make(False)  # without the profile hook that names a draw: it doubles the trace's time
+        except HostRandomError as e:
+            if not e.unnamed:
+                raise
+            make(True)  # something drew from Python's random: trace again to name the call (raises)
+            raise e  # (the second trace drew nothing: refuse it unnamed)
     except HostRandomError:
         raise
     except Exception as e:  # noqa: BLE001 - the caller re-runs eagerly to tell a user error from a graph break

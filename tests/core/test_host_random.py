@@ -140,6 +140,37 @@ def test_with_a_profiler_active_a_changed_generator_is_still_refused():
     assert seen
 
 
+def test_a_capture_runs_without_the_profile_hook_and_traces_again_only_to_name_a_draw():
+    """The hook that names a draw doubles a trace's time, so ft.compile traces without it; only a step that drew
+    from Python's random is traced a second time, with the hook, for the name (the test above checks the name)."""
+    profiles = []
+
+    def clean_loss(params, buffers, x):
+        profiles.append(sys.getprofile())
+        return (params["w"] * x).sum()
+
+    step = ft.train_step(clean_loss, ft.optim.sgd(0.1))
+    ft.compile(step, backend="aot_eager")(step.init({"w": torch.ones(3)}), torch.arange(3.0))
+    assert profiles == [None], profiles  # one trace, no hook
+
+    profiles.clear()
+
+    def drawing_loss(params, buffers, x):
+        profiles.append(sys.getprofile())
+        return (params["w"] * x).sum() * bound_random()
+
+    step = ft.train_step(drawing_loss, ft.optim.sgd(0.1))
+    with pytest.raises(HostRandomError, match=r"the step called random.random\(\) .* in drawing_loss"):
+        ft.compile(step, backend="aot_eager")(step.init({"w": torch.ones(3)}), torch.arange(3.0))
+    assert len(profiles) == 2 and profiles[0] is None and profiles[1] is not None, profiles
+    assert sys.getprofile() is None
+    # unwatched, the refusal rests on the state, and says the call is not known
+    with pytest.raises(HostRandomError, match=r"changed \(calls were not watched, so the call") as info:
+        with host_random_refused("test", name_calls=False):
+            bound_random()
+    assert info.value.unnamed
+
+
 def test_a_numpy_function_bound_before_is_refused_by_the_state_change():
     from numpy.random import rand as bound_rand
 

@@ -360,6 +360,12 @@ class Background:
             self._spare.close()
             self._spare = None
 
+    def traced(self, key: Any) -> Captured | None:
+        """The capture a compile job for signature ``key`` was started from (as traced: nothing compiled it
+        here yet), or ``None``: what :func:`functrain.memory` estimates without tracing again."""
+        entry = self.jobs.get(key)
+        return entry[0] if entry is not None else None
+
     def close(self) -> None:
         """Stop every compile still running; their signatures run eagerly from now on (said by no warning:
         the caller asked for it)."""

@@ -146,7 +146,7 @@ class DirectCall:
     def traced(self, state: Any, batch: Any) -> Captured:
         """The traced, not yet compiled, capture for ``(state, batch)`` (for :func:`functrain.memory`): kept, so
         the first call with this signature compiles it instead of tracing again (a signature compiled already
-        is traced afresh and not kept)."""
+        is traced afresh and not kept; one a background compile is working on is that job's capture)."""
         self.step.check_state(state)
         check_batch(batch)
         s = state._replace(rng=None) if getattr(state, "rng", None) is not None else state
@@ -154,6 +154,8 @@ class DirectCall:
         key = Signature(spec, leaves, len(optree.tree_leaves(s))).key
         if key in self.pending:
             return self.pending[key]
+        if self.fallback is not None and (cap := self.fallback.traced(key)) is not None:
+            return cap  # traced for a background compile that is still running
         cap = self.trace(s, state, batch)
         if key not in self.captures:
             self.pending[key] = cap

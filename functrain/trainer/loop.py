@@ -33,7 +33,7 @@ from .evaluator import Evaluator
 from .hooks import Hooks
 from .images import write_sample_grid
 from .plots import MetricHistory, write_metrics_plot
-from .summary import FirstBatch, memory_line, run_summary
+from .summary import FirstBatch, MemoryLine, run_summary
 from .build import build_step, checked_loss, model_loss
 from .compiling import compile_log, compile_notes, watch_compile
 from .run_state import RunState
@@ -374,7 +374,8 @@ class Trainer:
             self._run = run_state = RunState(start, trackers, compiled=isinstance(self.run_step, CompiledStep))
             watch_compile(self.run_step, run_state)
             previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-            data = FirstBatch(self.loader, lambda batch: self._memory_line(state, batch))  # before the first step
+            run_state.memory = MemoryLine(self.run_step, self.rank, run_state.progress)
+            data = FirstBatch(self.loader, lambda batch: run_state.memory.first(state, batch))  # before step 1
             state = run(self.run_step, state, data, num_steps=max(c.train_num_steps - start, 0),
                         log_every=c.log_every, device=self.device, progress=self.rank == 0, on_log=self._on_log,
                         on_step=self._on_step, start=start)
@@ -399,11 +400,6 @@ class Trainer:
         if done and self.rank == 0 and run_state.n > run_state.start:
             print(self.summary(run_state), flush=True)
         return state
-
-    def _memory_line(self, state: TrainState, batch: Any) -> None:
-        line = memory_line(self.run_step, state, batch)  # every rank: each compiles the capture it traced
-        if self.rank == 0:
-            print(line, flush=True)
 
     def _export(self, state: TrainState) -> None:
         """``model.safetensors`` / ``ema.safetensors`` by rank 0 (a sharded state is gathered on every rank
@@ -522,6 +518,7 @@ class Trainer:
         c, r = self.config, self._run
         if r.rates is not None:
             r.rates.tick(n)
+            r.memory.after_step(state)
         r.n = n
         r.first_done(time.perf_counter())
         if "skipped" in metrics and r.logged_at != n:

@@ -34,6 +34,7 @@ class RunState:
         self.in_a_row = 0  # skipped updates in a row, as of the last read
         self.rates: PhaseRates | None = None  # a background compile: each path's throughput
         self.progress: Any = None  # and its Progress
+        self.memory: Any = None  # the run's MemoryLine (trainer/summary.py)
         self.pending_vote: tuple | None = None  # (work, tensor): the stop vote started at the previous step
 
     def vote(self, flag: bool, group: Any) -> bool:

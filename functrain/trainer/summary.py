@@ -6,7 +6,7 @@ import math
 import os
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-__all__ = ["run_summary", "format_duration", "memory_line", "FirstBatch"]
+__all__ = ["run_summary", "format_duration", "memory_line", "MemoryLine", "FirstBatch"]
 
 
 def memory_line(run_step: Any, state: Any, batch: Any) -> str:
@@ -28,6 +28,37 @@ def memory_line(run_step: Any, state: Any, batch: Any) -> str:
     device = state.step.device
     return str(MemoryEstimate(device=device, state=state_bytes(state), traced=False,
                               capacity=device_memory(device)))
+
+
+class MemoryLine:
+    """When the Trainer prints :func:`memory_line` (rank 0, once).
+
+    Before the first step (:meth:`first`, every rank: a compiled step's ranks each keep the capture its first call
+    compiles), except for a background compile that switches when ready (``progress``: its
+    :class:`~functrain.compiler.background.Progress`, ``switch_at`` ``None``): its trace waits for the compiler's
+    imports, which a thread makes while the first steps run eagerly, so the line comes after the step in which
+    that trace ran (:meth:`after_step`), from its capture (no second trace); the state's bytes alone if the
+    compile failed; none if the run ended before the trace.
+    """
+
+    def __init__(self, run_step: Any, rank: int, progress: Any = None):
+        self.run_step, self.rank, self.progress = run_step, rank, progress
+        self.batch: Any = None  # the first batch, while the line waits for the background trace
+
+    def first(self, state: Any, batch: Any) -> None:
+        if self.progress is not None and self.progress.switch_at is None:
+            self.batch = batch if self.rank == 0 else None
+            return
+        line = memory_line(self.run_step, state, batch)
+        if self.rank == 0:
+            print(line, flush=True)
+
+    def after_step(self, state: Any) -> None:
+        if self.batch is None or self.progress.phase == "eager":
+            return
+        batch, self.batch = self.batch, None
+        step = self.run_step.step if self.progress.phase == "failed" else self.run_step  # failed: the state's bytes
+        print(memory_line(step, state, batch), flush=True)
 
 
 class FirstBatch:

@@ -1,5 +1,6 @@
 """The Trainer's memory line: rank 0 prints ft.memory's estimate once, before the first step (compiled: state and
-step peak from the capture the first step compiles; eager: the state's bytes)."""
+step peak from the capture the first step compiles; eager: the state's bytes), or, for a background compile that
+switches when ready, after the step whose call traced it (from that trace: the first step waits for nothing)."""
 from __future__ import annotations
 
 import warnings
@@ -21,11 +22,11 @@ class Model(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.fc(x), y)
 
 
-def _train(tmp_path, compile, **kw):
+def _train(tmp_path, compile, steps=3, **kw):
     torch.manual_seed(0)
     x = torch.randn(64, 4)
     data = torch.utils.data.TensorDataset(x, x[:, :1] * 0.5)
-    config = ft.TrainConfig(train_batch_size=8, train_num_steps=3, save_and_sample_every=3, compile=compile,
+    config = ft.TrainConfig(train_batch_size=8, train_num_steps=steps, save_and_sample_every=steps, compile=compile,
                             results_folder=str(tmp_path), log_every=1, trackers=("jsonl",), **kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -63,3 +64,26 @@ def test_trainer_prints_the_memory_line_once_before_the_first_step(tmp_path, cap
         assert "estimated for a compiled step" in line, line
     finished = [i for i, line in enumerate(out) if "finished step 3/3" in line]
     assert finished and lines[0] < finished[0]
+
+
+def test_a_background_compile_prints_the_line_from_its_own_trace_after_the_step_that_made_it(tmp_path, capsys,
+                                                                                           monkeypatch):
+    """The default background compile (switch when ready): nothing is traced before step 1 for the line; the
+    step whose call traced the graph for the worker is followed by the line, with the step peak of that very
+    capture (one trace in the run). The compiler's imports are made first so that the trace is in step 1."""
+    import functrain.compiler.runtime as runtime
+    from functrain.compiler.capture import preload, wait_for_imports
+
+    preload()
+    wait_for_imports()
+    eager_steps, traces = [], []
+    real, host_call = runtime.trace, ft.Step.host_call
+    monkeypatch.setattr(ft.Step, "host_call", lambda *a, **k: eager_steps.append(1) or host_call(*a, **k))
+    monkeypatch.setattr(runtime, "trace", lambda *a, **k: traces.append(len(eager_steps)) or real(*a, **k))
+    trainer = _train(tmp_path, compile=True, compile_background=True, steps=6)
+    out = capsys.readouterr().out.splitlines()
+    lines = [i for i, line in enumerate(out) if line.startswith("memory per rank on cpu: state ")]
+    assert len(lines) == 1, out
+    assert "step peak +" in out[lines[0]] and "params 20 B" in out[lines[0]], out[lines[0]]
+    assert traces == [1], traces  # one trace, the background compile's, after the first (eager) step ran
+    assert trainer.run_step.progress is not None and trainer.run_step.progress.eager_calls >= 1

@@ -21,7 +21,9 @@ for a second configuration of the same model on the same machine):
 * ``ft_variant``: the same step with ``ft.optim.adamw`` instead, blocking, in ``ft_blocking``'s cache (a whole-step
   graph: the optimizer is in it);
 * ``ft_background``: ``ft.compile(step, background=True)``, cold: eager steps from the first call while a worker
-  compiles; the run goes on until the compiled step has run ``--after`` steps (or ``--limit`` seconds).
+  compiles; the run goes on until the compiled step has run ``--after`` steps (or ``--limit`` seconds);
+* not run unless asked for: ``ft_blocking_flat`` / ``ft_variant_flat``, the blocking pair on the flat state
+  (``step.init(..., flat=True)``: one buffer per dtype, so the update is one kernel).
 
 Reported per run: seconds from the process start to the end of the first update (imports included; for
 ``ft_background`` also to the switch and the step it happened at), the median seconds per update afterwards (for
@@ -38,7 +40,10 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("eager", "torch_compile", "torch_compile_variant", "ft_blocking", "ft_variant", "ft_background")
+VARIANTS = ("eager", "torch_compile", "torch_compile_variant", "ft_blocking", "ft_variant", "ft_background",
+            "ft_blocking_flat", "ft_variant_flat")
+DEFAULT = VARIANTS[:6]
+REUSES = {"torch_compile_variant": "torch_compile", "ft_variant": "ft_blocking", "ft_variant_flat": "ft_blocking_flat"}
 
 CHILD = r"""
 import json, os, statistics, sys, time
@@ -145,7 +150,7 @@ def _fmt(v, spec: str = ".1f") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(DEFAULT), help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--dim-mults", default="1,2")
     p.add_argument("--threads", type=int, default=1)
@@ -161,10 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, caches = [], {}
     with tempfile.TemporaryDirectory(prefix="ft-convnet-") as root:
         for v in (v for v in VARIANTS if v in chosen):
-            base = v[:-len("_variant")] if v.endswith("_variant") else v
-            if base == "ft":
-                base = "ft_blocking"
-            cache = caches.get(base) if v.endswith("variant") else None
+            cache = caches.get(REUSES.get(v, v))  # a variant reuses its base's cache (a new one if it did not run)
             if cache is None:
                 cache = caches[v] = tempfile.mkdtemp(dir=root)
             res = one(v, cache, args)
@@ -177,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in r:
             print(f"| {r['variant']} | | error: {r['error'][:200]} | | | | |")
             continue
-        warm = "the run before's" if r["variant"].endswith("variant") else ("-" if r["variant"] == "eager" else "cold")
+        warm = f"{REUSES[r['variant']]}'s" if r["variant"] in REUSES else ("-" if r["variant"] == "eager" else "cold")
         switch = f"{_fmt(r.get('switch_s'))} ({r.get('switched_at')})" if r["variant"] == "ft_background" else ""
         print(f"| {r['variant']} | {warm} | {_fmt(r['first_s'])} | {switch} | {_fmt(r.get('eager_s'), '.3f')} | "
               f"{_fmt(r.get('step_s'), '.3f')} | {r['load']} |")

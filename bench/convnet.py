@@ -167,9 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ft-convnet-") as root:
         for v in (v for v in VARIANTS if v in chosen):
             cache = caches.get(REUSES.get(v, v))  # a variant reuses its base's cache (a new one if it did not run)
+            reused = REUSES.get(v) if cache is not None else None
             if cache is None:
                 cache = caches[v] = tempfile.mkdtemp(dir=root)
             res = one(v, cache, args)
+            res["caches"] = f"{reused}'s" if reused else ("-" if v == "eager" else "cold")
             rows.append(res)
             print(json.dumps(res), flush=True)
     print()
@@ -177,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['variant']} | | error: {r['error'][:200]} | | | | |")
+            print(f"| {r['variant']} | {r['caches']} | error: {r['error'][:200]} | | | | |")
             continue
-        warm = f"{REUSES[r['variant']]}'s" if r["variant"] in REUSES else ("-" if r["variant"] == "eager" else "cold")
+        warm = r["caches"]
         switch = f"{_fmt(r.get('switch_s'))} ({r.get('switched_at')})" if r["variant"] == "ft_background" else ""
         print(f"| {r['variant']} | {warm} | {_fmt(r['first_s'])} | {switch} | {_fmt(r.get('eager_s'), '.3f')} | "
               f"{_fmt(r.get('step_s'), '.3f')} | {r['load']} |")

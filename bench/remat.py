@@ -13,6 +13,8 @@ compiled with inductor and donated as ``ft.run`` donates (``ft.compile(step).don
 * ``estimate``: ft.memory's step peak, before the first step (the first call compiles that capture);
 * ``peak``: the RSS high-water mark of one step above the RSS before it, after ``--warmup`` steps (the first
   compiles), so the compiler's own memory is not counted;
+* ``alloc``: the same step's peak counted at torch's allocator (torch.profiler's memory profile: each tensor's
+  create and destroy), which the RSS misses where malloc reuses small blocks without asking the system;
 * ``step_s``: the median time of ``--steps`` timed steps;
 * ``dparams``: max |params - params of ``none``| after the warm-up and timed steps (the same batches): remat
   changes memory, never the update (float rounding only);
@@ -45,6 +47,26 @@ def _status(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return -1
+
+
+def _allocated_peak(run, state, batch) -> tuple:
+    """The most bytes one step holds live above its start, counted at torch's allocator (torch.profiler's memory
+    profile: every tensor's create and destroy, on the CPU too), not by the process's RSS, which misses blocks
+    malloc reuses without asking the system and counts what it does not give back; and the new state."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        state, metrics = run(state, batch)
+        float(metrics["loss"])
+    live = peak = 0
+    for _, action, _, size in prof._memory_profile().timeline:  # (torch's memory profile: a private API)
+        name = getattr(action, "name", str(action))
+        if name == "CREATE":
+            live += size
+        elif name == "DESTROY":
+            live -= size
+        peak = max(peak, live)
+    return peak, state
 
 
 def worker(name: str, policy: str, warmup: int, steps: int) -> dict:
@@ -92,6 +114,7 @@ def worker(name: str, policy: str, warmup: int, steps: int) -> dict:
         if i == 0:
             out["peak"] = _status("VmHWM") - rest
     out["step_s"] = statistics.median(times)
+    out["alloc_peak"], state = _allocated_peak(run, state, wl.batches[0])
     out["loss"] = float(metrics["loss"])
     torch.save({k: v.clone() for k, v in state.params.items()}, f"/tmp/remat-bench-{name}-{policy}.pt")
     return out
@@ -198,7 +221,7 @@ def main(argv=None) -> None:
         r["time_ratios"] = ratios
     mib = 1 << 20
     print(f"\n{'workload':<8} {'policy':<18} {'peak MiB':>9} {'x none':>7} {'s/step':>7} {'x none':>7} "
-          f"{'est MiB':>8} {'est/peak':>8} {'max|dp|':>9}")
+          f"{'est MiB':>8} {'est/peak':>8} {'alloc MiB':>9} {'est/alloc':>9} {'max|dp|':>9}")
     base = {r["workload"]: r for r in results if r["policy"] == "none" and "error" not in r}
     for r in results:
         if "error" in r:
@@ -214,7 +237,8 @@ def main(argv=None) -> None:
         print(f"{r['workload']:<8} {r['policy']:<18} {r['peak'] / mib:9.1f} "
               f"{r['peak'] / b['peak'] if b else float('nan'):7.2f} {r['step_s']:7.3f} "
               f"{r['time_ratio']:7.2f} {r['estimate'] / mib:8.1f} "
-              f"{r['estimate'] / r['peak']:8.2f} {dp:9.2e}")
+              f"{r['estimate'] / r['peak']:8.2f} {r['alloc_peak'] / mib:9.1f} "
+              f"{r['estimate'] / r['alloc_peak']:9.2f} {dp:9.2e}")
     if args.out_json:
         with open(args.out_json, "w") as f:
             json.dump({"args": vars(args), "results": results, "rounds": rounds}, f, indent=1)

@@ -49,31 +49,12 @@ def _status(field: str) -> int:
     return -1
 
 
-def _allocated_peak(run, state, batch) -> tuple:
-    """The most bytes one step holds live above its start, counted at torch's allocator (torch.profiler's memory
-    profile: every tensor's create and destroy, on the CPU too), not by the process's RSS, which misses blocks
-    malloc reuses without asking the system and counts what it does not give back; and the new state."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        state, metrics = run(state, batch)
-        float(metrics["loss"])
-    live = peak = 0
-    for _, action, _, size in prof._memory_profile().timeline:  # (torch's memory profile: a private API)
-        name = getattr(action, "name", str(action))
-        if name == "CREATE":
-            live += size
-        elif name == "DESTROY":
-            live -= size
-        peak = max(peak, live)
-    return peak, state
-
-
 def worker(name: str, policy: str, warmup: int, steps: int) -> dict:
     import torch
 
     import functrain as ft
     from bench import workloads as W
+    from functrain.compiler.estimate import allocated_peak
 
     torch.set_num_threads(1)
     wl = W.Workload(name, name, (), 16, "lm", kind="lm", n_batches=4, **WORKLOADS[name])
@@ -114,7 +95,7 @@ def worker(name: str, policy: str, warmup: int, steps: int) -> dict:
         if i == 0:
             out["peak"] = _status("VmHWM") - rest
     out["step_s"] = statistics.median(times)
-    out["alloc_peak"], state = _allocated_peak(run, state, wl.batches[0])
+    out["alloc_peak"], (state, _) = allocated_peak(run, state, wl.batches[0])
     out["loss"] = float(metrics["loss"])
     torch.save({k: v.clone() for k, v in state.params.items()}, f"/tmp/remat-bench-{name}-{policy}.pt")
     return out
@@ -129,6 +110,7 @@ def paired_worker(name: str, policy: str, warmup: int, steps: int) -> dict:
 
     import functrain as ft
     from bench import workloads as W
+    from functrain.compiler.estimate import allocated_peak
 
     torch.set_num_threads(1)
     wl = W.Workload(name, name, (), 16, "lm", kind="lm", n_batches=4, **WORKLOADS[name])

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import optree
 import torch
@@ -35,7 +35,7 @@ import torch
 from ..core.state import TrainState
 from ..core.step import Step
 
-__all__ = ["MemoryEstimate", "estimate_graph", "state_bytes", "device_memory", "memory"]
+__all__ = ["MemoryEstimate", "estimate_graph", "state_bytes", "device_memory", "memory", "allocated_peak"]
 
 _GiB = float(1 << 30)
 
@@ -414,3 +414,35 @@ def memory(step: Any, state: TrainState, batch: Any, *, donate: bool | None = No
     if message:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
     return est
+
+
+def allocated_peak(fn: Callable[..., Any], *args: Any) -> tuple[int, Any]:
+    """``(bytes, fn(*args))``: the most bytes the tensors ``fn`` creates hold at once, counted at torch's allocator.
+
+    What :func:`memory`'s step peak is checked against (bench/remat.py, tests/compiler/test_memory_estimate.py):
+    torch.profiler's memory profile of the call, every tensor's create and destroy (CPU included), so unlike a
+    process's RSS it sees blocks malloc reuses without asking the system, and it does not count what malloc
+    keeps. Tensors alive before the call are not counted. It runs ``fn`` once, under the profiler (slower).
+
+    Example::
+
+        >>> import torch
+        >>> from functrain.compiler.estimate import allocated_peak
+        >>> n, y = allocated_peak(lambda x: (x * 2).sum(), torch.ones(1024))
+        >>> n >= 4096, float(y)
+        (True, 2048.0)
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        out = fn(*args)
+    live = peak = 0
+    for _, action, _, size in prof._memory_profile().timeline:  # (torch's memory profile; a private API)
+        name = getattr(action, "name", str(action))
+        if name == "CREATE":
+            live += size
+        elif name == "DESTROY":
+            live -= size
+        peak = max(peak, live)
+    return peak, out

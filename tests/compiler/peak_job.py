@@ -6,7 +6,8 @@ an EMA), with or without remat.
 
 Prints one JSON object: per policy, the RSS high-water mark of one donated compiled step above the RSS before it
 (``peak``, bytes; on ``--device cuda`` ``torch.cuda.max_memory_allocated`` above the allocated bytes before it),
-after two warm-up steps (the first compiles) so the compiler's own memory is not counted, and
+after two warm-up steps (the first compiles) so the compiler's own memory is not counted; on the CPU also the next
+step's peak counted at torch's allocator (``alloc_peak``: torch.profiler's memory profile); and
 the updated params' checksum (``sum``) so the caller can check that the policies computed the same update;
 ``estimate`` is ft.memory's step peak for the same step, computed before the first step (``compiles`` shows the
 first call compiled that capture rather than tracing again: 1).
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import functrain as ft
+from functrain.compiler.estimate import allocated_peak
 
 
 class Block(torch.nn.Module):
@@ -114,6 +116,8 @@ def measure(policy: str, args) -> dict:
             f.write("5")  # VmHWM := VmRSS
         state, metrics = cstep(state, batch)
         out["peak"] = status("VmHWM") - rest
+        # the same step counted at torch's allocator (no malloc reuse or retention in it)
+        out["alloc_peak"], (state, metrics) = allocated_peak(cstep, state, batch)
     out["compiles"] = cstep.compiles
     out["sum"] = float(sum(p.double().sum() for p in state.params.values()))
     out["loss"] = float(metrics["loss"])

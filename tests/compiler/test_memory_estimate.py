@@ -32,12 +32,14 @@ def test_estimate_is_within_20_percent_of_the_measured_peak():
     """Two workloads, each in a fresh process, donated inductor steps: the transformer LM (4 layers, d 128,
     sequence 256; without remat and with every block "nothing_saveable") and an MLP (4 x Linear(512, 512),
     batch 1024, AdamW + EMA). ft.memory's step peak, computed before the first step, is within 20% of the
-    measured RSS high-water mark above rest (measured: 0.98-1.11), and the first call compiled that capture
-    (one compile, no second trace)."""
+    measured RSS high-water mark above rest (measured: 0.98-1.11) and of the next step's peak counted at torch's
+    allocator (measured within 4% on bench/remat.py's LMs), and the first call compiled that capture (one
+    compile, no second trace)."""
     reports = _job("--model", "lm", "--policy", "none,nothing_saveable") + \
         _job("--model", "mlp", "--layers", 4, "--d", 512, "--batch", 1024, "--policy", "none")
     for r in reports:
         assert 0.8 <= r["estimate"] / r["peak"] <= 1.2, r
+        assert 0.8 <= r["estimate"] / r["alloc_peak"] <= 1.2, r
         assert r["compiles"] == 1, r
 
 

@@ -13,8 +13,11 @@ live memory. Variants:
 * ``replicated``: ``ft.compile(ft.data_parallel()(ft.ema(d)(step)))``
 * ``optimizer`` / ``params``: the same with ``ft.data_parallel(shard="optimizer" | "params")``
 * ``ddp``: ``DistributedDataParallel`` + ``torch.optim.AdamW(foreach=True)`` + an EMA by ``torch._foreach_lerp_``
-* ``fsdp2``: ``fully_shard`` on every layer and the model (a CPU device mesh) + the same AdamW and EMA on the
+* ``fsdp2``: ``fully_shard`` on every block and the model (a CPU device mesh) + the same AdamW and EMA on the
   sharded parameters
+
+``--remat POLICY`` marks every block of the functrain variants with ``ft.remat`` (activations dominate the step's
+peak only with a large ``--batch``).
 
 Reported per variant (rank 0; ranks are symmetric): ``state_bytes`` (params + optimizer moments + EMA held at
 rest by this rank), its ratio to ``replicated``, RSS at rest after init, the peak RSS of the init (VmHWM from the start
@@ -60,11 +63,11 @@ def _reset_peak() -> None:
 
 
 def _model(width: int, depth: int) -> torch.nn.Module:
+    """``depth`` blocks ``Linear(width, width)`` + ReLU (the last without): FSDP2 shards each block, and
+    ``--remat`` marks each block."""
     torch.manual_seed(0)
-    layers = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers[:-1])
+    blocks = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU()) for _ in range(depth - 1)]
+    return torch.nn.Sequential(*blocks, torch.nn.Sequential(torch.nn.Linear(width, width)))
 
 
 def _nbytes(tensors) -> int:
@@ -76,18 +79,20 @@ def _nbytes(tensors) -> int:
     return total
 
 
-def _worker(variant: str, width: int, depth: int, batch: int, warmup: int, steps: int) -> dict:
+def _worker(variant: str, width: int, depth: int, batch: int, warmup: int, steps: int, remat: str = "none") -> dict:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(1 + rank)
     data = [(torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)) for _ in range(4)]
-    out: dict = {"variant": variant}
+    out: dict = {"variant": variant if remat == "none" else f"{variant}+remat"}
     model = _model(width, depth)
     out["num_params"] = sum(p.numel() for p in model.parameters())
 
     if variant in ("replicated", "optimizer", "params"):
+        if remat != "none":
+            ft.remat(model, remat)  # each block recomputed in the backward
         apply_fn, params, buffers = ft.functionalize(model)
         params = {k: v.detach().clone() for k, v in params.items()}  # own storage: the model goes away
         del model
@@ -128,9 +133,8 @@ def _worker(variant: str, width: int, depth: int, batch: int, warmup: int, steps
             from torch.distributed.fsdp import fully_shard
 
             mesh = init_device_mesh("cpu", (world,))
-            for layer in model:
-                if isinstance(layer, torch.nn.Linear):
-                    fully_shard(layer, mesh=mesh)
+            for block in model:
+                fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
             net = model
             params = list(model.parameters())
@@ -182,8 +186,12 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument("--remat", default="none", help="functrain variants: ft.remat(model, POLICY) on every block "
+                   "(e.g. nothing_saveable); none by default")
     p.add_argument("--out-json")
     args = p.parse_args(argv)
+    if args.remat != "none" and set(args.variants.split(",")) - {"replicated", "optimizer", "params"}:
+        p.error("--remat applies to the functrain variants (replicated, optimizer, params) only")
     env = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
     results = []
     for variant in args.variants.split(","):
@@ -191,7 +199,8 @@ def main(argv=None) -> None:
             raise SystemExit(f"unknown variant {variant!r}; choose from {VARIANTS}")
         try:
             reports = ft.launch(_worker, nprocs=2, timeout=args.timeout, env=env,
-                                args=(variant, args.width, args.depth, args.batch, args.warmup, args.steps))
+                                args=(variant, args.width, args.depth, args.batch, args.warmup, args.steps,
+                                      args.remat))
             r = dict(reports[0])
             r["step_s"] = max(x["step_s"] for x in reports)  # barriers make them equal; take the slower
             r["peak_rss_steps_max_rank"] = max(x["peak_rss_steps"] for x in reports)
@@ -199,17 +208,17 @@ def main(argv=None) -> None:
             r = {"variant": variant, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"}
         results.append(r)
         print(json.dumps(r), flush=True)
-    base = next((r for r in results if r["variant"] == "replicated" and "error" not in r), None)
+    base = next((r for r in results if r["variant"].startswith("replicated") and "error" not in r), None)
     mib = 1 << 20
-    print(f"\n{'variant':<11} {'state MiB':>9} {'x repl':>7} {'RSS rest':>9} {'peak init':>9} {'init +':>7} "
+    print(f"\n{'variant':<17} {'state MiB':>9} {'x repl':>7} {'RSS rest':>9} {'peak init':>9} {'init +':>7} "
           f"{'peak step':>9} {'s/step':>7} {'x repl':>7}")
     for r in results:
         if "error" in r:
-            print(f"{r['variant']:<11} did not run: {r['error']}")
+            print(f"{r['variant']:<17} did not run: {r['error']}")
             continue
         ratio = r["state_bytes"] / base["state_bytes"] if base else float("nan")
         tratio = r["step_s"] / base["step_s"] if base else float("nan")
-        print(f"{r['variant']:<11} {r['state_bytes'] / mib:9.0f} {ratio:7.3f} {r['rss_at_rest'] / mib:9.0f} "
+        print(f"{r['variant']:<17} {r['state_bytes'] / mib:9.0f} {ratio:7.3f} {r['rss_at_rest'] / mib:9.0f} "
               f"{r['peak_rss_init'] / mib:9.0f} {r['init_delta'] / mib:7.0f} {r['peak_rss_steps'] / mib:9.0f} {r['step_s']:7.3f} {tratio:7.2f}")
     if results:
         print(f"(params: {results[0].get('num_params', 0) / 1e6:.1f} M; MiB per rank; rank 0)")

@@ -16,8 +16,9 @@ live memory. Variants:
 * ``fsdp2``: ``fully_shard`` on every block and the model (a CPU device mesh) + the same AdamW and EMA on the
   sharded parameters
 
-``--remat POLICY`` marks every block of the functrain variants with ``ft.remat`` (activations dominate the step's
-peak only with a large ``--batch``).
+``--remat POLICY`` marks every block of the functrain variants with ``ft.remat``. A Linear + ReLU block saves
+nothing but its input anyway, so remat shows with ``--ffn`` blocks (width -> 4 width -> width) and a large
+``--batch``, where activations inside the blocks dominate the step's peak.
 
 Reported per variant (rank 0; ranks are symmetric): ``state_bytes`` (params + optimizer moments + EMA held at
 rest by this rank), its ratio to ``replicated``, RSS at rest after init, the peak RSS of the init (VmHWM from the start
@@ -62,10 +63,14 @@ def _reset_peak() -> None:
         pass
 
 
-def _model(width: int, depth: int) -> torch.nn.Module:
-    """``depth`` blocks ``Linear(width, width)`` + ReLU (the last without): FSDP2 shards each block, and
-    ``--remat`` marks each block."""
+def _model(width: int, depth: int, ffn: bool = False) -> torch.nn.Module:
+    """``depth`` blocks ``Linear(width, width)`` + ReLU (the last without), or with ``ffn`` transformer-style
+    feed-forward blocks ``Linear(width, 4 width)`` + GELU + ``Linear(4 width, width)``: FSDP2 shards each block,
+    and ``--remat`` marks each block."""
     torch.manual_seed(0)
+    if ffn:
+        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                                         torch.nn.Linear(4 * width, width)) for _ in range(depth)])
     blocks = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU()) for _ in range(depth - 1)]
     return torch.nn.Sequential(*blocks, torch.nn.Sequential(torch.nn.Linear(width, width)))
 
@@ -79,7 +84,8 @@ def _nbytes(tensors) -> int:
     return total
 
 
-def _worker(variant: str, width: int, depth: int, batch: int, warmup: int, steps: int, remat: str = "none") -> dict:
+def _worker(variant: str, width: int, depth: int, batch: int, warmup: int, steps: int, remat: str = "none",
+            ffn: bool = False) -> dict:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -87,7 +93,7 @@ def _worker(variant: str, width: int, depth: int, batch: int, warmup: int, steps
     g = torch.Generator().manual_seed(1 + rank)
     data = [(torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)) for _ in range(4)]
     out: dict = {"variant": variant if remat == "none" else f"{variant}+remat"}
-    model = _model(width, depth)
+    model = _model(width, depth, ffn)
     out["num_params"] = sum(p.numel() for p in model.parameters())
 
     if variant in ("replicated", "optimizer", "params"):
@@ -188,6 +194,8 @@ def main(argv=None) -> None:
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--remat", default="none", help="functrain variants: ft.remat(model, POLICY) on every block "
                    "(e.g. nothing_saveable); none by default")
+    p.add_argument("--ffn", action="store_true", help="transformer-style feed-forward blocks (width -> 4 width -> "
+                   "width, GELU) instead of Linear + ReLU: activations inside each block, which remat recomputes")
     p.add_argument("--out-json")
     args = p.parse_args(argv)
     if args.remat != "none" and set(args.variants.split(",")) - {"replicated", "optimizer", "params"}:
@@ -200,7 +208,7 @@ def main(argv=None) -> None:
         try:
             reports = ft.launch(_worker, nprocs=2, timeout=args.timeout, env=env,
                                 args=(variant, args.width, args.depth, args.batch, args.warmup, args.steps,
-                                      args.remat))
+                                      args.remat, args.ffn))
             r = dict(reports[0])
             r["step_s"] = max(x["step_s"] for x in reports)  # barriers make them equal; take the slower
             r["peak_rss_steps_max_rank"] = max(x["peak_rss_steps"] for x in reports)

@@ -181,9 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in r:
             print(f"| {r['variant']} | {r['caches']} | error: {r['error'][:200]} | | | | |")
             continue
-        warm = r["caches"]
         switch = f"{_fmt(r.get('switch_s'))} ({r.get('switched_at')})" if r["variant"] == "ft_background" else ""
-        print(f"| {r['variant']} | {warm} | {_fmt(r['first_s'])} | {switch} | {_fmt(r.get('eager_s'), '.3f')} | "
+        print(f"| {r['variant']} | {r['caches']} | {_fmt(r['first_s'])} | {switch} | {_fmt(r.get('eager_s'), '.3f')} | "
               f"{_fmt(r.get('step_s'), '.3f')} | {r['load']} |")
     if args.json:
         with open(args.json, "w") as f:

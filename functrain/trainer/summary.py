@@ -1,4 +1,5 @@
-"""The run's reports: the memory line at the start, the end-of-run summary (what the run reached, how long it
+"""The run's reports: the memory line (at the start, or once a background compile has traced the step), the
+end-of-run summary (what the run reached, how long it
 took, and where everything went)."""
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class MemoryLine:
         self.batch: Any = None  # the first batch, while the line waits for the background trace
 
     def first(self, state: Any, batch: Any) -> None:
+        """Before the first step (every rank): print the line now, or keep ``batch`` (rank 0) for :meth:`after_step`."""
         if self.progress is not None and self.progress.switch_at is None:
             self.batch = batch if self.rank == 0 else None
             return
@@ -54,6 +56,7 @@ class MemoryLine:
             print(line, flush=True)
 
     def after_step(self, state: Any) -> None:
+        """After each step: print the kept line once the background compile has traced (or failed); no trace here."""
         if self.batch is None or self.progress.phase == "eager":
             return
         batch, self.batch = self.batch, None
@@ -63,7 +66,7 @@ class MemoryLine:
 
 class FirstBatch:
     """``data`` (iterated as often as the loop iterates it, with its ``len``) that calls ``fn(batch)`` once,
-    before its first batch is handed on: how the Trainer reports memory before the first step."""
+    before its first batch is handed on: how the Trainer's :class:`MemoryLine` sees the first batch."""
 
     def __init__(self, data: Any, fn: Callable[[Any], None]):
         self.data, self.fn = data, fn

@@ -13,9 +13,11 @@ step runs); that set is reported apart (``new_state``).
 Why this walk and not inductor's own scheduler estimate: it needs no compile (seconds, not minutes), and the
 recomputation functrain's remat adds is tied to the backward (:func:`functrain.core.recompute.tie`), so inductor
 runs the graph in an order of the same peak: fusion removes short-lived elementwise intermediates, which
-rarely meet at the peak. Measured against the RSS high-water mark of donated inductor steps (bench/remat.py, tests/compiler/peak_job.py):
-within the ±20% the issue asks on the transformer workloads; collectives' internal buffers (gloo's
-reduce-scatter copies its input) are outside any graph and are added per collective (see ``_COLLECTIVES``).
+rarely meet at the peak. Measured against donated inductor steps (bench/remat.py, tests/compiler/peak_job.py):
+within 4% of the peak counted at torch's allocator (:func:`allocated_peak`) on the transformer workloads with
+and without remat, and within 20% of the RSS high-water mark, which malloc's reuse of small blocks makes
+scatter; collectives' internal buffers (gloo's reduce-scatter copies its input) are outside any graph and are
+added per collective (see ``_COLLECTIVES``).
 
 Allocation sizes are rounded as the device's allocator rounds them: 512 bytes on CUDA (the caching
 allocator's block size, what ``torch.cuda.max_memory_allocated`` counts), 4 KiB pages on CPU for blocks of

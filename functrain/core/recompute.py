@@ -17,14 +17,16 @@ Both run the same eagerly (autograd calls the backward) and traced (``torch.func
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, NamedTuple
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import optree
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Policy", "RematError", "run_remat", "tie"]
+__all__ = ["Policy", "RematError", "run_remat", "tie", "Lent", "Lender", "lending"]
 
 
 class RematError(RuntimeError):
@@ -205,15 +207,62 @@ class _Closures(TorchFunctionMode):
             torch._C._functorch.maybe_get_level(x) != self.level
 
 
+# -- lent parameters: a block whose parameters are made from other inputs ---------------------------------
+class Lent(NamedTuple):
+    """What a :class:`Lender` gives a block: ``inputs``, the tensors the block is differentiated through in
+    place of its parameters, and ``params(inputs) -> {name: tensor}``, the block's parameters (its own
+    ``named_parameters()`` names) made from them: differentiable, run before the block's forward and again
+    before its recomputation, so nothing it makes is kept between them."""
+
+    inputs: tuple
+    params: Callable[[tuple], dict]
+
+
+class Lender:
+    """Makes the parameters of some blocks from other tensors while it is active (:func:`lending`): sharded
+    data parallelism gathers a block's parameters from this rank's shard of them (``functrain.distributed``)."""
+
+    def lend(self, module: torch.nn.Module) -> Lent | None:  # pragma: no cover - the protocol
+        """``module``'s :class:`Lent`, or ``None`` (the block uses its parameters as they are)."""
+        raise NotImplementedError
+
+
+_LENDER: "contextvars.ContextVar[Lender | None]" = contextvars.ContextVar("functrain_lender", default=None)
+
+
+@contextlib.contextmanager
+def lending(lender: Lender) -> Iterator[None]:
+    """While it is active, marked blocks for which ``lender`` lends run with the parameters it makes."""
+    token = _LENDER.set(lender)
+    try:
+        yield
+    finally:
+        _LENDER.reset(token)
+
+
+def _not_of(saves: Callable[[Any, tuple, dict], bool], made: set) -> Callable[[Any, tuple, dict], bool]:
+    """``saves``, except for an op whose tensor arguments are all lent parameters (a cast of a weight): the
+    backward makes the parameters again, so what is made of them alone is made again too."""
+    def keep(op: Any, args: tuple, kwargs: dict) -> bool:
+        tensors = [x for x in optree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        if tensors and all(id(x) in made for x in tensors):
+            return False
+        return saves(op, args, kwargs)
+
+    return keep
+
+
 # -- the autograd Function -------------------------------------------------------------------------------
 class _Box:
     """What the forward hands its ``setup_context`` and backward: the run, the policy, what it kept."""
 
     __slots__ = ("run", "policy", "where", "autocast", "n_params", "cache", "out_spec", "consts", "diff",
-                 "recomputing")
+                 "recomputing", "lent")
 
-    def __init__(self, run: Callable, policy: Policy, where: str, autocast: tuple, n_params: int):
+    def __init__(self, run: Callable, policy: Policy, where: str, autocast: tuple, n_params: int,
+                 lent: "Lent | None" = None):
         self.run, self.policy, self.where, self.autocast, self.n_params = run, policy, where, autocast, n_params
+        self.lent = lent  # the block's parameters are made from its inputs (Lent.params), outside the modes
         self.recomputing = False
         self.cache: dict | None = None
         self.out_spec = self.consts = self.diff = None
@@ -233,8 +282,18 @@ def _autocast_state(devices: Iterable[str]) -> tuple:
 class _Remat(torch.autograd.Function):
     @staticmethod
     def forward(box: _Box, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
-        with _Closures(inputs, box.where), _Record(box.policy.saves) as record:
-            out = box.run(*inputs)
+        n = box.n_params
+        params = inputs[:n]
+        saves = box.policy.saves
+        if box.lent is not None:
+            # the parameters are made (gathered) before the block runs, outside the record: what makes them
+            # is never kept, and neither is an op of the parameters alone (a cast): the backward makes them again
+            anchor = next((x for x in inputs[n:] if _anchors(x)), None)
+            params = box.lent.params(tuple(tie(x, anchor) for x in params) if anchor is not None else params)
+            made = {id(x) for x in optree.tree_leaves(params)}
+            saves = _not_of(saves, made)
+        with _Closures(inputs + tuple(optree.tree_leaves(params)), box.where), _Record(saves) as record:
+            out = box.run(params, *inputs[n:])
         leaves, box.out_spec = optree.tree_flatten(out)
         box.consts = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
@@ -265,9 +324,11 @@ class _Remat(torch.autograd.Function):
             for i, d in zip(need, diff):
                 args[i] = d
             if anchor is not None:  # the recomputation starts when the backward reaches the block (see tie)
-                args[n_params:] = [tie(x, anchor) for x in args[n_params:]]
+                start = 0 if box.lent is not None else n_params  # lent: its parameters are made again too
+                args[start:] = [tie(x, anchor) for x in args[start:]]
+            params = tuple(args[:n_params]) if box.lent is None else box.lent.params(tuple(args[:n_params]))
             with _Autocast(box.autocast), _Replay(cache, box.where):
-                out = box.run(*args)
+                out = box.run(params, *args[n_params:])
             tensors = [x for x in optree.tree_leaves(out) if isinstance(x, torch.Tensor)]
             return tuple(t for t, d in zip(tensors, box.diff) if d)
 
@@ -316,21 +377,34 @@ def _is_diff(x: Any) -> bool:
 def run_remat(fn: Callable, args: tuple, kwargs: dict, policy: Policy, module: torch.nn.Module | None = None,
               where: str = "a remat block") -> Any:
     """``fn(*args, **kwargs)``, recomputed in the backward under ``policy``. ``module``'s parameters (as they
-    are now: under ``functionalize``, the step's) are inputs of the block, lent to ``fn`` for the run."""
-    if policy.saves is None or not torch.is_grad_enabled():
+    are now: under ``functionalize``, the step's) are inputs of the block, lent to ``fn`` for the run; while a
+    :class:`Lender` is active (:func:`lending`) and lends for ``module``, its :class:`Lent` inputs are the
+    block's inputs instead and its parameters are made from them, in the forward and again in the backward."""
+    lender = _LENDER.get()
+    lent = lender.lend(module) if lender is not None and module is not None else None
+    if lent is None and (policy.saves is None or not torch.is_grad_enabled()):
         return fn(*args, **kwargs)  # nothing to recompute (no backward will run, or everything is kept)
+    if lent is not None and not torch.is_grad_enabled():
+        tensors = {f"m.{nm}": x for nm, x in lent.params(lent.inputs).items()}
+        tensors.update((f"m.{nm}", b) for nm, b in module.named_buffers())
+        return torch.func.functional_call(_Holder(module, fn), tensors, args, kwargs, strict=False)
     if torch.compiler.is_dynamo_compiling():
         raise RematError(f"remat: {where} is marked for recomputation, which ft.compile traces on its direct path "
                          f"only (make_fx); the Dynamo path (fullgraph=False, dynamic=True, capture='dynamo' or "
                          f"extra torch.compile arguments) cannot trace it. Use ft.compile's default capture, or "
                          f"remove the remat marks")
+    if lent is not None and policy.saves is None:  # keep every output; only the parameters are made again
+        policy = Policy(policy.name, lambda op, args, kwargs: True)
     names: list[str] = []
     params: list[torch.Tensor] = []
     buffers: list[tuple[str, torch.Tensor]] = []
     if module is not None:
-        for name, p in module.named_parameters():
-            names.append(name)
-            params.append(p)
+        if lent is None:
+            for name, p in module.named_parameters():
+                names.append(name)
+                params.append(p)
+        else:
+            params = list(lent.inputs)
         # the buffers as the block sees them now (under functionalize: the step's copies); the backward runs
         # after the model's functional_call has put the module's own tensors back, so they are lent again
         buffers = [(f"m.{name}", b) for name, b in module.named_buffers()]
@@ -338,21 +412,22 @@ def run_remat(fn: Callable, args: tuple, kwargs: dict, policy: Policy, module: t
     pos = [i for i, x in enumerate(leaves) if _is_diff(x)]
     n = len(params)
 
-    def run(*xs: torch.Tensor) -> Any:
+    def run(block_params: Any, *xs: torch.Tensor) -> Any:
         full = list(leaves)
-        for i, x in zip(pos, xs[n:]):
+        for i, x in zip(pos, xs):
             full[i] = x
         a, k = optree.tree_unflatten(spec, full)
         if module is None:
             return fn(*a, **k)
-        tensors = {f"m.{nm}": x for nm, x in zip(names, xs[:n])}
+        named = block_params.items() if isinstance(block_params, dict) else zip(names, block_params)
+        tensors = {f"m.{nm}": x for nm, x in named}
         # the recomputation updates copies of the buffers: a running statistic is updated once, by the forward
         tensors.update((nm, b.clone() if box.recomputing else b) for nm, b in buffers)
         return torch.func.functional_call(_Holder(module, fn), tensors, a, k, strict=False)
 
     inputs = (*params, *[leaves[i] for i in pos])
     devices = {x.device.type for x in inputs}
-    box = _Box(run, policy, where, _autocast_state(devices), n)
+    box = _Box(run, policy, where, _autocast_state(devices), n, lent)
     tensors = _Remat.apply(box, *inputs)
     it = iter(tensors)
     out = [next(it) if c is None else c for c in box.consts]

@@ -146,6 +146,11 @@ STAGES: tuple[str, ...] = tuple(s.name for s in PIPELINE)
 """The stage names, in order: ``("loss", "grad", ..., "after")``."""
 
 
+def _by_hook(ordered: tuple, hook: str) -> list:
+    """The transforms in the order of ``hook`` (``Transform.hook_order``, else ``order``; ties by name)."""
+    return sorted(ordered, key=lambda t: (t.hook_order.get(hook, t.order), t.name))
+
+
 class Step:
     """A pure training step ``step(state, batch) -> (new_state, metrics)``.
 
@@ -181,8 +186,8 @@ class Step:
         ordered = sorted(self.transforms, key=lambda t: (t.order, t.name))  # never by wrapping order
         self._ordered = tuple(ordered)
         # PIPELINE, resolved for this step's transforms: (built-in, the bound hooks that run there)
-        self._stages = tuple((s.run, tuple(getattr(t, s.hook) for t in ordered if _uses(t, s.hook)) if s.hook else ())
-                             for s in PIPELINE)
+        self._stages = tuple((s.run, tuple(getattr(t, s.hook) for t in _by_hook(ordered, s.hook)
+                                           if _uses(t, s.hook)) if s.hook else ()) for s in PIPELINE)
         self._offsets = tuple(t.rng_offset for t in ordered if _uses(t, "rng_offset"))
         self._agree = tuple(t.agree for t in ordered if _uses(t, "agree"))
         self._shards_state = any(t.shards_state for t in self.transforms)

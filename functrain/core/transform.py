@@ -14,7 +14,8 @@ per stage, ``init``/``post_init``, ``rng_offset``, ``agree``) and every capabili
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+from types import MappingProxyType
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 
@@ -190,7 +191,9 @@ class Transform:
 
     * ``name`` (its slot in ``state.slots``; a step holds at most one transform of
       each name) and ``order`` (sorts transforms within a stage, ties by name, so
-      the wrapping order never matters).
+      the wrapping order never matters); ``hook_order``: ``{hook: order}`` for the hooks
+      that sort otherwise (a per-block sharded step wraps the loss outermost, so that
+      mixed precision casts what it gathers).
     * ``init(params, buffers)`` returns its slot's initial state (``None``: no slot,
       and the state's structure does not depend on the transform); ``post_init(state,
       init) -> state`` adjusts the complete initial state once, eagerly (``init`` is the
@@ -284,6 +287,7 @@ class Transform:
 
     name: str = ""
     order: int = 0
+    hook_order: Mapping[str, int] = MappingProxyType({})
     accessors: ClassVar[dict[str, Callable[[Any], Any]]] = {}
     params_fields: ClassVar[tuple[str, ...]] = ()
     shards_state: ClassVar[bool] = False

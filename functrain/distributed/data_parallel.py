@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from ..core import tree as T
-from ..core.validate import check_choice
+from ..core.validate import BadValue, check_choice
+from .blockwise import check_blocks
 from . import group as G
 from ..core.state import TrainState
 from ..core.eager import tracing
@@ -169,7 +170,7 @@ class DataParallel(Transform):
         return "data_parallel()"
 
 
-def data_parallel(group: Any = None, shard: str = "none") -> DataParallel | ShardedDataParallel:
+def data_parallel(group: Any = None, shard: str = "none", blocks: Any = None) -> DataParallel | ShardedDataParallel:
     """Average the step over processes (``pmap`` + ``pmean``, on ``torch.distributed``).
 
     Run the script with ``python -m functrain.launch --nproc N script.py`` (or
@@ -185,17 +186,23 @@ def data_parallel(group: Any = None, shard: str = "none") -> DataParallel | Shar
     gradient, so each rank updates its 1/N of the params, optimizer state and
     EMA, and all-gathers the new params; ``"params"`` (ZeRO-3 / FSDP) shards the
     params at rest too and all-gathers them for the forward and backward.
-    :func:`functrain.gather_state` gives the whole state back.
+    :func:`functrain.gather_state` gives the whole state back. With ``shard="params"`` and
+    ``blocks=model`` (the module given to ``ft.functionalize``, its blocks marked with
+    :func:`functrain.remat`) no rank ever holds the whole model: each marked block's parameters are gathered
+    when it runs and again when the backward reaches it (see :mod:`functrain.distributed.blockwise`).
 
     Args:
         group: the ``torch.distributed`` process group to average over, or ``None`` for all processes.
         shard: ``"none"`` (replicated), ``"optimizer"`` (ZeRO-2) or ``"params"`` (ZeRO-3 / FSDP).
+        blocks: with ``shard="params"`` only: the model whose ``ft.remat``-marked blocks are gathered one at a
+            time (FSDP2's per-module ``fully_shard``); ``None``: all parameters gathered together.
 
     Returns:
         The transform: ``ft.data_parallel()(step)`` is the data-parallel step.
 
     Raises:
-        ValueError: a ``shard`` other than the three (``BadValue``, also a ``TypeError``).
+        ValueError: a ``shard`` other than the three; ``blocks`` with another ``shard`` than ``"params"``, not a
+            module, or a module with no block marked by ``ft.remat`` (``BadValue``, also a ``TypeError``).
 
     Example::
 
@@ -204,6 +211,11 @@ def data_parallel(group: Any = None, shard: str = "none") -> DataParallel | Shar
         data_parallel()
     """
     check_choice("data_parallel: shard", shard, ("none",) + MODES)
+    if blocks is not None:
+        if shard != "params":
+            raise BadValue(f"data_parallel: blocks= gathers sharded parameters block by block, so it needs "
+                           f"shard='params'; got shard={shard!r}")
+        blocks = check_blocks(blocks)
     if shard == "none":
         return DataParallel(group)
-    return ShardedDataParallel(DataParallel(group), shard)
+    return ShardedDataParallel(DataParallel(group), shard, blocks)

@@ -146,9 +146,13 @@ class ShardedDataParallel(Transform):
     shards_state = True  # Step.apply runs a sharded state only in a step with such a transform
     order = 1000  # last in each stage: reduce-scatter after any other reduction, gather after the EMA
 
-    def __init__(self, replicated: Transform, shard: str):
+    def __init__(self, replicated: Transform, shard: str, blocks: torch.nn.Module | None = None):
         self.replicated = replicated  # data_parallel(): the reduction, the broadcast at init, the rank offset
         self.shard = shard
+        self.blocks = blocks  # shard="params": the model whose ft.remat-marked blocks are gathered one at a time
+        if blocks is not None:  # the gather wraps the loss outermost: mixed precision casts what it gathers
+            self.hook_order = {"wrap_loss": -1000}
+        self._plan: Any = None  # (the layout, the marked blocks) -> its blockwise.BlockPlan
         self.layout: FlatLayout | None = None
         self._params_shard: dict | None = None  # init_parts' shard of rank 0's params, until post_init
 
@@ -159,7 +163,7 @@ class ShardedDataParallel(Transform):
                              f"parameter names: this optimizer's weight_decay_mask / lr_multipliers groups cannot "
                              f"apply there; use shard='none' or an optimizer without per-parameter groups")
         t = copy.copy(self)  # one layout per step: the same transform object may wrap several steps
-        t.layout, t._params_shard = None, None
+        t.layout, t._params_shard, t._plan = None, None, None
         return Transform.__call__(t, step)
 
     @property
@@ -295,10 +299,51 @@ class ShardedDataParallel(Transform):
         flats = {k: _all_gather(shards[k], group, world) for k in layout.keys}
         return layout.tree(flats, like=ctx.slots[SLOT].layout)
 
+    def _block_plan(self) -> Any:
+        from .blockwise import BlockPlan
+        from ..core.remat import marked_blocks
+
+        key = (self.layout, tuple(id(m) for m in marked_blocks(self.blocks)))
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, BlockPlan(self.layout, self.blocks))
+        return self._plan[1]
+
+    def wrap_loss(self, loss_fn: Callable, ctx: StepContext) -> Callable:
+        if self.blocks is None:
+            return loss_fn
+        from .blockwise import BlockLender, lending
+
+        self._check(ctx)
+        plan, group, world = self._block_plan(), self._group(), self.layout.world
+
+        def blockwise(shards, buffers, batch):
+            # differentiated with respect to this rank's shard: the parameters outside the blocks are gathered
+            # here, each block's when it runs (and again in the backward); the gradient comes out summed
+            lender = BlockLender(plan, shards, group if world > 1 else None, world)
+            none_ran = (f"{self!r}: no marked block of blocks={type(self.blocks).__name__} ran in the loss; "
+                        f"blocks= must be the module given to ft.functionalize, whose blocks are marked with "
+                        f"ft.remat")
+            try:
+                with lending(lender):
+                    result = loss_fn(lender.params(), buffers, batch)
+            except (RuntimeError, NotImplementedError) as e:
+                if "meta" not in str(e):
+                    raise
+                # a block's parameters are meta placeholders outside the block: something read one there
+                raise RuntimeError(none_ran if not lender.lent else (
+                    f"{self!r}: a parameter of a marked block was read outside the block ({e}); with blocks= a "
+                    f"block's parameters exist only while it runs: a loss that reads them elsewhere (a tied "
+                    f"weight, a penalty on the weights) needs data_parallel(shard='params') without blocks=")) from e
+            if not lender.lent:
+                raise RuntimeError(none_ran)
+            return result
+
+        return blockwise
+
     def wrap_grad(self, grad_fn: Callable, ctx: StepContext) -> Callable:
         self._check(ctx)
-        if self.shard != "params":
-            return grad_fn
+        if self.shard != "params" or self.blocks is not None:
+            return grad_fn  # (blocks: the loss gathers, block by block; the gradient is of the shard)
 
         def gathered(params, buffers, batch):
             # the whole params exist only while this micro-batch's forward and backward run
@@ -312,11 +357,14 @@ class ShardedDataParallel(Transform):
         # property of the gradient sum it over the shards through ctx.global_sum
         layout, world = self.layout, self.layout.world
         self.replicated.reduce_counts(ctx)  # loss, denominators, aux: all-reduced as without sharding
-        if world == 1:
+        if self.blocks is not None:
+            pass  # the gradient of the shard, already summed over the ranks by the gathers' backward
+        elif world == 1:
             ctx.grads = layout.flatten(ctx.grads)  # the one shard is the whole (unpadded) buffer
         else:
+            ctx.grads = {k: _reduce_scatter(flat, self._group()) for k, flat in layout.flatten(ctx.grads).items()}
+        if world > 1:
             group = self._group()
-            ctx.grads = {k: _reduce_scatter(flat, group) for k, flat in layout.flatten(ctx.grads).items()}
             ctx.shard_sum = lambda x: _all_reduce(x, group)
         if self.shard == "optimizer":
             ctx.params = layout.shard_of(ctx.params)
@@ -327,7 +375,8 @@ class ShardedDataParallel(Transform):
             ctx.params = self._gather(ctx.params, ctx)
 
     def __repr__(self) -> str:
-        return f"data_parallel(shard={self.shard!r})"
+        blocks = "" if self.blocks is None else f", blocks={type(self.blocks).__name__}"
+        return f"data_parallel(shard={self.shard!r}{blocks})"
 
 
 def gather_state(state: TrainState, group: Any = None) -> TrainState:

@@ -128,7 +128,9 @@ class MixedPrecision(Transform):
             if self._casts:
                 # autocast keeps the loss's own math (reductions, softmax, norms) in fp32 as its op
                 # lists say, so the loss and its first gradients do not overflow fp16
-                device_type = T.tree_leaves(params)[0].device.type
+                # (a per-block sharded step hands the blocks' parameters as meta placeholders)
+                device_type = next((x.device.type for x in T.tree_leaves(params) if x.device.type != "meta"),
+                                   T.tree_leaves(params)[0].device.type)
                 with torch.autocast(device_type=device_type, dtype=policy.compute_dtype):
                     objective, out = loss_fn(params, buffers, batch)
             else:

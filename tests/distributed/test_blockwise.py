@@ -1,0 +1,235 @@
+"""data_parallel(shard="params", blocks=model): each ft.remat-marked block gathers its parameters when it runs.
+
+Laws: on 1 process and on 2 real processes over gloo, the per-block step equals the one-process unsharded step on
+the whole batch (to float rounding), with every transform, eager and compiled; the gathered params are bitwise
+identical on every rank; the compiled graph never gathers more than one block (or the parameters outside the
+blocks) at a time, and reduce-scatters nothing; a checkpoint resumes bit-exactly and loads into the
+whole-gather step (the state's layout is the same)."""
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import functrain as ft
+from functrain import tree as T
+
+CONFIGS = ("plain", "accumulate", "clip", "ema", "fp16", "all")
+POLICIES = ("nothing_saveable", "everything_saveable", "dots_saveable")
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int, scaled: bool):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        # a float64 parameter in one block: its pieces come from a second flat buffer
+        self.scale = torch.nn.Parameter(torch.full((width,), 0.9, dtype=torch.float64)) if scaled else None
+
+    def forward(self, x):
+        y = torch.tanh(self.lin(x))
+        return y * self.scale.to(y.dtype) if self.scale is not None else y
+
+
+class Net(torch.nn.Module):
+    """7 -> 5 wide, 3 blocks (odd sizes: a rank's shard ends inside a block), an input and an output layer."""
+
+    def __init__(self, depth: int = 3, width: int = 5, scaled: int = 1):
+        super().__init__()
+        self.inp = torch.nn.Linear(7, width)
+        self.blocks = torch.nn.ModuleList([Block(width, i == scaled) for i in range(depth)])
+        self.out = torch.nn.Linear(width, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def _transforms(config: str, micro: int) -> list:
+    return {"plain": [], "accumulate": [ft.accumulate(micro)], "clip": [ft.clip(0.05)], "ema": [ft.ema(0.5)],
+            # (fp16 rounding depends on the rows grouped: the reference accumulates the same micro-batches)
+            "fp16": [ft.accumulate(micro), ft.mixed_precision("fp16", init_scale=256.0)],
+            "all": [ft.accumulate(micro), ft.clip(0.05), ft.ema(0.5), ft.mixed_precision("bf16")]}[config]
+
+
+def _problem(config: str, policies=("nothing_saveable", "everything_saveable", "dots_saveable"), micro: int = 2,
+             depth: int = 3, seed: int = 0):
+    torch.manual_seed(seed)
+    model = Net(depth, scaled=-1 if config in ("fp16", "all") else 1)  # (mixed precision takes fp32 params only)
+    for block, policy in zip(model.blocks, policies):
+        if policy is not None:
+            ft.remat(block, policy)
+    apply_fn, params, buffers = ft.functionalize(model)
+    g = torch.Generator().manual_seed(seed + 1)
+    batch = (torch.randn(8, 7, generator=g), torch.randn(8, 3, generator=g))
+
+    def loss(params, buffers, batch):
+        return torch.nn.functional.mse_loss(apply_fn(params, buffers, batch[0]).float(), batch[1])
+
+    step = ft.train_step(loss, ft.optim.adamw(1e-2))
+    for t in _transforms(config, micro):
+        step = t(step)
+    return model, step, params, buffers, batch
+
+
+def _err(a, b) -> float:
+    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(T.tree_leaves(a), T.tree_leaves(b))
+               if x.is_floating_point())
+
+
+def test_one_process_law():
+    """On one process (no group: the gather is the concatenation), for random depths, marks and policies, the
+    per-block step equals the unsharded step, eagerly, with accumulation and clipping."""
+
+    @settings(max_examples=12, deadline=None)
+    @given(st.integers(1, 4), st.lists(st.sampled_from(POLICIES + (None,)), min_size=4, max_size=4),
+           st.sampled_from(("plain", "accumulate", "clip")), st.integers(0, 1000))
+    def law(depth, policies, config, seed):
+        if all(p is None for p in policies[:depth]):
+            policies = ["nothing_saveable"] + policies[1:]
+        model, step, params, buffers, batch = _problem(config, policies, depth=depth, seed=seed)
+        blockwise = ft.data_parallel(shard="params", blocks=model)(step)
+        ref, state = step.init(params, buffers), blockwise.init(params, buffers)
+        for _ in range(2):
+            ref, ref_m = step(ref, batch)
+            state, m = blockwise(state, batch)
+        full = ft.gather_state(state)
+        assert T.tree_structure(full) == T.tree_structure(ref)
+        assert _err(full, ref) <= 1e-6, (depth, policies, config)
+        assert abs(float(m["loss"]) - float(ref_m["loss"])) <= 1e-6
+
+    law()
+
+
+class _Collectives:
+    """A compile backend noting each graph's functional collectives (op, input numel)."""
+
+    def __init__(self):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.backend, self.graphs = lookup_backend("aot_eager"), []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append([(str(n.target).split(".")[-2], n.args[0].meta["val"].numel()) for n in gm.graph.nodes
+                            if n.op == "call_function" and "c10d_functional" in str(n.target)
+                            and "wait_tensor" not in str(n.target)])
+        return self.backend(gm, example_inputs)
+
+
+def _law_worker(backend, root):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    report = {}
+    for config in CONFIGS if backend != "inductor" else ("all",):
+        _, ref_step, params, buffers, batch = _problem(config, micro=2 * world)
+        ref_run = ft.compile(ref_step, backend=backend) if backend else ref_step
+        reference = ref_step.init(params, buffers)
+        model, step, params, buffers, _ = _problem(config)
+        if rank:  # rank 1 starts from other weights: init must take rank 0's
+            params = {k: v + 1.0 for k, v in params.items()}
+        blockwise = ft.data_parallel(shard="params", blocks=model)(step)
+        recorder = _Collectives() if backend == "aot_eager" else None
+        run = ft.compile(blockwise, backend=recorder or backend) if backend else blockwise
+        state = blockwise.init(params, buffers)
+        rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        mine = tuple(t[rows] for t in batch)
+        for _ in range(3):
+            reference, ref_m = ref_run(reference, batch)
+            state, m = run(state, mine)
+        full = ft.gather_state(state)
+        flat = torch.cat([p.reshape(-1).double() for p in T.tree_leaves(full.params)])
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        r = {"err": _err(full, reference), "same_structure": T.tree_structure(full) == T.tree_structure(reference),
+             "ranks_identical": all(torch.equal(gathered[0], g) for g in gathered),
+             "loss": (float(m["loss"]), float(ref_m["loss"])),
+             "param_elems": (sum(t.numel() for t in T.tree_leaves(state.params)),
+                             sum(t.numel() for t in T.tree_leaves(reference.params))),
+             "graphs": recorder.graphs if recorder else None, "compiles": getattr(run, "compiles", None),
+             "micro": step.micro_batches,
+             "sizes": {"rest": sum(v.numel() for k, v in params.items() if not k.startswith("blocks.")),
+                       "block": max(sum(v.numel() for k, v in params.items() if k.startswith(f"blocks.{i}."))
+                                    for i in range(3)),
+                       "all": sum(v.numel() for v in params.values())}}
+        if config == "all" and backend is None:  # resume bit-exactly, and into the whole-gather step
+            path = os.path.join(root, "ckpt")
+            ft.save(path, state)
+            uninterrupted = state
+            for _ in range(2):
+                uninterrupted, _ = run(uninterrupted, mine)
+            model2, step2, params2, buffers2, _ = _problem(config)
+            again = ft.data_parallel(shard="params", blocks=model2)(step2)
+            resumed = ft.load(path, again.init(params2, buffers2))
+            r["loaded_exact"] = T.tree_equal(resumed, state)
+            for _ in range(2):
+                resumed, _ = again(resumed, mine)
+            r["resume_exact"] = T.tree_equal(resumed, uninterrupted)
+            whole = ft.data_parallel(shard="params")(_problem(config)[1])
+            r["whole_exact"] = T.tree_equal(ft.load(path, whole.init(params2, buffers2)), state)
+        report[config] = r
+    return report
+
+
+def _check(reports, compiled: bool):
+    tol = 1e-5 if compiled else 1e-6
+    for report in reports:
+        for config, r in report.items():
+            assert r["same_structure"], config
+            assert r["ranks_identical"], f"{config}: gathered params differ between ranks"
+            assert r["err"] <= tol, f"{config}: per-block sharded state differs from one process by {r['err']:.2e}"
+            assert abs(r["loss"][0] - r["loss"][1]) <= tol * max(1.0, abs(r["loss"][1])), (config, r["loss"])
+            mine, whole = r["param_elems"]
+            assert mine * 2 <= whole + 2, f"{config}: params not sharded at rest ({mine} of {whole})"
+            if compiled:
+                assert r["compiles"] == 1, (config, r["compiles"])
+            if "resume_exact" in r:
+                assert r["loaded_exact"] and r["resume_exact"], f"{config}: resume is not bit-exact"
+                assert r["whole_exact"], f"{config}: the checkpoint does not load into the whole-gather step"
+            if r["graphs"] is not None:
+                (ops,) = r["graphs"]
+                sizes = r["sizes"]
+                assert not [op for op, _ in ops if op.startswith(("reduce_scatter", "all_gather"))], ops
+                biggest = max(sizes["rest"], sizes["block"])
+                big = [n for op, n in ops if n > biggest]
+                assert not big, f"{config}: collectives larger than one block or the rest ({biggest}): {big}"
+                # per micro-batch: each block's float32 parameters (30) gathered in its forward and again in its
+                # backward, and their gradient summed; the rest (58) gathered once and its gradient summed
+                gathers = sorted(n for op, n in ops if op.startswith("all_reduce") and n >= 10)
+                want = sorted([30] * 3 * 3 + [58] * 2) * r["micro"]
+                assert gathers == sorted(want), f"{config}: parameter all-reduces {gathers}, expected {want}: {ops}"
+
+
+def test_two_processes_eager_and_resume(tmp_path):
+    _check(ft.launch(_law_worker, nprocs=2, args=(None, str(tmp_path)), timeout=300), compiled=False)
+
+
+def test_two_processes_compiled():
+    _check(ft.launch(_law_worker, nprocs=2, args=("aot_eager", None), timeout=600), compiled=True)
+
+
+def test_two_processes_inductor():
+    _check(ft.launch(_law_worker, nprocs=2, args=("inductor", None), timeout=600), compiled=True)
+
+
+def test_bad_blocks_are_refused():
+    model, step, params, buffers, batch = _problem("plain")
+    with pytest.raises(ValueError, match="needs shard='params'; got shard='optimizer'"):
+        ft.data_parallel(shard="optimizer", blocks=model)
+    with pytest.raises(ValueError, match="must be the model given to ft.functionalize.*got"):
+        ft.data_parallel(shard="params", blocks=[model])
+    with pytest.raises(ValueError, match="has no block marked with ft.remat"):
+        ft.data_parallel(shard="params", blocks=torch.nn.Linear(2, 2))
+    # blocks= another model than the one the loss runs: no block of it runs in the loss
+    other, *_ = _problem("plain")
+    wrong = ft.data_parallel(shard="params", blocks=other)(step)
+    with pytest.raises(RuntimeError, match="no marked block of blocks=Net ran in the loss"):
+        wrong(wrong.init(params, buffers), batch)
+    # a parameter shared between a block and the rest of the model
+    model.out.weight = model.blocks[0].lin.weight
+    tied = ft.data_parallel(shard="params", blocks=model)(ft.train_step(
+        lambda p, b, x: ft.functionalize(model)[0](p, b, x[0]).sum(), ft.optim.sgd(0.1)))
+    with pytest.raises(ValueError, match="shared between two marked blocks or between a block and the rest"):
+        tied(tied.init(ft.functionalize(model)[1]), batch)

@@ -12,6 +12,12 @@ live memory. Variants:
 
 * ``replicated``: ``ft.compile(ft.data_parallel()(ft.ema(d)(step)))``
 * ``optimizer`` / ``params``: the same with ``ft.data_parallel(shard="optimizer" | "params")``
+* ``blocks``: ``ft.data_parallel(shard="params", blocks=model)``, each block gathered when it runs (marked with
+  ``ft.remat(model, "everything_saveable")``, or ``--remat POLICY``)
+
+In the functrain variants the module's own parameters are emptied once the params are copied out of it
+(``ft.functionalize``'s function, and ``blocks=``, keep the module alive: its whole parameters would stay in
+memory otherwise, as they did in the runs before 2026-12-04 13:00).
 * ``ddp``: ``DistributedDataParallel`` + ``torch.optim.AdamW(foreach=True)`` + an EMA by ``torch._foreach_lerp_``
 * ``fsdp2``: ``fully_shard`` on every block and the model (a CPU device mesh) + the same AdamW and EMA on the
   sharded parameters
@@ -43,7 +49,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import functrain as ft  # noqa: E402
 
-VARIANTS = ("replicated", "optimizer", "params", "ddp", "fsdp2")
+VARIANTS = ("replicated", "optimizer", "params", "blocks", "ddp", "fsdp2")
 LR, WD, DECAY = 1e-4, 0.01, 0.999
 
 
@@ -96,11 +102,15 @@ def _worker(variant: str, width: int, depth: int, batch: int, warmup: int, steps
     model = _model(width, depth, ffn)
     out["num_params"] = sum(p.numel() for p in model.parameters())
 
-    if variant in ("replicated", "optimizer", "params"):
-        if remat != "none":
-            ft.remat(model, remat)  # each block recomputed in the backward
+    if variant in ("replicated", "optimizer", "params", "blocks"):
+        if remat != "none" or variant == "blocks":
+            ft.remat(model, remat if remat != "none" else "everything_saveable")  # each block: a unit
         apply_fn, params, buffers = ft.functionalize(model)
-        params = {k: v.detach().clone() for k, v in params.items()}  # own storage: the model goes away
+        params = {k: v.detach().clone() for k, v in params.items()}  # own storage
+        # apply_fn (and blocks=) keep the module; its own tensors are not needed once the params are copied
+        for p_ in model.parameters():
+            p_.data = torch.empty(0)
+        blocks = model
         del model
         gc.collect()
 
@@ -108,8 +118,8 @@ def _worker(variant: str, width: int, depth: int, batch: int, warmup: int, steps
             return torch.nn.functional.mse_loss(apply_fn(p, b, xy[0]), xy[1])
 
         base = ft.ema(DECAY)(ft.train_step(loss_fn, ft.optim.adamw(LR, weight_decay=WD)))
-        shard = {"replicated": "none"}.get(variant, variant)
-        step = ft.data_parallel(shard=shard)(base)
+        shard = {"replicated": "none", "blocks": "params"}.get(variant, variant)
+        step = ft.data_parallel(shard=shard, blocks=blocks if variant == "blocks" else None)(base)
         gc.collect()
         rest = _status("VmRSS")
         _reset_peak()
@@ -198,8 +208,8 @@ def main(argv=None) -> None:
                    "width, GELU) instead of Linear + ReLU: activations inside each block, which remat recomputes")
     p.add_argument("--out-json")
     args = p.parse_args(argv)
-    if args.remat != "none" and set(args.variants.split(",")) - {"replicated", "optimizer", "params"}:
-        p.error("--remat applies to the functrain variants (replicated, optimizer, params) only")
+    if args.remat != "none" and set(args.variants.split(",")) - {"replicated", "optimizer", "params", "blocks"}:
+        p.error("--remat applies to the functrain variants (replicated, optimizer, params, blocks) only")
     env = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
     results = []
     for variant in args.variants.split(","):

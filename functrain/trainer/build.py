@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..core.remat import marked_blocks
 from ..core.validate import describe
 from ..compiler.api import CompiledStep
 from ..distributed import data_parallel
@@ -164,7 +165,8 @@ def _named(step: Step, name: str) -> Transform | None:
 
 
 def build_step(loss: Callable, config: TrainConfig, world: int, *, optimizer: Any = None,
-               transforms: Iterable[Any] = (), step: Any = None) -> tuple[Step, CompiledStep | None]:
+               transforms: Iterable[Any] = (), step: Any = None,
+               module: torch.nn.Module | None = None) -> tuple[Step, CompiledStep | None]:
     """The trainer's step (and the compiled one if ``step=`` was already compiled).
 
     Without ``step``: ``train_step(loss, optimizer or adamw(config lr))`` with clip, EMA, accumulation,
@@ -172,9 +174,11 @@ def build_step(loss: Callable, config: TrainConfig, world: int, *, optimizer: An
     its own stage), then ``data_parallel(shard=config.shard)`` on several processes (and on one when
     ``config.shard`` is not ``"none"``). With ``step`` (a ``Step`` or an ``ft.compile``-d one): used as is,
     plus that ``data_parallel`` when it lacks it (one it has must agree with a ``config.shard`` other
-    than ``"none"``).
+    than ``"none"``). With ``shard="params"`` and a ``module`` (the one the loss runs) whose blocks are marked
+    with ``ft.remat``, the blocks are gathered one at a time (``data_parallel(blocks=module)``).
     """
     c = config
+    blocks = module if c.shard == "params" and module is not None and marked_blocks(module) else None
     if step is not None:
         if optimizer is not None or tuple(transforms):
             raise TypeError("Trainer(step=...) uses the step as is: build the optimizer and the transforms into it "
@@ -203,7 +207,7 @@ def build_step(loss: Callable, config: TrainConfig, world: int, *, optimizer: An
                                  f"{c.shard!r}): the step has no data_parallel(), which cannot be added to a "
                                  f"compiled step; pass the step uncompiled, or "
                                  f"ft.compile(ft.data_parallel(shard={c.shard!r})(step))")
-            base = data_parallel(shard=c.shard)(base)
+            base = data_parallel(shard=c.shard, blocks=blocks)(base)
         schedules.check_covers(base.optimizer, c.train_num_steps)
         return base, compiled
     if optimizer is None:
@@ -232,7 +236,7 @@ def build_step(loss: Callable, config: TrainConfig, world: int, *, optimizer: An
                              f"TrainConfig, or pass a ready step=")
         s = t(s)
     if _wants_data_parallel(c, world):
-        s = data_parallel(shard=c.shard)(s)
+        s = data_parallel(shard=c.shard, blocks=blocks)(s)
     return s, None
 
 

@@ -184,7 +184,7 @@ class Trainer:
         dataset = resolve_dataset(dataset, model_or_loss)  # a folder of images, as the package's Trainer reads it
         transforms = with_augmentation(dataset, transforms, step)
         self.step, compiled = build_step(loss, config, self.world, optimizer=optimizer, transforms=transforms,
-                                         step=step)
+                                         step=step, module=self.module)
         if compiled is not None:
             self.run_step = compiled
         elif config.compile:

@@ -104,8 +104,8 @@ def test_sharded_trainer_equals_replicated_and_resumes_bit_exactly(tmp_path, rep
         assert saved["world_size"] == 2 and position == {k: v for k, v in saved.items() if k != "world_size"}
 
 
-def _trainer(results, shard):
-    """The trainer job's trainer, in this process (one process)."""
+def _trainer(results, shard, marked=False):
+    """The trainer job's trainer, in this process (one process); ``marked``: its first layer marked with ft.remat."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(72, 6, generator=g)
     data = torch.utils.data.TensorDataset(x, x.flip(1) * 0.5)
@@ -115,7 +115,10 @@ def _trainer(results, shard):
                             num_samples=4,
                             mixed_precision="fp16", results_folder=str(results), seed=3, log_every=1,
                             keep_checkpoints=100, compile=False, shard=shard)
-    return ft.Trainer(Model(), data, config)
+    model = Model()
+    if marked:
+        ft.remat(model.net[0])
+    return ft.Trainer(model, data, config)
 
 
 def test_shard_config_is_checked_and_reaches_the_step():
@@ -135,6 +138,26 @@ def test_shard_config_is_checked_and_reaches_the_step():
     with pytest.raises(ValueError, match="shard='params'.*TrainConfig.shard='optimizer'"):
         build_step(loss, ft.TrainConfig(shard="optimizer", train_num_steps=10), world=1, step=ready)
     build_step(loss, ft.TrainConfig(train_num_steps=10), world=1, step=ready)  # the default leaves it to the step
+
+    # shard="params" with a module whose blocks are marked: gathered block by block; without marks, whole
+    model = Model()
+    dp = lambda s: [t for t in s.transforms if t.name == "data_parallel"][0]  # noqa: E731
+    assert dp(build_step(loss, ft.TrainConfig(shard="params", train_num_steps=10), 1, module=model)[0]).blocks is None
+    ft.remat(model.net[0])
+    for shard, blocks in (("params", model), ("optimizer", None)):
+        got = dp(build_step(loss, ft.TrainConfig(shard=shard, train_num_steps=10), 1, module=model)[0])
+        assert got.blocks is blocks, (shard, got)
+
+
+def test_trainer_gathers_marked_blocks_one_at_a_time(tmp_path):
+    """A Trainer on a model with marked blocks and shard="params" trains as the one without marks (one process)."""
+    finals = []
+    for marked in (False, True):
+        trainer = _trainer(tmp_path / str(marked), "params", marked=marked)
+        assert (trainer.step.transforms[-1].blocks is trainer.module) is marked
+        trainer.train()
+        finals.append(ft.gather_state(trainer.state))
+    assert _max_err(*finals) <= 1e-6
 
 
 # -------------------------------------------------------------------------- CheckpointManager, 2 ranks

@@ -107,3 +107,59 @@ def test_remat_and_the_memory_estimate_on_cuda():
     assert abs(nothing["sum"] - none["sum"]) <= 1e-5 * abs(none["sum"])
     for r in (none, nothing):
         assert 0.8 <= r["estimate"] / r["peak"] <= 1.2, r
+
+
+# -- per-block gathering (data_parallel(shard="params", blocks=model)) on CUDA ------------------------------
+def _blockwise_problem(device, config="all", micro=2):
+    import sys, os  # noqa: E401
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "distributed"))
+    from test_blockwise import _problem  # the CPU tests' model: 3 blocks, each marked with another policy
+
+    model, step, params, buffers, batch = _problem(config, micro=micro)
+    model.to(device)
+    params = {k: v.to(device) for k, v in params.items()}
+    return model, step, params, buffers, tuple(t.to(device) for t in batch)
+
+
+@cuda
+def test_blockwise_on_cuda_equals_the_unsharded_step():
+    """One process on CUDA: the lent blocks, the meta placeholders and mixed precision's device on the GPU."""
+    _, ref_step, params, buffers, batch = _blockwise_problem("cuda")
+    model, step, _, _, _ = _blockwise_problem("cuda")
+    blockwise = ft.data_parallel(shard="params", blocks=model)(step)
+    run = ft.compile(blockwise)
+    ref, state = ref_step.init(params, buffers), blockwise.init(params, buffers)
+    for _ in range(3):
+        ref, _ = ref_step(ref, batch)
+        state, _ = run(state, batch)
+    assert T.tree_allclose(ft.gather_state(state), ref, rtol=1e-4, atol=1e-5)
+
+
+def _nccl_worker():
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    device = f"cuda:{rank}"
+    _, ref_step, params, buffers, batch = _blockwise_problem(device, micro=2 * world)
+    model, step, _, _, _ = _blockwise_problem(device)
+    blockwise = ft.data_parallel(shard="params", blocks=model)(step)
+    run = ft.compile(blockwise)
+    ref, state = ref_step.init(params, buffers), blockwise.init(params, buffers)
+    rows = batch[0].shape[0] // world
+    mine = tuple(t[rank * rows:(rank + 1) * rows] for t in batch)
+    for _ in range(3):
+        ref, _ = ref_step(ref, batch)
+        state, _ = run(state, mine)
+    full = ft.gather_state(state)
+    flat = torch.cat([p.reshape(-1) for p in T.tree_leaves(full.params)])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    return {"close": bool(T.tree_allclose(full, ref, rtol=1e-4, atol=1e-5)),
+            "identical": all(torch.equal(gathered[0], g) for g in gathered)}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_blockwise_on_two_gpus_over_nccl():
+    for r in ft.launch(_nccl_worker, nprocs=2, backend="nccl", timeout=600):
+        assert r["close"] and r["identical"], r

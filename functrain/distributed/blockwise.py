@@ -11,6 +11,9 @@ this rank's shard itself, and each block marked with :func:`functrain.remat` mak
   are gathered when the block runs (:class:`~functrain.core.recompute.Lent`), and again when the backward
   reaches it, by the remat mechanism (:mod:`functrain.core.recompute`): nothing made from the gathered
   parameters is kept between them, and the gathered block is freed after its forward;
+* in the forward the next block's gather is issued before this block computes (prefetched: at most two
+  blocks gathered at once), and waited for when that block runs; the backward's re-gathers start when the
+  backward reaches each block (not prefetched);
 * a gather is a sum of every rank's pieces laid into a buffer of ``-0.0`` (``x + -0.0 == x`` for every float:
   the exact concatenation) and its gradient the sum of every rank's gradient of that buffer, cut to this
   rank's pieces: both one functional all-reduce (in the graph, no host sync). So the gradient the step gets
@@ -28,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.flat import FlatLayout
-from ..core.recompute import Lender, Lent, lending
+from ..core.recompute import Lender, Lent, lending, tie
 from ..core.remat import marked_blocks
 from ..core.validate import BadValue, describe
 
@@ -155,23 +158,36 @@ def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
         return ops.wait_tensor(ops.all_reduce(x.detach(), "sum", group.group_name))
 
 
+def _issue(spec: _GatherSpec, pieces: tuple) -> torch.Tensor:
+    """Start the gather of an owner's runs: this rank's pieces laid into ``-0.0``, summed over the ranks (the
+    all-reduce is issued, not waited for: :func:`_wait`). On one process the concatenation itself."""
+    like = pieces[0]
+    parts, at = [], 0
+    for (pos, n), piece in zip(spec.places, pieces):
+        if pos > at:
+            parts.append(torch.full((pos - at,), -0.0, dtype=like.dtype, device=like.device))
+        parts.append(piece)
+        at = pos + n
+    if spec.length > at:
+        parts.append(torch.full((spec.length - at,), -0.0, dtype=like.dtype, device=like.device))
+    buf = parts[0].clone() if len(parts) == 1 else torch.cat(parts)
+    if spec.world == 1:
+        return buf
+    with torch.no_grad():
+        return torch.ops._c10d_functional.all_reduce(buf.detach(), "sum", spec.group.group_name)
+
+
+def _wait(spec: _GatherSpec, pending: torch.Tensor) -> torch.Tensor:
+    return torch.ops._c10d_functional.wait_tensor(pending) if spec.world > 1 else pending
+
+
 class _Gather(torch.autograd.Function):
     """An owner's runs of one buffer, whole, from every rank's pieces; its gradient: the sum over the ranks
     of the whole runs' gradient, cut to this rank's pieces (one functional all-reduce each way)."""
 
     @staticmethod
     def forward(spec: _GatherSpec, *pieces: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        like = pieces[0]
-        parts, at = [], 0
-        for (pos, n), piece in zip(spec.places, pieces):
-            if pos > at:
-                parts.append(torch.full((pos - at,), -0.0, dtype=like.dtype, device=like.device))
-            parts.append(piece)
-            at = pos + n
-        if spec.length > at:
-            parts.append(torch.full((spec.length - at,), -0.0, dtype=like.dtype, device=like.device))
-        buf = parts[0].clone() if len(parts) == 1 else torch.cat(parts)
-        return _all_reduce(buf, spec.group) if spec.world > 1 else buf
+        return _wait(spec, _issue(spec, pieces))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
@@ -193,6 +209,7 @@ class BlockLender(Lender):
         self.plan, self.group, self.world = plan, group, world
         self.split = {k: shards[k].split(plan.split[k]) for k in plan.layout.keys}
         self.lent = 0
+        self._pending: dict[int, dict] = {}  # block -> its prefetched gathers, issued, not waited for
 
     def _inputs(self, owner: int) -> tuple[list, tuple]:
         keys, inputs = [], []
@@ -203,19 +220,47 @@ class BlockLender(Lender):
                 inputs.extend(self.split[k][i] for i in o.pieces)
         return keys, tuple(inputs)
 
-    def _make(self, owner: int, keys: list, inputs: tuple) -> dict[int, torch.Tensor]:
-        """Leaf index -> the gathered parameter, for ``owner``'s leaves, from its pieces ``inputs``."""
+    def _spec(self, k: str, owner: int) -> _GatherSpec:
+        o = self.plan.owners[k][owner]
+        places = tuple((self.plan.pieces(k)[j].at, self.plan.pieces(k)[j].length) for j in o.pieces)
+        return _GatherSpec(o.length, places, self.group, self.world)
+
+    def _make(self, owner: int, keys: list, inputs: tuple, pending: dict | None = None) -> dict[int, torch.Tensor]:
+        """Leaf index -> the gathered parameter, for ``owner``'s leaves, from its pieces ``inputs`` (differentiable),
+        or from ``pending``, its gather already issued (:meth:`prefetch`: values only, for a block's forward)."""
         layout, out, i = self.plan.layout, {}, 0
         for k in keys:
             o = self.plan.owners[k][owner]
             pieces = inputs[i:i + len(o.pieces)]
             i += len(o.pieces)
-            places = tuple((self.plan.pieces(k)[j].at, self.plan.pieces(k)[j].length) for j in o.pieces)
-            whole = _Gather.apply(_GatherSpec(o.length, places, self.group, self.world), *pieces)
+            spec = self._spec(k, owner)
+            whole = _wait(spec, pending[k]) if pending is not None else _Gather.apply(spec, *pieces)
             for idx, at in o.leaves:
                 _, shape, n, _ = layout.entries[idx]
                 out[idx] = whole[at:at + n].view(shape)
         return out
+
+    def prefetch(self, block: int, after: torch.Tensor | None) -> None:
+        """Issue the gather of ``block``'s parameters now (tied to ``after``, so no sooner than it exists), so that
+        it runs while the block before it computes; :meth:`lend`'s forward waits for it."""
+        if block >= len(self.plan.local) or block in self._pending or self.world == 1:
+            return
+        keys, inputs = self._inputs(block)
+        if after is not None:
+            inputs = tuple(tie(x, after) for x in inputs)
+        pending, i = {}, 0
+        for k in keys:
+            n = len(self.plan.owners[k][block].pieces)
+            pending[k] = _issue(self._spec(k, block), inputs[i:i + n])
+            i += n
+        self._pending[block] = pending
+
+    def drain(self) -> None:
+        """Wait for the gathers prefetched for blocks that did not run (every rank issued them alike)."""
+        for block, pending in self._pending.items():
+            for k, t in pending.items():
+                _wait(self._spec(k, block), t)
+        self._pending.clear()
 
     def params(self) -> dict[str, torch.Tensor]:
         """The params dict for the loss: the parameters outside the blocks gathered, the blocks' placeholders
@@ -238,8 +283,18 @@ class BlockLender(Lender):
         # gathered parameter takes its dtype, as the whole parameter would have been cast
         dtypes = {name: p.dtype for name, p in module.named_parameters()}
 
+        calls = []
+
         def params(xs: tuple) -> dict[str, torch.Tensor]:
-            made = {local[idx]: t for idx, t in self._make(b, keys, xs).items()}
+            # the first call is the block's forward (no gradient: the Function's forward): it takes the gather
+            # prefetched while the block before it ran, and prefetches the next block's; the second is the
+            # recomputation in the backward, differentiable
+            calls.append(None)
+            forward = len(calls) == 1 and not torch.is_grad_enabled()
+            pending = self._pending.pop(b, None) if forward else None
+            made = {local[idx]: t for idx, t in self._make(b, keys, xs, pending).items()}
+            if forward:
+                self.prefetch(b + 1, next((x for x in xs if x.numel()), None))
             return {k: t if t.dtype == dtypes.get(k, t.dtype) else t.to(dtypes[k]) for k, t in made.items()}
 
         return Lent(inputs, params)

@@ -334,6 +334,7 @@ class ShardedDataParallel(Transform):
                     f"{self!r}: a parameter of a marked block was read outside the block ({e}); with blocks= a "
                     f"block's parameters exist only while it runs: a loss that reads them elsewhere (a tied "
                     f"weight, a penalty on the weights) needs data_parallel(shard='params') without blocks=")) from e
+            lender.drain()
             if not lender.lent:
                 raise RuntimeError(none_ran)
             return result

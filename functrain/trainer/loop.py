@@ -32,7 +32,7 @@ from .config import TrainConfig
 from .evaluator import Evaluator
 from .hooks import Hooks
 from .images import write_sample_grid
-from .plots import MetricHistory, write_metrics_plot
+from .plots import MetricHistory, write_run_plot
 from .summary import FirstBatch, MemoryLine, run_summary
 from .build import build_step, checked_loss, model_loss
 from .compiling import compile_log, compile_notes, watch_compile
@@ -462,15 +462,9 @@ class Trainer:
         now = time.monotonic()
         if not force and self._plotted_at is not None and now - self._plotted_at < self.PLOT_SECONDS:
             return
-        present = self.history.as_dict()
-        first = [m for m in ("loss", "eval_loss", "eval_loss_ema", "grad_norm", "lr") if m in present]
-        rest = [m for m in present if m not in first and m not in _NOT_PLOTTED]
-        if not first + rest:  # saved before the first log step: nothing to draw yet
-            return
-        self.plot_path = write_metrics_plot(os.path.join(self.folder, "metrics.png"), self.history,
-                                            title=os.path.basename(os.path.abspath(self.folder)),
-                                            metrics=first + rest)
-        self._plotted_at = time.monotonic()
+        path = write_run_plot(self.folder, self.history)
+        if path is not None:  # (None: saved before the first log step, nothing to draw yet)
+            self.plot_path, self._plotted_at = path, time.monotonic()
 
     # -- the hooks of ft.run (no host sync but at log, agreement, eval and save steps) ----------
     def _on_log(self, n: int, host: dict) -> None:
@@ -601,7 +595,5 @@ class Trainer:
         self._stop = self._signalled = True  # finish the current step, save, return
 
 
-# bookkeeping, not curves: kept in metrics.jsonl and the history, left out of the plot and the summary line
-_NOT_PLOTTED = ("steps_per_s", "compile_s", "skipped", "skipped_updates", "eval_samples", "switched_at",
-                "steps_per_s_eager", "steps_per_s_compiled")
+# the metrics of the end-of-run summary line
 _SUMMARY = ("loss", "eval_loss", "eval_loss_ema", "grad_norm", "lr", "skipped_updates")

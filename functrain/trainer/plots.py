@@ -34,7 +34,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from ..checkpoint.safe_io import replace_file
 from ..core.validate import BadValue, check_choice, describe
 
-__all__ = ["MetricHistory", "metrics_figure", "metrics_svg", "write_metrics_plot"]
+__all__ = ["MetricHistory", "metrics_figure", "metrics_svg", "write_metrics_plot", "write_run_plot"]
 
 History = Mapping[str, Sequence[tuple]]
 
@@ -379,3 +379,22 @@ def write_metrics_plot(path: str | os.PathLike, history: Any, *, title: str | No
 
     _atomic_write(path, svg.encode("utf-8"))
     return path
+
+
+# the trainer's plot: the headline metrics first, then the rest but bookkeeping (kept in metrics.jsonl and the
+# history, not curves)
+_FIRST = ("loss", "eval_loss", "eval_loss_ema", "grad_norm", "lr")
+_NOT_PLOTTED = ("steps_per_s", "compile_s", "skipped", "skipped_updates", "eval_samples", "switched_at",
+                "steps_per_s_eager", "steps_per_s_compiled")
+
+
+def write_run_plot(folder: str, history: "MetricHistory") -> str | None:
+    """The trainer's ``metrics.png`` in ``folder``: one panel per metric, the headline ones first, counters and
+    rates left out; ``None`` (nothing written) before the first logged metric."""
+    present = history.as_dict()
+    first = [m for m in _FIRST if m in present]
+    rest = [m for m in present if m not in first and m not in _NOT_PLOTTED]
+    if not first + rest:
+        return None
+    return write_metrics_plot(os.path.join(folder, "metrics.png"), history,
+                              title=os.path.basename(os.path.abspath(folder)), metrics=first + rest)

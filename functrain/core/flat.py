@@ -184,6 +184,12 @@ class FlatLayout:
         cut = f"; rank {self.rank} of {self.world}" if self.world > 1 else ""
         return f"FlatLayout({len(self.entries)} leaves; {sizes}{cut})"
 
+    @property
+    def index(self) -> dict[str, int] | None:
+        """``{name: leaf index}`` when the params are a top-level ``{name: tensor}`` dict (what
+        ``ft.functionalize`` gives), in leaf order; ``None`` for another tree."""
+        return self._index
+
     # -- buffers <-> trees --------------------------------------------------------------------------
     def views(self, buffers: dict) -> list[torch.Tensor]:
         """The per-leaf views of whole buffers (``numel`` long at least) in pytree order."""

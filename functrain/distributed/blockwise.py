@@ -71,14 +71,15 @@ class BlockPlan:
     values, computed once per layout and set of marked blocks)."""
 
     def __init__(self, layout: FlatLayout, model: torch.nn.Module):
-        if layout._index is None:
+        index = layout.index
+        if index is None:
             raise BadValue("data_parallel(blocks=...): the params must be a {name: tensor} dict (what "
                            "ft.functionalize gives) to find each block's parameters by name")
         self.layout = layout
         blocks = marked_blocks(model)
         qual = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
         prefixes = [qual[id(b)] + "." if qual[id(b)] else "" for b in blocks]
-        names = list(layout._index)
+        names = list(index)
         owner_of: dict[str, int] = {}
         for name in names:
             owner_of[name] = next((i for i, p in enumerate(prefixes) if name.startswith(p)), REST)
@@ -86,8 +87,8 @@ class BlockPlan:
         self.local = [{} for _ in blocks]  # per block: leaf index -> its name in the block
         for i, (b, p) in enumerate(zip(blocks, prefixes)):
             for local, _ in b.named_parameters():
-                if p + local in layout._index:
-                    self.local[i][layout._index[p + local]] = local
+                if p + local in index:
+                    self.local[i][index[p + local]] = local
             if not self.local[i] and any(True for _ in b.parameters()):
                 raise BadValue(f"data_parallel(blocks=...): the marked block {prefixes[i][:-1] or '(the model)'} "
                                f"({type(b).__name__}) has none of its parameters among the step's params (e.g. "
@@ -123,7 +124,10 @@ class BlockPlan:
             leaves: dict[int, list] = {}
             r = 0
             for idx, off, n in mine:
-                while not runs[r][1] <= off < runs[r][2] and not (n == 0 and off == runs[r][2]):
+                if n == 0:  # an empty parameter: an empty view of its owner's runs
+                    leaves.setdefault(self.owner_of[idx], []).append((idx, 0))
+                    continue
+                while not runs[r][1] <= off < runs[r][2]:
                     r += 1
                 leaves.setdefault(runs[r][0], []).append((idx, run_at[r] + off - runs[r][1]))
             lo, hi = layout.span(k)

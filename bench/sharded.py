@@ -22,6 +22,9 @@ memory otherwise, as they did in the runs before 2026-12-04 13:00).
 * ``fsdp2``: ``fully_shard`` on every block and the model (a CPU device mesh) + the same AdamW and EMA on the
   sharded parameters
 
+``--estimate`` adds, for the functrain variants, ``ft.memory``'s step peak (before the first step) and the
+allocator's peak of one step counted by torch.profiler (``functrain.compiler.estimate.allocated_peak``).
+
 ``--remat POLICY`` marks every block of the functrain variants with ``ft.remat``. A Linear + ReLU block saves
 nothing but its input anyway, so remat shows with ``--ffn`` blocks (width -> 4 width -> width) and a large
 ``--batch``, where activations inside the blocks dominate the step's peak.
@@ -91,7 +94,7 @@ def _nbytes(tensors) -> int:
 
 
 def _worker(variant: str, width: int, depth: int, batch: int, warmup: int, steps: int, remat: str = "none",
-            ffn: bool = False) -> dict:
+            ffn: bool = False, estimate: bool = False) -> dict:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -131,6 +134,8 @@ def _worker(variant: str, width: int, depth: int, batch: int, warmup: int, steps
             [x for x in ft.tree.tree_leaves(state.opt_state) if x.dim() > 0]) + _nbytes(
             ft.tree.tree_leaves(state.ema))
         cstep = ft.compile(step, donate=True)
+        if estimate:  # ft.memory's step peak, before the first step (that call compiles the capture it traces)
+            out["estimate"] = ft.memory(cstep, state, data[0], donate=True).step_peak
 
         def run(i):
             nonlocal state
@@ -190,6 +195,10 @@ def _worker(variant: str, width: int, depth: int, batch: int, warmup: int, steps
         times.append(time.perf_counter() - t0)
     out["peak_rss_steps"] = _status("VmHWM")
     out["step_s"] = statistics.median(times)
+    if estimate and "estimate" in out:  # the allocator's own count of one more step's peak, to check it against
+        from functrain.compiler.estimate import allocated_peak
+
+        out["alloc_peak"], _ = allocated_peak(run, steps)
     return out
 
 
@@ -206,6 +215,8 @@ def main(argv=None) -> None:
                    "(e.g. nothing_saveable); none by default")
     p.add_argument("--ffn", action="store_true", help="transformer-style feed-forward blocks (width -> 4 width -> "
                    "width, GELU) instead of Linear + ReLU: activations inside each block, which remat recomputes")
+    p.add_argument("--estimate", action="store_true", help="functrain variants: ft.memory's step peak (before the "
+                   "first step) and the allocator's peak of one step (torch.profiler), per rank")
     p.add_argument("--out-json")
     args = p.parse_args(argv)
     if args.remat != "none" and set(args.variants.split(",")) - {"replicated", "optimizer", "params", "blocks"}:
@@ -218,7 +229,7 @@ def main(argv=None) -> None:
         try:
             reports = ft.launch(_worker, nprocs=2, timeout=args.timeout, env=env,
                                 args=(variant, args.width, args.depth, args.batch, args.warmup, args.steps,
-                                      args.remat, args.ffn))
+                                      args.remat, args.ffn, args.estimate))
             r = dict(reports[0])
             r["step_s"] = max(x["step_s"] for x in reports)  # barriers make them equal; take the slower
             r["peak_rss_steps_max_rank"] = max(x["peak_rss_steps"] for x in reports)
@@ -238,6 +249,10 @@ def main(argv=None) -> None:
         tratio = r["step_s"] / base["step_s"] if base else float("nan")
         print(f"{r['variant']:<17} {r['state_bytes'] / mib:9.0f} {ratio:7.3f} {r['rss_at_rest'] / mib:9.0f} "
               f"{r['peak_rss_init'] / mib:9.0f} {r['init_delta'] / mib:7.0f} {r['peak_rss_steps'] / mib:9.0f} {r['step_s']:7.3f} {tratio:7.2f}")
+    for r in results:
+        if "alloc_peak" in r:
+            print(f"{r['variant']:<17} ft.memory step peak {r['estimate'] / mib:7.0f} MiB, allocator's peak "
+                  f"{r['alloc_peak'] / mib:7.0f} MiB: {r['estimate'] / r['alloc_peak']:.2f}x")
     if results:
         print(f"(params: {results[0].get('num_params', 0) / 1e6:.1f} M; MiB per rank; rank 0)")
     if args.out_json:

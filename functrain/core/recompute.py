@@ -380,8 +380,10 @@ def run_remat(fn: Callable, args: tuple, kwargs: dict, policy: Policy, module: t
     are now: under ``functionalize``, the step's) are inputs of the block, lent to ``fn`` for the run; while a
     :class:`Lender` is active (:func:`lending`) and lends for ``module``, its :class:`Lent` inputs are the
     block's inputs instead and its parameters are made from them, in the forward and again in the backward."""
-    lender = _LENDER.get()
-    lent = lender.lend(module) if lender is not None and module is not None else None
+    lent = None
+    if module is not None and not torch.compiler.is_dynamo_compiling():  # (Dynamo cannot read a ContextVar;
+        lender = _LENDER.get()                                          # it refuses marked blocks below)
+        lent = lender.lend(module) if lender is not None else None
     if lent is None and (policy.saves is None or not torch.is_grad_enabled()):
         return fn(*args, **kwargs)  # nothing to recompute (no backward will run, or everything is kept)
     if lent is not None and not torch.is_grad_enabled():

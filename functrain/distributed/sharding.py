@@ -319,6 +319,11 @@ class ShardedDataParallel(Transform):
         def blockwise(shards, buffers, batch):
             # differentiated with respect to this rank's shard: the parameters outside the blocks are gathered
             # here, each block's when it runs (and again in the backward); the gradient comes out summed
+            if torch.compiler.is_dynamo_compiling():
+                raise RuntimeError(f"{self!r}: per-block gathering is traced by ft.compile's direct path (make_fx) "
+                                   f"only; the Dynamo path (capture='dynamo', fullgraph=False, dynamic=True or "
+                                   f"extra torch.compile arguments) cannot trace it. Use ft.compile's default "
+                                   f"capture, or data_parallel(shard='params') without blocks=")
             lender = BlockLender(plan, shards, group if world > 1 else None, world)
             none_ran = (f"{self!r}: no marked block of blocks={type(self.blocks).__name__} ran in the loss; "
                         f"blocks= must be the module given to ft.functionalize, whose blocks are marked with "

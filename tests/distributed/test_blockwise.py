@@ -260,6 +260,10 @@ def test_bad_blocks_are_refused():
     wrong = ft.data_parallel(shard="params", blocks=other)(step)
     with pytest.raises(RuntimeError, match="no marked block of blocks=Net ran in the loss"):
         wrong(wrong.init(params, buffers), batch)
+    # the Dynamo path cannot trace it: refused by name
+    blockwise = ft.data_parallel(shard="params", blocks=model)(step)
+    with pytest.raises(ft.GraphBreakError, match="per-block gathering is traced by ft.compile's direct path"):
+        ft.compile(blockwise, capture="dynamo", backend="eager")(blockwise.init(params, buffers), batch)
     # a parameter shared between a block and the rest of the model
     model.out.weight = model.blocks[0].lin.weight
     tied = ft.data_parallel(shard="params", blocks=model)(ft.train_step(

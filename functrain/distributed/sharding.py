@@ -9,7 +9,9 @@ How a sharded step runs (the stages of :mod:`functrain.core.step`; this transfor
 order 1000, so it acts last within each stage)::
 
     grad       shard="params": all-gather the param shards (functional all-gather), unflatten to the
-               user's {name: tensor}, differentiate w.r.t. that transient copy
+               user's {name: tensor}, differentiate w.r.t. that transient copy (with blocks=model the
+               loss gathers instead, block by block, and the gradient is of the shard itself, already
+               summed over the ranks: see functrain.distributed.blockwise)
     reduce     the loss, denominators and aux metrics are all-reduced (as by data_parallel()); the
                gradient is laid into its padded flat buffers (FlatLayout.flatten) and each buffer is
                reduce-scattered (one functional reduce-scatter per dtype, sum): from here on ctx.grads is

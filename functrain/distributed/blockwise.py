@@ -12,8 +12,8 @@ this rank's shard itself, and each block marked with :func:`functrain.remat` mak
   reaches it, by the remat mechanism (:mod:`functrain.core.recompute`): nothing made from the gathered
   parameters is kept between them, and the gathered block is freed after its forward;
 * in the forward the next block's gather is issued before this block computes (prefetched: at most two
-  blocks gathered at once), and waited for when that block runs; the backward's re-gathers start when the
-  backward reaches each block (not prefetched);
+  blocks gathered at once), and waited for when that block runs; in the backward likewise the re-gather of the
+  block before (the next one the backward reaches) is issued when this block's recomputation starts;
 * a gather is a sum of every rank's pieces laid into a buffer of ``-0.0`` (``x + -0.0 == x`` for every float:
   the exact concatenation) and its gradient the sum of every rank's gradient of that buffer, cut to this
   rank's pieces: both one functional all-reduce (in the graph, no host sync). So the gradient the step gets
@@ -28,7 +28,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from ..core.flat import FlatLayout
 from ..core.recompute import Lender, Lent, lending, tie
@@ -190,8 +189,10 @@ class _Gather(torch.autograd.Function):
     of the whole runs' gradient, cut to this rank's pieces (one functional all-reduce each way)."""
 
     @staticmethod
-    def forward(spec: _GatherSpec, *pieces: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return _wait(spec, _issue(spec, pieces))
+    def forward(spec: _GatherSpec, pending: torch.Tensor | None,  # type: ignore[override]
+                *pieces: torch.Tensor) -> torch.Tensor:
+        # pending: this gather, already issued (prefetched) from the same pieces
+        return _wait(spec, pending if pending is not None else _issue(spec, pieces))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
@@ -202,7 +203,7 @@ class _Gather(torch.autograd.Function):
         spec: _GatherSpec = ctx.spec
         if spec.world > 1:
             grad = _all_reduce(grad.contiguous(), spec.group)
-        return (None, *[grad[pos:pos + n] for pos, n in spec.places])
+        return (None, None, *[grad[pos:pos + n] for pos, n in spec.places])
 
 
 class BlockLender(Lender):
@@ -213,7 +214,8 @@ class BlockLender(Lender):
         self.plan, self.group, self.world = plan, group, world
         self.split = {k: shards[k].split(plan.split[k]) for k in plan.layout.keys}
         self.lent = 0
-        self._pending: dict[int, dict] = {}  # block -> its prefetched gathers, issued, not waited for
+        self._pending: dict[tuple, dict] = {}  # (phase, block) -> its prefetched gathers, issued, not waited for
+        self._ran: set[int] = set()  # the blocks whose forward ran (the backward prefetches only those)
 
     def _inputs(self, owner: int) -> tuple[list, tuple]:
         keys, inputs = [], []
@@ -230,24 +232,26 @@ class BlockLender(Lender):
         return _GatherSpec(o.length, places, self.group, self.world)
 
     def _make(self, owner: int, keys: list, inputs: tuple, pending: dict | None = None) -> dict[int, torch.Tensor]:
-        """Leaf index -> the gathered parameter, for ``owner``'s leaves, from its pieces ``inputs`` (differentiable),
-        or from ``pending``, its gather already issued (:meth:`prefetch`: values only, for a block's forward)."""
+        """Leaf index -> the gathered parameter, for ``owner``'s leaves, from its pieces ``inputs`` (differentiable:
+        the gradient of the pieces is the sum over the ranks), its gather already issued if ``pending`` holds it
+        (:meth:`prefetch`)."""
         layout, out, i = self.plan.layout, {}, 0
         for k in keys:
             o = self.plan.owners[k][owner]
             pieces = inputs[i:i + len(o.pieces)]
             i += len(o.pieces)
             spec = self._spec(k, owner)
-            whole = _wait(spec, pending[k]) if pending is not None else _Gather.apply(spec, *pieces)
+            whole = _Gather.apply(spec, pending[k] if pending is not None else None, *pieces)
             for idx, at in o.leaves:
                 _, shape, n, _ = layout.entries[idx]
                 out[idx] = whole[at:at + n].view(shape)
         return out
 
-    def prefetch(self, block: int, after: torch.Tensor | None) -> None:
+    def prefetch(self, phase: str, block: int, after: torch.Tensor | None) -> None:
         """Issue the gather of ``block``'s parameters now (tied to ``after``, so no sooner than it exists), so that
-        it runs while the block before it computes; :meth:`lend`'s forward waits for it."""
-        if block >= len(self.plan.local) or block in self._pending or self.world == 1:
+        it runs while the block next to it computes: in the ``"forward"`` the next block, in the ``"backward"``
+        the one before; that block's call of the same phase waits for it."""
+        if not 0 <= block < len(self.plan.local) or (phase, block) in self._pending or self.world == 1:
             return
         keys, inputs = self._inputs(block)
         if after is not None:
@@ -257,14 +261,15 @@ class BlockLender(Lender):
             n = len(self.plan.owners[k][block].pieces)
             pending[k] = _issue(self._spec(k, block), inputs[i:i + n])
             i += n
-        self._pending[block] = pending
+        self._pending[phase, block] = pending
 
-    def drain(self) -> None:
-        """Wait for the gathers prefetched for blocks that did not run (every rank issued them alike)."""
-        for block, pending in self._pending.items():
-            for k, t in pending.items():
-                _wait(self._spec(k, block), t)
-        self._pending.clear()
+    def drain(self, phase: str) -> None:
+        """Wait for the gathers of ``phase`` prefetched for blocks that did not run (every rank issued them)."""
+        for (p, block), pending in list(self._pending.items()):
+            if p == phase:
+                del self._pending[p, block]
+                for k, t in pending.items():
+                    _wait(self._spec(k, block), t)
 
     def params(self) -> dict[str, torch.Tensor]:
         """The params dict for the loss: the parameters outside the blocks gathered, the blocks' placeholders
@@ -290,22 +295,21 @@ class BlockLender(Lender):
         calls = []
 
         def params(xs: tuple) -> dict[str, torch.Tensor]:
-            # the first call is the block's forward (no gradient: the Function's forward): it takes the gather
-            # prefetched while the block before it ran, and prefetches the next block's; the second is the
-            # recomputation in the backward, differentiable
+            # the first call is the block's forward (no gradient: the Function's forward), the second its
+            # recomputation in the backward (differentiable); each takes the gather prefetched while the block
+            # next to it ran, and prefetches the one after it in its phase
             calls.append(None)
-            forward = len(calls) == 1 and not torch.is_grad_enabled()
-            pending = self._pending.pop(b, None) if forward else None
+            phase = "forward" if len(calls) == 1 and not torch.is_grad_enabled() else "backward"
+            pending = self._pending.pop((phase, b), None)
             made = {local[idx]: t for idx, t in self._make(b, keys, xs, pending).items()}
-            if forward:
-                self.prefetch(b + 1, next((x for x in xs if x.numel()), None))
+            after = next((x for x in xs if x.numel()), None)
+            if phase == "forward":
+                self._ran.add(b)
+                self.prefetch(phase, b + 1, after)
+            elif b - 1 in self._ran:
+                self.prefetch(phase, b - 1, after)
             return {k: t if t.dtype == dtypes.get(k, t.dtype) else t.to(dtypes[k]) for k, t in made.items()}
 
         return Lent(inputs, params)
 
-
-def world_and_group(group: Any) -> tuple[int, Any]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(group), (group if group is not None else dist.group.WORLD)
-    return 1, None
 

@@ -155,6 +155,7 @@ class ShardedDataParallel(Transform):
         if blocks is not None:  # the gather wraps the loss outermost: mixed precision casts what it gathers
             self.hook_order = {"wrap_loss": -1000}
         self._plan: Any = None  # (the layout, the marked blocks) -> its blockwise.BlockPlan
+        self._lenders: list = []  # this call's lenders (one per micro-batch), until the reduce stage
         self.layout: FlatLayout | None = None
         self._params_shard: dict | None = None  # init_parts' shard of rank 0's params, until post_init
 
@@ -165,7 +166,7 @@ class ShardedDataParallel(Transform):
                              f"parameter names: this optimizer's weight_decay_mask / lr_multipliers groups cannot "
                              f"apply there; use shard='none' or an optimizer without per-parameter groups")
         t = copy.copy(self)  # one layout per step: the same transform object may wrap several steps
-        t.layout, t._params_shard, t._plan = None, None, None
+        t.layout, t._params_shard, t._plan, t._lenders = None, None, None, []
         return Transform.__call__(t, step)
 
     @property
@@ -327,6 +328,7 @@ class ShardedDataParallel(Transform):
                                    f"extra torch.compile arguments) cannot trace it. Use ft.compile's default "
                                    f"capture, or data_parallel(shard='params') without blocks=")
             lender = BlockLender(plan, shards, group if world > 1 else None, world)
+            self._lenders.append(lender)  # (the reduce stage waits for what its backward prefetched in vain)
             none_ran = (f"{self!r}: no marked block of blocks={type(self.blocks).__name__} ran in the loss; "
                         f"blocks= must be the module given to ft.functionalize, whose blocks are marked with "
                         f"ft.remat")
@@ -341,7 +343,7 @@ class ShardedDataParallel(Transform):
                     f"{self!r}: a parameter of a marked block was read outside the block ({e}); with blocks= a "
                     f"block's parameters exist only while it runs: a loss that reads them elsewhere (a tied "
                     f"weight, a penalty on the weights) needs data_parallel(shard='params') without blocks=")) from e
-            lender.drain()
+            lender.drain("forward")
             if not lender.lent:
                 raise RuntimeError(none_ran)
             return result
@@ -365,8 +367,10 @@ class ShardedDataParallel(Transform):
         # property of the gradient sum it over the shards through ctx.global_sum
         layout, world = self.layout, self.layout.world
         self.replicated.reduce_counts(ctx)  # loss, denominators, aux: all-reduced as without sharding
-        if self.blocks is not None:
-            pass  # the gradient of the shard, already summed over the ranks by the gathers' backward
+        if self.blocks is not None:  # the gradient of the shard, already summed over the ranks by the gathers'
+            for lender in self._lenders:  # backward; a re-gather prefetched for a block whose backward did not
+                lender.drain("backward")  # run (its output had no gradient) is waited for here
+            self._lenders.clear()
         elif world == 1:
             ctx.grads = layout.flatten(ctx.grads)  # the one shard is the whole (unpadded) buffer
         else:

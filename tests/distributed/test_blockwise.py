@@ -141,7 +141,8 @@ class _Collectives:
         self.graphs.append([(str(n.target).split(".")[-2], n.args[0].meta["val"].numel()) for n in gm.graph.nodes
                             if n.op == "call_function" and ("c10d_functional" in str(n.target)
                                                             and "wait_tensor" not in str(n.target)
-                                                            or str(n.target) == "aten.addmm.default")])
+                                                            or str(n.target) in ("aten.addmm.default",
+                                                                                 "aten.mm.default"))])
         return self.backend(gm, example_inputs)
 
 
@@ -223,7 +224,12 @@ def _check(reports, compiled: bool):
                 first = [i for i, (op, n) in enumerate(ops) if op == "addmm"][1]
                 issued = [i for i, (op, n) in enumerate(ops) if op == "all_reduce" and n == 30][1]
                 assert issued < first, f"{config}: the next block's gather is not prefetched: {ops}"
-                ops = [(op, n) for op, n in ops if op != "addmm"]
+                # ... and in the backward: the block before's re-gather is issued as soon as the last block's is,
+                # before the last block's backward (its mm): the first micro-batch's head is the 5th addmm
+                head = [i for i, (op, n) in enumerate(ops) if op == "addmm"][4]
+                regather = next(i for i, (op, n) in enumerate(ops) if i > head and op == "all_reduce" and n == 30)
+                assert ops[regather + 1] == ("all_reduce", 30), f"{config}: the backward does not prefetch: {ops}"
+                ops = [(op, n) for op, n in ops if op not in ("addmm", "mm")]
                 assert not [op for op, _ in ops if op.startswith(("reduce_scatter", "all_gather"))], ops
                 biggest = max(sizes["rest"], sizes["block"])
                 big = [n for op, n in ops if n > biggest]

@@ -99,8 +99,10 @@ def two_nodes_on_loopback(script, cwd, env: dict, timeout: float, *script_args) 
 def kill_when_running(argv: list, delay: float, start_timeout: float = 120.0) -> tuple[int, list]:
     """Start ``argv``, wait for its first output line (it is running), SIGKILL it ``delay`` seconds later.
 
-    Returns ``(returncode, lines)``: every line it printed, split into words. Bounded: a child that never
-    prints fails the test after ``start_timeout`` seconds, and a child left running is killed.
+    Returns ``(returncode, lines)``: every complete line it printed, split into words (a line the kill cut short
+    is left out: with ``PYTHONUNBUFFERED=1`` one ``print`` is several writes, and the kill can land between
+    them). Bounded: a child that never prints fails the test after ``start_timeout`` seconds, and a child left
+    running is killed.
     """
     import signal
     import subprocess
@@ -113,7 +115,8 @@ def kill_when_running(argv: list, delay: float, start_timeout: float = 120.0) ->
 
     def reader():
         for line in proc.stdout:
-            lines.append(line.split())
+            if line.endswith("\n"):
+                lines.append(line.split())
             ready.set()
 
     t = threading.Thread(target=reader, daemon=True)

@@ -345,3 +345,62 @@ class CountHostPulls(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             self.pulls += 1
         return func(*args, **(kwargs or {}))
+
+
+# -- per-block gathering: the model and step its tests share (data_parallel(shard="params", blocks=model)) ------
+class BlockwiseBlock(torch.nn.Module):
+    def __init__(self, width: int, scaled: bool):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        # a float64 parameter in one block: its pieces come from a second flat buffer
+        self.scale = torch.nn.Parameter(torch.full((width,), 0.9, dtype=torch.float64)) if scaled else None
+
+    def forward(self, x):
+        y = torch.tanh(self.lin(x))
+        return y * self.scale.to(y.dtype) if self.scale is not None else y
+
+
+class BlockwiseNet(torch.nn.Module):
+    """7 -> 5 wide, 3 blocks (odd sizes: a rank's shard ends inside a block), an input and an output layer."""
+
+    def __init__(self, depth: int = 3, width: int = 5, scaled: int = 1):
+        super().__init__()
+        self.inp = torch.nn.Linear(7, width)
+        self.blocks = torch.nn.ModuleList([BlockwiseBlock(width, i == scaled) for i in range(depth)])
+        self.out = torch.nn.Linear(width, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def _blockwise_transforms(config: str, micro: int) -> list:
+    return {"plain": [], "accumulate": [ft.accumulate(micro)], "clip": [ft.clip(0.05)], "ema": [ft.ema(0.5)],
+            # (fp16 rounding depends on the rows grouped: the reference accumulates the same micro-batches)
+            "fp16": [ft.accumulate(micro), ft.mixed_precision("fp16", init_scale=256.0)],
+            "all": [ft.accumulate(micro), ft.clip(0.05), ft.ema(0.5), ft.mixed_precision("bf16")]}[config]
+
+
+def blockwise_problem(config: str, policies=("nothing_saveable", "everything_saveable", "dots_saveable"), micro: int = 2,
+             depth: int = 3, seed: int = 0):
+    """(model, step, params, buffers, batch): :class:`BlockwiseNet` with each block marked by ``ft.remat`` with the
+    policy at its index (``None``: unmarked), its step with ``config``'s transforms (``micro`` micro-batches), and
+    8 rows; tests/distributed/test_blockwise.py and the CUDA tests share it."""
+    torch.manual_seed(seed)
+    model = BlockwiseNet(depth, scaled=-1 if config in ("fp16", "all") else 1)  # (mixed precision takes fp32 params only)
+    for block, policy in zip(model.blocks, policies):
+        if policy is not None:
+            ft.remat(block, policy)
+    apply_fn, params, buffers = ft.functionalize(model)
+    g = torch.Generator().manual_seed(seed + 1)
+    batch = (torch.randn(8, 7, generator=g), torch.randn(8, 3, generator=g))
+
+    def loss(params, buffers, batch):
+        return torch.nn.functional.mse_loss(apply_fn(params, buffers, batch[0]).float(), batch[1])
+
+    step = ft.train_step(loss, ft.optim.adamw(1e-2))
+    for t in _blockwise_transforms(config, micro):
+        step = t(step)
+    return model, step, params, buffers, batch

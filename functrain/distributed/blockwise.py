@@ -30,11 +30,11 @@ from typing import Any, NamedTuple
 import torch
 
 from ..core.flat import FlatLayout
-from ..core.recompute import Lender, Lent, lending, tie
+from ..core.recompute import Lender, Lent, tie
 from ..core.remat import marked_blocks
 from ..core.validate import BadValue, describe
 
-__all__ = ["BlockPlan", "BlockLender", "check_blocks", "lending"]
+__all__ = ["BlockPlan", "BlockLender", "check_blocks"]
 
 REST = -1  # the owner of the parameters outside the blocks
 
@@ -54,7 +54,6 @@ def check_blocks(blocks: Any) -> torch.nn.Module:
 
 class _Piece(NamedTuple):
     owner: int  # a block's index, REST, or None (the padding)
-    start: int  # where its run starts in the whole buffer
     length: int  # how many of its elements this rank holds
     at: int  # where those sit in the owner's concatenated runs
 
@@ -133,16 +132,18 @@ class BlockPlan:
             pieces: list[_Piece] = []
             for (o, a, b), at in zip(runs, run_at):
                 x, y = max(a, lo), min(b, hi)
-                pieces.append(_Piece(o, a, max(0, y - x), at + max(0, min(x, b) - a)))
+                pieces.append(_Piece(o, max(0, y - x), at + max(0, min(x, b) - a)))
             pad = hi - max(lo, layout.numel[k])
             if pad > 0:
-                pieces.append(_Piece(None, layout.numel[k], min(pad, hi - lo), 0))
+                pieces.append(_Piece(None, min(pad, hi - lo), 0))
             self.split[k] = [p.length for p in pieces]
             self.owners[k] = {o: _Owner(base[o], tuple(i for i, p in enumerate(pieces) if p.owner == o),
                                         tuple(leaves.get(o, ()))) for o in base}
             self._pieces[k] = pieces
 
     def pieces(self, k: str) -> list[_Piece]:
+        """This rank's pieces of buffer ``k``, in buffer order: each one owner's elements of one run (``split[k]``
+        are their lengths)."""
         return self._pieces[k]
 
 

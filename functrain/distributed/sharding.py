@@ -314,9 +314,11 @@ class ShardedDataParallel(Transform):
     def wrap_loss(self, loss_fn: Callable, ctx: StepContext) -> Callable:
         if self.blocks is None:
             return loss_fn
-        from .blockwise import BlockLender, lending
+        from ..core.recompute import lending
+        from .blockwise import BlockLender
 
         self._check(ctx)
+        self._lenders.clear()  # (a trace that failed before its reduce stage left its own)
         plan, group, world = self._block_plan(), self._group(), self.layout.world
 
         def blockwise(shards, buffers, batch):
@@ -351,7 +353,8 @@ class ShardedDataParallel(Transform):
         return blockwise
 
     def wrap_grad(self, grad_fn: Callable, ctx: StepContext) -> Callable:
-        self._check(ctx)
+        if self.blocks is None:  # (with blocks= the loss stage checked)
+            self._check(ctx)
         if self.shard != "params" or self.blocks is not None:
             return grad_fn  # (blocks: the loss gathers, block by block; the gradient is of the shard)
 

@@ -111,11 +111,9 @@ def test_remat_and_the_memory_estimate_on_cuda():
 
 # -- per-block gathering (data_parallel(shard="params", blocks=model)) on CUDA ------------------------------
 def _blockwise_problem(device, config="all", micro=2):
-    import sys, os  # noqa: E401
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "distributed"))
-    from test_blockwise import _problem  # the CPU tests' model: 3 blocks, each marked with another policy
+    from conftest import blockwise_problem  # the CPU tests' model: 3 blocks, each marked with another policy
 
-    model, step, params, buffers, batch = _problem(config, micro=micro)
+    model, step, params, buffers, batch = blockwise_problem(config, micro=micro)
     model.to(device)
     params = {k: v.to(device) for k, v in params.items()}
     return model, step, params, buffers, tuple(t.to(device) for t in batch)

@@ -13,65 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functrain as ft
+from conftest import blockwise_problem
 from functrain import tree as T
 
 CONFIGS = ("plain", "accumulate", "clip", "ema", "fp16", "all")
 POLICIES = ("nothing_saveable", "everything_saveable", "dots_saveable")
-
-
-class Block(torch.nn.Module):
-    def __init__(self, width: int, scaled: bool):
-        super().__init__()
-        self.lin = torch.nn.Linear(width, width)
-        # a float64 parameter in one block: its pieces come from a second flat buffer
-        self.scale = torch.nn.Parameter(torch.full((width,), 0.9, dtype=torch.float64)) if scaled else None
-
-    def forward(self, x):
-        y = torch.tanh(self.lin(x))
-        return y * self.scale.to(y.dtype) if self.scale is not None else y
-
-
-class Net(torch.nn.Module):
-    """7 -> 5 wide, 3 blocks (odd sizes: a rank's shard ends inside a block), an input and an output layer."""
-
-    def __init__(self, depth: int = 3, width: int = 5, scaled: int = 1):
-        super().__init__()
-        self.inp = torch.nn.Linear(7, width)
-        self.blocks = torch.nn.ModuleList([Block(width, i == scaled) for i in range(depth)])
-        self.out = torch.nn.Linear(width, 3)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.out(x)
-
-
-def _transforms(config: str, micro: int) -> list:
-    return {"plain": [], "accumulate": [ft.accumulate(micro)], "clip": [ft.clip(0.05)], "ema": [ft.ema(0.5)],
-            # (fp16 rounding depends on the rows grouped: the reference accumulates the same micro-batches)
-            "fp16": [ft.accumulate(micro), ft.mixed_precision("fp16", init_scale=256.0)],
-            "all": [ft.accumulate(micro), ft.clip(0.05), ft.ema(0.5), ft.mixed_precision("bf16")]}[config]
-
-
-def _problem(config: str, policies=("nothing_saveable", "everything_saveable", "dots_saveable"), micro: int = 2,
-             depth: int = 3, seed: int = 0):
-    torch.manual_seed(seed)
-    model = Net(depth, scaled=-1 if config in ("fp16", "all") else 1)  # (mixed precision takes fp32 params only)
-    for block, policy in zip(model.blocks, policies):
-        if policy is not None:
-            ft.remat(block, policy)
-    apply_fn, params, buffers = ft.functionalize(model)
-    g = torch.Generator().manual_seed(seed + 1)
-    batch = (torch.randn(8, 7, generator=g), torch.randn(8, 3, generator=g))
-
-    def loss(params, buffers, batch):
-        return torch.nn.functional.mse_loss(apply_fn(params, buffers, batch[0]).float(), batch[1])
-
-    step = ft.train_step(loss, ft.optim.adamw(1e-2))
-    for t in _transforms(config, micro):
-        step = t(step)
-    return model, step, params, buffers, batch
 
 
 def _err(a, b) -> float:
@@ -89,7 +35,7 @@ def test_one_process_law():
     def law(depth, policies, config, seed):
         if all(p is None for p in policies[:depth]):
             policies = ["nothing_saveable"] + policies[1:]
-        model, step, params, buffers, batch = _problem(config, policies, depth=depth, seed=seed)
+        model, step, params, buffers, batch = blockwise_problem(config, policies, depth=depth, seed=seed)
         blockwise = ft.data_parallel(shard="params", blocks=model)(step)
         ref, state = step.init(params, buffers), blockwise.init(params, buffers)
         for _ in range(2):
@@ -152,10 +98,10 @@ def _law_worker(backend, root):
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {}
     for config in CONFIGS if backend != "inductor" else ("all",):
-        _, ref_step, params, buffers, batch = _problem(config, micro=2 * world)
+        _, ref_step, params, buffers, batch = blockwise_problem(config, micro=2 * world)
         ref_run = ft.compile(ref_step, backend=backend) if backend else ref_step
         reference = ref_step.init(params, buffers)
-        model, step, params, buffers, _ = _problem(config)
+        model, step, params, buffers, _ = blockwise_problem(config)
         if rank:  # rank 1 starts from other weights: init must take rank 0's
             params = {k: v + 1.0 for k, v in params.items()}
         blockwise = ft.data_parallel(shard="params", blocks=model)(step)
@@ -188,14 +134,14 @@ def _law_worker(backend, root):
             uninterrupted = state
             for _ in range(2):
                 uninterrupted, _ = run(uninterrupted, mine)
-            model2, step2, params2, buffers2, _ = _problem(config)
+            model2, step2, params2, buffers2, _ = blockwise_problem(config)
             again = ft.data_parallel(shard="params", blocks=model2)(step2)
             resumed = ft.load(path, again.init(params2, buffers2))
             r["loaded_exact"] = T.tree_equal(resumed, state)
             for _ in range(2):
                 resumed, _ = again(resumed, mine)
             r["resume_exact"] = T.tree_equal(resumed, uninterrupted)
-            whole = ft.data_parallel(shard="params")(_problem(config)[1])
+            whole = ft.data_parallel(shard="params")(blockwise_problem(config)[1])
             r["whole_exact"] = T.tree_equal(ft.load(path, whole.init(params2, buffers2)), state)
         report[config] = r
     return report
@@ -254,7 +200,7 @@ def test_two_processes_inductor():
 
 
 def test_bad_blocks_are_refused():
-    model, step, params, buffers, batch = _problem("plain")
+    model, step, params, buffers, batch = blockwise_problem("plain")
     with pytest.raises(ValueError, match="needs shard='params'; got shard='optimizer'"):
         ft.data_parallel(shard="optimizer", blocks=model)
     with pytest.raises(ValueError, match="must be the model given to ft.functionalize.*got"):
@@ -262,9 +208,9 @@ def test_bad_blocks_are_refused():
     with pytest.raises(ValueError, match="has no block marked with ft.remat"):
         ft.data_parallel(shard="params", blocks=torch.nn.Linear(2, 2))
     # blocks= another model than the one the loss runs: no block of it runs in the loss
-    other, *_ = _problem("plain")
+    other, *_ = blockwise_problem("plain")
     wrong = ft.data_parallel(shard="params", blocks=other)(step)
-    with pytest.raises(RuntimeError, match="no marked block of blocks=Net ran in the loss"):
+    with pytest.raises(RuntimeError, match="no marked block of blocks=BlockwiseNet ran in the loss"):
         wrong(wrong.init(params, buffers), batch)
     # the Dynamo path cannot trace it: refused by name
     blockwise = ft.data_parallel(shard="params", blocks=model)(step)

@@ -3,6 +3,7 @@
     python bench/depth.py                          # T2 T4 T8 T16 T32 gpt2, each in a fresh process, cold cache
     python bench/depth.py --depths 2,32 --no-gpt2  # a subset
     python bench/depth.py --reuse off              # the whole step traced flat (ft.compile(reuse_blocks=False))
+    python bench/depth.py --flat-state             # the state made with step.init(flat=True): one buffer per dtype
 
 Each configuration runs in a new process with an empty inductor cache folder (the probe memo of the
 machine is kept: ``FUNCTRAIN_CACHE_DIR`` is left as it is, so a first compile on the machine is not
@@ -52,7 +53,7 @@ else:
     batch = wl.batches[0]
 if what == "gpt2":
     step = ft.train_step(loss_fn, ft.optim.adamw(1e-4))
-state = step.init(params, buffers)
+state = step.init(params, buffers, flat=os.environ.get("FT_BENCH_FLAT") == "1")
 reuse = os.environ.get("FT_BENCH_REUSE", "on") == "on"
 from functrain.compiler.capture import trace
 t = time.perf_counter()
@@ -99,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--reuse", default="on", choices=["on", "off", "both"],
                    help="ft.compile(reuse_blocks=...) (default on here; ft.compile's default is off); both: on then off at each depth (paired)")
+    p.add_argument("--flat-state", action="store_true",
+                   help="step.init(params, buffers, flat=True): the update runs over one buffer per dtype, not per parameter")
     p.add_argument("--out-json", default=None)
     args = p.parse_args(argv)
     todo = [d.strip() for d in args.depths.split(",") if d.strip()] + ([] if args.no_gpt2 else ["gpt2"])
@@ -108,10 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     for what in todo:
         for mode in modes:
             before = load()
-            r = run_one(what, root, args.timeout, {"FT_BENCH_REUSE": mode})
+            r = run_one(what, root, args.timeout, {"FT_BENCH_REUSE": mode, "FT_BENCH_FLAT": "1" if args.flat_state else "0"})
             r["load_before"], r["load_after"], r["reuse"] = before, load(), mode
             rows.append(r)
             print(json.dumps(r), flush=True)
+    print(f"\nstate: {'flat (step.init(flat=True))' if args.flat_state else 'a tree of parameters'}")
     print("\n| model | reuse_blocks | nodes (all graphs) | regions | trace s | first call s | step ms | load |\n"
           "|---|---|---|---|---|---|---|---|")
     for r in rows:

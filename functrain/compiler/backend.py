@@ -35,12 +35,14 @@ class CountingBackend:
     """A ``torch.compile`` backend that counts the graphs it compiles, then defers to the real one.
 
     ``shared``: the real backend keeps an on-disk cache other processes read (inductor): each graph
-    is compiled under its machine-wide lock, with inductor's CPU probes memoized."""
+    is compiled under its machine-wide lock, with inductor's CPU probes memoized. ``lock_held``: that lock
+    is already held for this process's one graph (a compile worker whose parent holds it on its behalf)."""
 
     def __init__(self, backend: Any, shared: bool = False):
         self._backend = backend  # the backend, or a partial that makes it (inductor's: on first use, so
         self.count = 0           # that a process that only loads packages never imports inductor)
         self.shared = shared
+        self.lock_held = False
 
     @property
     def backend(self) -> Any:
@@ -52,6 +54,9 @@ class CountingBackend:
         self.count += 1
         if not self.shared:
             return self.backend(gm, example_inputs)
+        if self.lock_held:
+            with cache.probe_memo():
+                return self.backend(gm, example_inputs)
         key = cache.graph_key(gm, [t for t in example_inputs if torch.is_tensor(t)])
         with cache.probe_memo(), cache.compile_lock(key):
             return self.backend(gm, example_inputs)

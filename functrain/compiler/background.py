@@ -11,8 +11,10 @@ signature it
    trace sets ``torch.compiler.is_compiling()``, a process-wide flag, and patches ``nn.Module``
    while it runs, so it must not overlap an eager step; it is the short part of a compile);
 3. hands the graph to a **worker process** (:mod:`functrain.compiler.worker`) that compiles it
-   at a lower priority into AOTAutograd's and inductor's on-disk caches, under the machine-wide
-   per-graph lock (one process per machine compiles a graph; the others wait, then hit);
+   at a lower priority into AOTAutograd's and inductor's on-disk caches, unless another process
+   of the machine is compiling it: one process per machine compiles a graph, the one that holds
+   the graph's machine-wide lock (:class:`~functrain.compiler.jobs.SharedJob`: local rank 0 takes
+   it at once); the others start no worker, and load its code once the lock is free;
 4. keeps running the eager step, call after call, until the switch: then loads the worker's
    entries on the training thread with code generation refused
    (:meth:`~functrain.compiler.backend.CountingBackend.load`: a miss, a corrupt or foreign entry
@@ -65,8 +67,8 @@ import torch
 from ..core.state import TrainState
 from .backend import compile_captured
 from .capture import Captured, importing as _importing, preload as _preload, wait_for_imports
-from .jobs import (FAILED, READY, RUNNING, TIMEOUT_ENV, FailedJob, InlineJob, Job, LoadedJob, ThreadJob, WorkerJob,
-                   _first, _timeout)
+from .jobs import (FAILED, READY, RUNNING, TIMEOUT_ENV, FailedJob, InlineJob, Job, LoadedJob, SharedJob, ThreadJob,
+                   WorkerJob, _first, _grace, _timeout, leads_at_once)
 
 __all__ = ["Background", "Progress", "WORKER_ENV", "TIMEOUT_ENV", "RUNNING", "READY", "FAILED"]
 
@@ -84,15 +86,20 @@ class Progress:
         compile_s:   seconds from the start of the first graph's trace to its code being loaded here.
         worker_s:    of which the worker's own compile (``None`` without a worker).
         worker_pid:  the running worker's process id, or ``None``.
-        source:      where the first graph's code came from: ``"worker"`` (a worker process compiled it),
-                     ``"cache"`` (an earlier process had: loaded at the first trace), ``"thread"``, ``"here"``
+        source:      where the first graph's code came from: ``"worker"`` (this process's worker compiled it),
+                     ``"peer"`` (another process on this machine was compiling it: this one waited for it and
+                     loaded its code), ``"cache"`` (an earlier process had: loaded at the first trace),
+                     ``"thread"``, ``"here"``
                      (compiled on the training thread: another backend, a package, or a failed load); ``None``
                      before.
         switch_at:   the step count at which the compiled code takes over (``None``: when it is ready).
+        workers:     compile workers this process gave a graph to (one machine compiles each graph once: a
+                     process that follows another's compile starts none).
         reason:      why the compile failed, or ``None``.
     """
 
-    __slots__ = ("phase", "eager_calls", "compile_s", "worker_s", "worker_pid", "reason", "switch_at", "source")
+    __slots__ = ("phase", "eager_calls", "compile_s", "worker_s", "worker_pid", "reason", "switch_at", "source",
+                 "workers")
 
     def __init__(self, switch_at: int | None = None) -> None:
         self.switch_at = switch_at
@@ -103,6 +110,7 @@ class Progress:
         self.worker_pid: int | None = None
         self.reason: str | None = None
         self.source: str | None = None
+        self.workers = 0
 
     def __repr__(self) -> str:
         return (f"Progress(phase={self.phase!r}, eager_calls={self.eager_calls}, compile_s={self.compile_s}, "
@@ -259,22 +267,39 @@ class Background:
             return InlineJob(cap, backend)
         if self._worker == "thread":
             return ThreadJob(cap, backend, int(os.environ.get("FUNCTRAIN_COMPILE_NICE", "10")), _timeout())
+        from . import cache
+        from .backend import fake_inputs
         from .worker import job_payload
-        worker, self._spare = self._spare, None
+        lock = cache.GraphLock(cache.graph_key(cap.gm, fake_inputs(cap.metas)))
         try:
-            payload = job_payload(cap.gm, cap.metas, self.inductor)
+            payload = job_payload(cap.gm, cap.metas, self.inductor, lock=lock.key if lock.usable else None)
         except Exception as e:  # noqa: BLE001 - a graph torch cannot serialize: compile it here instead
-            if worker is not None:
-                worker.close()
+            lock.close()
+            if self._spare is not None:
+                self._spare.close()
+                self._spare = None
             # compiled on the training thread at the switch, which every rank reaches at the same call: compiling
             # it now would block this rank alone while its peers wait in a collective (past their timeout)
             warnings.warn(f"ft.compile: this step's graph cannot be sent to a compile worker ({type(e).__name__}: "
                           f"{_first(e)}); compiling it on the training thread at the switch (the steps wait)",
                           RuntimeWarning, stacklevel=5)
             return InlineJob(cap, backend, now=False)
-        worker = worker if worker is not None else WorkerJob(_timeout())
-        worker.send(payload)
-        return worker
+
+        def start(key: str) -> Job:  # this process leads: its worker compiles the graph, under the lock it holds
+            worker, self._spare = self._spare, None
+            worker = worker if worker is not None else WorkerJob(_timeout())
+            self.progress.workers += 1
+            worker.send(payload)
+            return worker
+
+        def load() -> Any:  # another process compiled it: its code, from the caches
+            return backend.load(cap.gm, cap.metas)
+
+        job = SharedJob(lock, load, start, lead=leads_at_once(), grace=_grace(), timeout=_timeout())
+        if job.inner is None and self._spare is not None:  # another process compiles it: no worker here
+            self._spare.close()
+            self._spare = None
+        return job
 
     def _cached(self, cap: Captured) -> Job | None:
         """The graph's code loaded from the caches if an earlier process compiled it (a second run, a resume, a
@@ -296,7 +321,7 @@ class Background:
         """Before the eager calls that lead to a compile: the worker process starts (importing torch and
         inductor while this process runs the step and traces it)."""
         if self._spare is None and self._worker == "process" and self.direct.backend.shared \
-                and self.direct.packages is None:
+                and self.direct.packages is None and leads_at_once():
             self._spare = WorkerJob(_timeout())
             self.progress.worker_pid = self._spare.pid
         if self.progress.phase == "eager":
@@ -354,7 +379,7 @@ class Background:
         loads), unless ``FUNCTRAIN_COMPILE_FINISH=0``; a worker waiting for a graph is stopped now.
         ``finish=False`` takes that back (a run stopped by a signal: its workers die with it)."""
         for _, job in self.jobs.values():
-            if isinstance(job, WorkerJob):
+            if isinstance(job, (WorkerJob, SharedJob)):
                 job.finish_after_exit(finish)
         if self._spare is not None:
             self._spare.close()

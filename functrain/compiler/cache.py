@@ -56,7 +56,7 @@ import torch
 
 from . import trust
 
-__all__ = ["use_cache_dir", "trusted_folder", "compile_lock", "probe_memo", "graph_key", "check_private_folder",
+__all__ = ["use_cache_dir", "trusted_folder", "compile_lock", "GraphLock", "probe_memo", "graph_key", "check_private_folder",
            "machine", "NotCached", "refuse_codegen"]
 
 _MEMO_FORMAT = 1
@@ -260,6 +260,80 @@ def _lock_timeout() -> float:
     return value
 
 
+class GraphLock:
+    """The machine-wide lock on graph ``key``: an ``flock`` on a file named by the key in a private folder beside
+    inductor's cache. The kernel releases it when the process that holds it exits, however it exits.
+
+    :func:`compile_lock` holds it around one compile. A background compile holds it longer, on the training
+    thread, for as long as the worker it started compiles the graph, so that the machine's other processes
+    see at once that the graph is being compiled and load the result instead of starting a worker of their
+    own (:class:`functrain.compiler.jobs.SharedJob`). Without ``fcntl`` (Windows) or a writable lock folder
+    there is no lock (:attr:`usable` is false): :meth:`acquire` succeeds and nothing is ever held elsewhere.
+    """
+
+    def __init__(self, key: str):
+        self.key = key
+        self.fd: int | None = None
+        self.held = False
+        self.usable = False
+        self.reason = ""
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows
+            self.reason = "no fcntl"
+            return
+        self._fcntl = fcntl
+        _redirect_defaults()  # inductor compiles next: its default folder must be the trusted one by then
+        try:
+            folder = check_private_folder(os.path.join(_inductor_dir(), "functrain-locks"))
+            self.fd = os.open(os.path.join(folder, key + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except (OSError, ValueError) as e:
+            self.reason = str(e)
+            return
+        self.usable = True
+
+    def acquire(self, block: bool = False) -> bool:
+        """Take the lock (``block``: wait for it, unbounded: only a worker's take-over thread does); whether it
+        is held now. Without a usable lock: ``True``."""
+        if not self.usable:
+            return True
+        if not self.held:
+            try:
+                self._fcntl.flock(self.fd, self._fcntl.LOCK_EX | (0 if block else self._fcntl.LOCK_NB))
+            except BlockingIOError:
+                return False
+            self.held = True
+        return True
+
+    def held_elsewhere(self) -> bool:
+        """Whether another process holds the lock now (a probe: taken and released at once when free)."""
+        if not self.usable or self.held:
+            return False
+        if not self.acquire():
+            return True
+        self.release()
+        return False
+
+    def release(self) -> None:
+        if self.held:
+            self._fcntl.flock(self.fd, self._fcntl.LOCK_UN)
+            self.held = False
+
+    def close(self) -> None:
+        self.release()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+            self.usable = False
+
+    def __del__(self) -> None:
+        if getattr(self, "fd", None) is not None:
+            try:
+                os.close(self.fd)
+            except OSError:  # pragma: no cover
+                pass
+
+
 @contextlib.contextmanager
 def compile_lock(key: str) -> Iterator[bool]:
     """Hold the machine-wide lock on graph ``key`` while compiling it (yields whether it is held).
@@ -268,41 +342,26 @@ def compile_lock(key: str) -> Iterator[bool]:
     seconds; after that this one compiles anyway (a warning says so). Without ``fcntl``
     (Windows) or a writable lock folder there is no lock: each process compiles itself.
     """
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        yield False
-        return
     timeout = _lock_timeout()
-    _redirect_defaults()  # inductor compiles next: its default folder must be the trusted one by then
-    try:
-        folder = check_private_folder(os.path.join(_inductor_dir(), "functrain-locks"))
-        fd = os.open(os.path.join(folder, key + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    except (OSError, ValueError) as e:
-        warnings.warn(f"ft.compile: no compile lock ({e}); processes starting together may each compile "
-                      f"this graph", stacklevel=3)
+    lock = GraphLock(key)
+    if not lock.usable:
+        if lock.reason != "no fcntl":
+            warnings.warn(f"ft.compile: no compile lock ({lock.reason}); processes starting together may each "
+                          f"compile this graph", stacklevel=3)
         yield False
         return
-    held = False
     try:
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                held = True
+        while not lock.acquire():
+            if time.monotonic() >= deadline:
+                warnings.warn(f"ft.compile: another process has been compiling this graph for over "
+                              f"{timeout:g} s (FUNCTRAIN_COMPILE_LOCK_TIMEOUT); compiling it here too",
+                              stacklevel=3)
                 break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    warnings.warn(f"ft.compile: another process has been compiling this graph for over "
-                                  f"{timeout:g} s (FUNCTRAIN_COMPILE_LOCK_TIMEOUT); compiling it here too",
-                                  stacklevel=3)
-                    break
-                time.sleep(0.05)
-        yield held
+            time.sleep(0.05)
+        yield lock.held
     finally:
-        if held:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        lock.close()
 
 
 # -- the probe memo ---------------------------------------------------------------------------

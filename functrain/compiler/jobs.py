@@ -3,7 +3,8 @@
 A job says where its graph stands (:meth:`Job.poll`: ``RUNNING``, ``READY`` or ``FAILED``, a host int the
 ranks agree on with a MIN) and, when it was compiled in this process, hands over the code. Kinds: a
 worker process (:class:`WorkerJob`, the default: it compiles into the shared on-disk caches, the training
-thread loads from them), a daemon thread (:class:`ThreadJob`, for comparison), the training thread itself
+thread loads from them; :class:`SharedJob` makes it one worker per machine), a daemon thread
+(:class:`ThreadJob`, for comparison), the training thread itself
 (:class:`InlineJob`: backends whose code cannot travel), a cache hit (:class:`LoadedJob`) and a trace that
 failed (:class:`FailedJob`). Every job is bounded: ``FUNCTRAIN_COMPILE_TIMEOUT`` seconds (default 3600),
 and a worker is killed with its compiler children when its job ends early, when it is garbage-collected
@@ -27,12 +28,14 @@ from typing import Any, Callable
 from .backend import compile_graph
 from .capture import Captured
 
-__all__ = ["Job", "FailedJob", "InlineJob", "LoadedJob", "ThreadJob", "WorkerJob", "TIMEOUT_ENV", "FINISH_ENV",
-           "RUNNING", "READY", "FAILED", "finish_after_exit_allowed"]
+__all__ = ["Job", "FailedJob", "InlineJob", "LoadedJob", "ThreadJob", "WorkerJob", "SharedJob", "TIMEOUT_ENV",
+           "FINISH_ENV", "GRACE_ENV", "RUNNING", "READY", "FAILED", "finish_after_exit_allowed", "leads_at_once"]
 
 TIMEOUT_ENV = "FUNCTRAIN_COMPILE_TIMEOUT"
 FINISH_ENV = "FUNCTRAIN_COMPILE_FINISH"
+GRACE_ENV = "FUNCTRAIN_COMPILE_FOLLOW_S"
 _TIMEOUT = 3600.0
+_GRACE = 20.0
 RUNNING, READY, FAILED = 0, 1, -1  # a job's status, and what the ranks agree on (their MIN)
 
 
@@ -47,6 +50,26 @@ def _timeout() -> float:
     if not value > 0:
         raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0; got {raw!r}")
     return value
+
+
+def _grace() -> float:
+    raw = os.environ.get(GRACE_ENV)
+    if raw is None:
+        return _GRACE
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:
+        raise ValueError(f"{GRACE_ENV} must be a number of seconds >= 0; got {raw!r}")
+    return value
+
+
+def leads_at_once() -> bool:
+    """Whether this process starts compiling a graph as soon as it has traced it (local rank 0, or a process
+    that is not one of several ranks: no ``LOCAL_RANK``); the machine's other ranks first wait up to
+    ``FUNCTRAIN_COMPILE_FOLLOW_S`` seconds (20 by default) for local rank 0 to start, then load its code."""
+    return os.environ.get("LOCAL_RANK", "0").strip() in ("", "0")
 
 
 class Job:
@@ -348,6 +371,89 @@ class WorkerJob(Job):
     def close(self) -> None:
         _kill_tree(self.proc)
         _LIVE.discard(self)
+
+
+class SharedJob(Job):
+    """One graph compiled once per machine: by a worker this process starts, or by another process's.
+
+    The graph's machine-wide lock (:class:`~functrain.compiler.cache.GraphLock`) says who compiles. This
+    process *leads* by taking it: it holds the lock on the training thread while its worker (``start(key)``:
+    a :class:`WorkerJob`, told that the lock is held for it) compiles, and releases it when the worker ends.
+    Otherwise it *follows*: each :meth:`poll` (one per step) probes the lock; once the process that held it
+    has let it go, :meth:`poll` loads the code from the caches (``load()``: the training thread's one cache
+    load, which the switch would make anyway) and the job is ready, with no worker and no compile here. A
+    follower leads after all when the lock is free and the caches miss: the other process failed or was
+    killed, or (a rank other than local rank 0, which waits ``grace`` seconds for local rank 0 to start)
+    nobody started.
+    """
+
+    def __init__(self, lock: Any, load: Callable[[], Callable], start: Callable[[str], Job], lead: bool,
+                 grace: float, timeout: float):
+        super().__init__()
+        self.lock, self._load, self._start = lock, load, start
+        self.timeout = timeout
+        self.inner: Job | None = None  # this process's worker, when it leads
+        self.fn: Callable | None = None
+        self.seen_held = False  # another process was seen holding the lock: its result is worth a load
+        self._lead_at = self.started + (0.0 if lead else grace)
+        if lead:
+            self._lead()
+
+    @property
+    def source(self) -> str:  # type: ignore[override]
+        return self.inner.source if self.inner is not None else "peer"
+
+    @property
+    def pid(self) -> int | None:
+        return getattr(self.inner, "pid", None)
+
+    def _lead(self) -> None:
+        if not self.lock.acquire():
+            self.seen_held = True  # another process took it first: follow it
+            return
+        self.inner = self._start(self.lock.key)
+
+    def poll(self) -> int:
+        if self.status != RUNNING:
+            return self.status
+        if self.inner is not None:
+            status = self.inner.poll()
+            if status != RUNNING:
+                self.lock.release()
+                self.status, self.reason, self.seconds, self.finished = \
+                    status, self.inner.reason, self.inner.seconds, self.inner.finished
+            return status
+        if time.perf_counter() - self.started > self.timeout:
+            return self._fail(f"the process compiling this graph on this machine did not finish within "
+                              f"{self.timeout:g} s ({TIMEOUT_ENV})")
+        if self.lock.held_elsewhere():
+            self.seen_held = True
+            return RUNNING
+        if self.seen_held:
+            try:
+                self.fn = self._load()
+            except Exception:  # noqa: BLE001 - the other process failed or died: compile it here
+                self.seen_held = False
+                self._lead_at = 0.0
+            else:
+                return self._ready(None)
+        if time.perf_counter() >= self._lead_at:
+            self._lead()
+            return self.poll() if self.inner is not None else RUNNING
+        return RUNNING
+
+    def code(self) -> Callable | None:
+        return self.fn if self.inner is None else self.inner.code()
+
+    def finish_after_exit(self, finish: bool = True) -> None:
+        """See :meth:`WorkerJob.finish_after_exit` (a follower has nothing running)."""
+        if isinstance(self.inner, WorkerJob):
+            self.inner.finish_after_exit(finish)
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+        self.lock.close()
 
 
 def _first(error: BaseException) -> str:

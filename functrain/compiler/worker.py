@@ -128,14 +128,16 @@ def _sendable(name: str) -> bool:
     return name.startswith(_SENDABLE_OPS)
 
 
-def job_payload(gm: torch.fx.GraphModule, metas: tuple, inductor: dict) -> bytes:
+def job_payload(gm: torch.fx.GraphModule, metas: tuple, inductor: dict, lock: str | None = None) -> bytes:
     """The job for a worker: ``gm`` (traced, constants lifted), its inputs' ``metas``, the inductor
-    arguments (``{"mode", "options", "donate"}`` of :class:`~functrain.compiler.options.Options`)."""
+    arguments (``{"mode", "options", "donate"}`` of :class:`~functrain.compiler.options.Options`).
+    ``lock``: the key of the graph's machine-wide lock, which the parent holds for the worker (the worker
+    compiles without taking it, and takes it over if the parent exits first)."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
     graph = GraphPickler.dumps(gm, Options(ops_filter=_sendable))
     return pickle.dumps({"format": FORMAT, "graph": graph, "metas": metas, "inductor": inductor,
-                         "settings": settings(), "process_group": _process_group(gm)},
+                         "settings": settings(), "process_group": _process_group(gm), "lock": lock},
                         protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -185,6 +187,19 @@ def _prepare() -> None:
     from . import backend  # noqa: F401
 
 
+def _take_over(key: str) -> None:
+    """The parent holds the graph's lock while this worker compiles; a daemon thread waits for it, so that if
+    the parent exits first (a run that ended, its compile left to finish) this worker holds it until it exits
+    and no other process starts compiling the same graph meanwhile."""
+    import threading
+
+    from .cache import GraphLock
+
+    lock = GraphLock(key)
+    if lock.usable:
+        threading.Thread(target=lock.acquire, args=(True,), name="functrain-lock-take-over", daemon=True).start()
+
+
 def _run(data: bytes) -> dict:
     job = pickle.loads(data)  # from the parent, through a pipe
     if not isinstance(job, dict) or job.get("format") != FORMAT:
@@ -197,10 +212,13 @@ def _run(data: bytes) -> dict:
 
     if job.get("process_group"):
         _stand_in(job["process_group"])
+    if job.get("lock"):
+        _take_over(str(job["lock"]))
     with contextlib.ExitStack() as stack:
         apply_settings(job["settings"], stack)
         gm = GraphPickler.loads(job["graph"], FakeTensorMode())
         backend = make_backend(Options(**job["inductor"]))
+        backend.lock_held = bool(job.get("lock"))
         t0 = time.perf_counter()
         compile_graph(backend, gm, tuple(job["metas"]))
     return {"ok": True, "seconds": time.perf_counter() - t0}

@@ -9,14 +9,17 @@ worker runs, for the tests that kill things). Modes:
   of the loss function (the compiled code makes none) and compares every state with the eager
   step's on the same batches (bitwise while eager, to 1e-5 after the switch).
 * ``hold``: steps eagerly for ever (the test SIGKILLs this process while its worker compiles).
-* ``hang``: this process holds the graph's compile lock, so its worker waits on it (bounded by
-  ``FUNCTRAIN_COMPILE_TIMEOUT``, which the test sets low): eager steps go on, one warning.
+* ``follow``: as local rank 1 while another process compiles the same step: says ``FOLLOWING`` after its
+  first call (it found the graph's lock held and started no worker), then steps until its code is compiled.
+* ``hang``: with ``HANG_CXX`` set (in any mode: inductor's C++ compiler is then a script that sleeps in a
+  worker), the worker hangs in it (bounded by ``FUNCTRAIN_COMPILE_TIMEOUT``, which the test sets low): eager
+  steps go on, one warning.
+* ``held``: this process holds the graph's compile lock, as another process compiling it would: this one
+  follows that compile instead of starting a worker, and gives up at ``FUNCTRAIN_COMPILE_TIMEOUT``.
 * ``fail``: inductor's C++ compiler is ``/bin/false`` (a broken toolchain): the worker fails.
 * ``die``: the worker is SIGKILLed while it compiles.
 * ``short``: ``ft.run`` of 3 steps, which end long before a cold compile: the run ends normally while its
   worker compiles (the test then watches the worker finish after this process has exited).
-* ``lock``: holds the step's compile lock (as another process compiling it would) and sleeps (bounded): a
-  worker started meanwhile waits on it.
 * ``again``: the same step by ``ft.run`` again, 40 steps: where its code came from and when it took over.
 * ``corrupt``: ``switch_at`` far ahead; once the compiled code is ready, every cache entry it
   wrote is truncated; the switch must not load them (rebuilt here, with a warning).
@@ -40,6 +43,9 @@ DEADLINE = 400.0  # seconds a mode may wait for the compiled code (a loaded 2-co
 
 
 def problem():
+    if os.environ.get("HANG_CXX"):  # what a worker is sent: its C++ compiler never returns (see the test)
+        import torch._inductor.config as inductor_config
+        inductor_config.cpp.cxx = (os.environ["HANG_CXX"],)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
     apply_fn, params, buffers = ft.functionalize(model)
@@ -57,7 +63,8 @@ def problem():
 
 
 def announce(progress, said=[False]):  # noqa: B006 - once per process
-    if not said[0] and progress.worker_pid is not None:
+    # a worker that has the graph (and this process holds the graph's lock for it)
+    if not said[0] and progress.worker_pid is not None and progress.workers:
         print(f"WORKER {progress.worker_pid}", flush=True)
         said[0] = True
 
@@ -121,7 +128,7 @@ def eager_until(cstep, step, state, ref, batches, until, limit=DEADLINE) -> tupl
 def fault(mode: str) -> dict:
     step, params, buffers, batches, calls = problem()
     held = None
-    if mode == "hang":
+    if mode == "held":
         held = hold_the_lock(step, params, buffers, batches[0])
     if mode == "fail":
         import torch._inductor.config as inductor_config
@@ -144,7 +151,8 @@ def fault(mode: str) -> dict:
     ours = [str(w.message) for w in caught if "background compile" in str(w.message)]
     worker = worker or p.worker_pid
     return {"phase": p.phase, "reason": p.reason, "warnings": ours, "eager_equal_bitwise": equal and
-            T.tree_equal(state, ref), "worker_gone": worker is None or not _alive(worker), "held": held is not None}
+            T.tree_equal(state, ref), "worker_gone": worker is None or not _alive(worker), "held": held is not None,
+            "workers": p.workers}
 
 
 def hold_the_lock(step, params, buffers, batch):
@@ -224,6 +232,29 @@ def again() -> dict:
             "cache": sorted(d for d in os.listdir(root) if d in ("fxgraph", "aotautograd"))}
 
 
+def follow() -> dict:
+    """Run as a rank other than local rank 0 (``LOCAL_RANK=1``) while another process compiles the same step."""
+    from functrain.compiler import capture
+
+    step, params, buffers, batches, calls = problem()
+    capture.preload()
+    capture.wait_for_imports()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cstep = ft.compile(step, background=True)
+        state = step.init(params, buffers)
+        state, _ = cstep(state, batches[0])  # traced here: it found the graph's lock held, or not
+        p = cstep.progress
+        print("FOLLOWING" if p.workers == 0 else "LEADING", flush=True)
+        i, t0 = 1, time.perf_counter()
+        while p.phase not in ("compiled", "failed") and time.perf_counter() - t0 < DEADLINE:
+            state, _ = cstep(state, batches[i % 8])
+            i += 1
+            time.sleep(0.01)
+    return {"phase": p.phase, "source": p.source, "workers": p.workers, "compiles": cstep.compiles,
+            "warnings": [str(w.message) for w in caught if "ft.compile" in str(w.message)]}
+
+
 def hold() -> dict:
     step, params, buffers, batches, calls = problem()
     cstep = ft.compile(step, background=True)
@@ -243,12 +274,8 @@ def main() -> None:
         out = corrupt()
     elif mode == "hold":
         out = hold()
-    elif mode == "lock":
-        step, params, buffers, batches, calls = problem()
-        hold_the_lock(step, params, buffers, batches[0])
-        print("HELD", flush=True)
-        time.sleep(float(os.environ.get("HOLD_S", "120")))
-        out = {}
+    elif mode == "follow":
+        out = follow()
     elif mode in ("short", "again"):
         out = short() if mode == "short" else again()
     else:

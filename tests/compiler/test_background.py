@@ -94,19 +94,32 @@ def test_first_call_returns_before_the_compile_then_the_compiled_code_runs(cache
     assert warm["loss_calls_after_swap"] == 0 and warm["close"] and warm["compiles"] == 1, warm
 
 
+def _hanging_compiler(folder):
+    """A C++ compiler that never returns in a compile worker (which runs at nice +10: it sleeps far past every
+    timeout the tests set) and is g++ in the training process (inductor's CPU probes run there)."""
+    path = folder / "hang-cxx.sh"
+    path.write_text('#!/bin/sh\nif [ "$(nice)" -ge 5 ]; then exec sleep 3600; fi\nexec g++ "$@"\n')
+    path.chmod(0o700)
+    return str(path)
+
+
 @pytest.mark.parametrize("mode, reason", [
     ("fail", "the compile worker (pid {pid}) failed: "),
     ("die", "the compile worker (pid {pid}) was killed by signal SIGKILL"),
-    ("hang", "did not finish within 20 s (FUNCTRAIN_COMPILE_TIMEOUT); it was stopped"),
+    ("hang", "the compile worker (pid {pid}) did not finish within 20 s (FUNCTRAIN_COMPILE_TIMEOUT); it was stopped"),
+    ("held", "the process compiling this graph on this machine did not finish within 20 s (FUNCTRAIN_COMPILE_TIMEOUT)"),
 ])
 def test_a_failing_dead_or_hung_worker_leaves_eager_training_and_one_warning(tmp_path, mode, reason):
-    r = _job(mode, tmp_path, FUNCTRAIN_COMPILE_TIMEOUT=20)
+    r = _job(mode, tmp_path, FUNCTRAIN_COMPILE_TIMEOUT=20,
+             **({"HANG_CXX": _hanging_compiler(tmp_path)} if mode == "hang" else {}))
     assert r["phase"] == "failed", r
     assert len(r["warnings"]) == 1, r["warnings"]  # said once, and training went on
     pid = r["reason"].split("pid ")[1].split(")")[0] if "pid " in r["reason"] else "?"
     assert reason.format(pid=pid) in r["warnings"][0], r["warnings"]
     assert "training on with the eager step" in r["warnings"][0]
     assert r["eager_equal_bitwise"] and r["worker_gone"], r
+    # one worker had the graph; none where another process holds the graph's lock (this one followed it)
+    assert r["workers"] == (0 if mode == "held" else 1), r
 
 
 def test_a_corrupt_cache_entry_is_rebuilt_never_loaded(tmp_path):
@@ -139,6 +152,46 @@ def test_no_orphan_worker_after_sigkill_of_the_training_process(tmp_path):
         time.sleep(0.2)
     assert not _workers_of(proc.pid), "the compile worker outlived the training process"
     assert not _group_alive(worker), f"its compilers outlived it: {_group_alive(worker)}"
+
+
+def test_a_follower_whose_compiling_process_is_killed_compiles_itself(tmp_path):
+    """One process per machine compiles a graph: a second process (local rank 1) that finds the graph's lock held
+    starts no worker and waits for the first. When the first is SIGKILLed mid-compile (its worker dies with it and
+    the kernel frees the lock), the follower finds nothing in the caches and compiles the graph itself: no hang,
+    no warning, compiled in the end. (The first process's worker never finishes: its C++ compiler hangs.)"""
+    leader = subprocess.Popen([sys.executable, JOB, "hold"],
+                              env=_env(tmp_path, LOCAL_RANK=0, HANG_CXX=_hanging_compiler(tmp_path)),
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    follower, worker = None, None
+    try:
+        line, deadline = "", time.monotonic() + 120
+        while not line.startswith("WORKER ") and time.monotonic() < deadline:
+            line = leader.stdout.readline()
+        assert line.startswith("WORKER "), "the first process started no compile worker"
+        worker = int(line.split()[1])
+        follower = subprocess.Popen([sys.executable, JOB, "follow"], env=_env(tmp_path, LOCAL_RANK=1),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        said = follower.stdout.readline()
+        assert said.strip() == "FOLLOWING", said + follower.stderr.read()[-3000:] if follower.poll() is not None \
+            else said
+        os.kill(leader.pid, signal.SIGKILL)
+        leader.wait(timeout=30)
+        out, err = follower.communicate(timeout=600)
+    finally:
+        for proc in (leader, follower):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+        if worker is not None:  # the dead worker's hanging compiler (its process group)
+            try:
+                os.killpg(worker, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    assert follower.returncode == 0 and lines, out[-3000:] + err[-3000:]
+    r = json.loads(lines[-1][len("RESULT "):])
+    assert r["phase"] == "compiled" and r["source"] == "worker" and r["workers"] == 1, r
+    assert r["compiles"] == 1 and not r["warnings"], r
 
 
 def test_a_run_shorter_than_its_compile_leaves_the_next_run_compiled(tmp_path):
@@ -177,26 +230,20 @@ def test_a_run_shorter_than_its_compile_leaves_the_next_run_compiled(tmp_path):
 
 def test_a_worker_left_to_finish_is_still_bounded_by_its_timeout(tmp_path):
     """A worker left to finish after its run (which no parent watches any more) kills itself and its compilers
-    at FUNCTRAIN_COMPILE_TIMEOUT: here it waits on a compile lock another process holds."""
-    holder = subprocess.Popen([sys.executable, JOB, "lock"], env=_env(tmp_path, HOLD_S=120), stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert holder.stdout.readline().startswith("HELD")
-        t0 = time.monotonic()
-        out = subprocess.run([sys.executable, JOB, "short"],
-                             env=_env(tmp_path, FUNCTRAIN_COMPILE_FINISH=1, FUNCTRAIN_COMPILE_TIMEOUT=15),
-                             capture_output=True, text=True, timeout=300)
-        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-        assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
-        worker = json.loads(lines[-1][len("RESULT "):])["worker_pid"]
-        assert f"goes on in process {worker}" in out.stderr and _group_alive(worker), out.stderr[-2000:]
-        while _group_alive(worker) and time.monotonic() - t0 < 60:
-            time.sleep(0.2)
-        assert not _group_alive(worker), "the detached worker ran past its timeout"
-        assert time.monotonic() - t0 >= 10, "the worker ended before its timeout: it was not waiting on the lock"
-    finally:
-        holder.kill()
-        holder.wait(timeout=30)
+    at FUNCTRAIN_COMPILE_TIMEOUT: here its C++ compiler never returns."""
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, JOB, "short"],
+                         env=_env(tmp_path, FUNCTRAIN_COMPILE_FINISH=1, FUNCTRAIN_COMPILE_TIMEOUT=15,
+                                  HANG_CXX=_hanging_compiler(tmp_path)),
+                         capture_output=True, text=True, timeout=300)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
+    worker = json.loads(lines[-1][len("RESULT "):])["worker_pid"]
+    assert f"goes on in process {worker}" in out.stderr and _group_alive(worker), out.stderr[-2000:]
+    while _group_alive(worker) and time.monotonic() - t0 < 60:
+        time.sleep(0.2)
+    assert not _group_alive(worker), "the detached worker or its compiler ran past its timeout"
+    assert time.monotonic() - t0 >= 10, "the worker ended before its timeout: its compiler did not hang"
 
 
 # ------------------------------------------------------------------------------------------ policies (aot_eager)

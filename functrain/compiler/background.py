@@ -95,11 +95,13 @@ class Progress:
         switch_at:   the step count at which the compiled code takes over (``None``: when it is ready).
         workers:     compile workers this process gave a graph to (one machine compiles each graph once: a
                      process that follows another's compile starts none).
+        traced:      whether the first graph has been traced (or its trace failed): until then ``ft.memory`` of
+                     this call path would trace it itself, waiting for the compiler's imports.
         reason:      why the compile failed, or ``None``.
     """
 
     __slots__ = ("phase", "eager_calls", "compile_s", "worker_s", "worker_pid", "reason", "switch_at", "source",
-                 "workers")
+                 "workers", "traced")
 
     def __init__(self, switch_at: int | None = None) -> None:
         self.switch_at = switch_at
@@ -111,6 +113,7 @@ class Progress:
         self.reason: str | None = None
         self.source: str | None = None
         self.workers = 0
+        self.traced = False
 
     def __repr__(self) -> str:
         return (f"Progress(phase={self.phase!r}, eager_calls={self.eager_calls}, compile_s={self.compile_s}, "
@@ -153,6 +156,7 @@ class Background:
         self.progress = Progress(options.switch_at)
         self._known: tuple | None = None  # (the step tensor the last eager call returned, its host count)
         self._spare: WorkerJob | None = None  # a worker started before the trace, waiting for its job
+        self._follow_s = _grace()  # (checked now: a bad value is refused by ft.compile, not by a later call)
         self._worker = os.environ.get(WORKER_ENV, "process")
         if self._worker not in ("process", "thread"):
             raise ValueError(f"{WORKER_ENV} must be 'process' or 'thread'; got {self._worker!r}")
@@ -205,6 +209,8 @@ class Background:
         status = job.poll()
         if status == READY and self.progress.phase == "compiling":
             self.progress.phase = "ready"
+        elif status == RUNNING:
+            self.progress.worker_pid = getattr(job, "pid", None)  # (a follower that took the compile over)
         return status
 
     def _eager(self, state: TrainState, batch: Any, start: Callable[[], None] | None = None) -> tuple:
@@ -248,6 +254,7 @@ class Background:
             job = FailedJob(f"{type(e).__name__}: {e}")
             self.jobs[key] = (None, job)
             self.progress.phase = "compiling"
+            self.progress.traced = True
             self._say(job.reason)  # now: the ranks agree on it at the next call
             job.said = True
             return
@@ -257,6 +264,7 @@ class Background:
         job.started = t0  # the compile time counts from the trace
         self.jobs[key] = (cap, job)
         self.progress.phase = "compiling"
+        self.progress.traced = True
         self.progress.worker_pid = getattr(job, "pid", None)
 
     def _job(self, cap: Captured) -> Job:
@@ -295,7 +303,7 @@ class Background:
         def load() -> Any:  # another process compiled it: its code, from the caches
             return backend.load(cap.gm, cap.metas)
 
-        job = SharedJob(lock, load, start, lead=leads_at_once(), grace=_grace(), timeout=_timeout())
+        job = SharedJob(lock, load, start, lead=leads_at_once(), grace=self._follow_s, timeout=_timeout())
         if job.inner is None and self._spare is not None:  # another process compiles it: no worker here
             self._spare.close()
             self._spare = None

@@ -35,7 +35,7 @@ TIMEOUT_ENV = "FUNCTRAIN_COMPILE_TIMEOUT"
 FINISH_ENV = "FUNCTRAIN_COMPILE_FINISH"
 GRACE_ENV = "FUNCTRAIN_COMPILE_FOLLOW_S"
 _TIMEOUT = 3600.0
-_GRACE = 20.0
+_GRACE = 5.0
 RUNNING, READY, FAILED = 0, 1, -1  # a job's status, and what the ranks agree on (their MIN)
 
 
@@ -68,7 +68,7 @@ def _grace() -> float:
 def leads_at_once() -> bool:
     """Whether this process starts compiling a graph as soon as it has traced it (local rank 0, or a process
     that is not one of several ranks: no ``LOCAL_RANK``); the machine's other ranks first wait up to
-    ``FUNCTRAIN_COMPILE_FOLLOW_S`` seconds (20 by default) for local rank 0 to start, then load its code."""
+    ``FUNCTRAIN_COMPILE_FOLLOW_S`` seconds (5 by default) for local rank 0 to start, then load its code."""
     return os.environ.get("LOCAL_RANK", "0").strip() in ("", "0")
 
 

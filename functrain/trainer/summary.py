@@ -56,8 +56,9 @@ class MemoryLine:
             print(line, flush=True)
 
     def after_step(self, state: Any) -> None:
-        """After each step: print the kept line once the background compile has traced (or failed); no trace here."""
-        if self.batch is None or self.progress.phase == "eager":
+        """After each step: print the kept line once the background compile has traced (or failed); no trace here
+        (nor a wait for the compiler's imports, which the background trace waits for without blocking a step)."""
+        if self.batch is None or not (self.progress.traced or self.progress.phase == "failed"):
             return
         batch, self.batch = self.batch, None
         step = self.run_step.step if self.progress.phase == "failed" else self.run_step  # failed: the state's bytes

@@ -353,8 +353,13 @@ def test_the_donating_form_retires_eager_states_and_owns_the_state_at_the_switch
     assert not cstep.background and cstep._fast.fallback is None
 
 
-def test_bad_choices_are_refused():
+def test_bad_choices_are_refused(monkeypatch):
     step, *_ = _problem()
+    for bad in ("-1", "soon"):
+        monkeypatch.setenv("FUNCTRAIN_COMPILE_FOLLOW_S", bad)
+        with pytest.raises(ValueError, match=rf"FUNCTRAIN_COMPILE_FOLLOW_S must be a number of seconds >= 0; got '{bad}'"):
+            ft.compile(step, background=True)
+    monkeypatch.delenv("FUNCTRAIN_COMPILE_FOLLOW_S")
     with pytest.raises(ValueError, match=r"background=True / switch_at=\) compiles the direct capture"):
         ft.compile(step, background=True, fullgraph=False)
     with pytest.raises(ValueError, match=r"switch_at must be an int >= 0"):

@@ -67,16 +67,18 @@ def _check(reports):
 
 
 def test_replicated_ranks_switch_together_inductor(tmp_path):
-    # rank 0's worker compiles (cold cache) while rank 0 holds the graph's lock; rank 1 sees the lock held, starts
-    # no worker, and loads rank 0's code once the lock is free: ready at other times, switched at the same step
+    # one rank's worker compiles (cold cache) while that rank holds the graph's lock; the other sees the lock held,
+    # starts no worker, and loads the code once the lock is free: ready at other times, switched at the same step
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     reports = ft.launch(_switch_worker, nprocs=2, args=("none", None), timeout=900, env=env)
     _check(reports)
     # the data-parallel graph (functional collectives) went to one worker process on this machine, and the other
     # rank loaded what it wrote: never compiled on a training thread (a rank blocked there for a cold compile
     # outlived its peer's collective timeout in the main job), and never compiled twice
-    assert [r["source"] for r in reports] == ["worker", "peer"], reports
-    assert [r["workers"] for r in reports] == [1, 0], reports
+    # (local rank 0 takes the lock at once and rank 1 waits a few seconds for it to: which one compiles is a
+    # preference, not a law, on a loaded machine)
+    assert sorted(r["source"] for r in reports) == ["peer", "worker"], reports
+    assert sorted(r["workers"] for r in reports) == [0, 1], reports
 
 
 @pytest.mark.parametrize("shard", ["optimizer", "params"])

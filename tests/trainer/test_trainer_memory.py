@@ -87,3 +87,31 @@ def test_a_background_compile_prints_the_line_from_its_own_trace_after_the_step_
     assert "step peak +" in out[lines[0]] and "params 20 B" in out[lines[0]], out[lines[0]]
     assert traces == [1], traces  # one trace, the background compile's, after the first (eager) step ran
     assert trainer.run_step.progress is not None and trainer.run_step.progress.eager_calls >= 1
+
+
+def test_the_line_never_makes_a_step_wait_for_the_compilers_imports(tmp_path, capsys, monkeypatch):
+    """While the compiler's modules are still being imported (a thread does it while the first steps run eagerly),
+    the background compile does not trace yet, and neither may the memory line: it would make the training thread
+    wait for the imports. Here the imports never finish during the run (a stand-in thread), so nothing is traced
+    and, the run ending before the trace, no line is printed."""
+    import threading
+
+    import functrain.compiler.capture as capture
+    import functrain.compiler.runtime as runtime
+
+    done = threading.Event()
+    importing = threading.Thread(target=done.wait, args=(60,), daemon=True)  # imports that are still running
+    importing.start()
+    monkeypatch.setattr(capture, "_preloading", importing)
+    traces = []
+    real = runtime.trace
+    monkeypatch.setattr(runtime, "trace", lambda *a, **k: traces.append(1) or real(*a, **k))
+    try:
+        trainer = _train(tmp_path, compile=True, compile_background=True, steps=6)
+    finally:
+        done.set()
+        importing.join(10)
+    out = capsys.readouterr().out.splitlines()
+    assert traces == [], "a step waited for the compiler's imports to trace the graph"
+    assert not [line for line in out if line.startswith("memory per rank on cpu: state ")], out
+    assert trainer.run_step.progress.eager_calls == 6 and not trainer.run_step.progress.traced

@@ -54,6 +54,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ..core.validate import env_seconds
 from . import trust
 
 __all__ = ["use_cache_dir", "trusted_folder", "compile_lock", "GraphLock", "probe_memo", "graph_key", "check_private_folder",
@@ -248,16 +249,7 @@ def graph_key(gm: torch.fx.GraphModule, inputs: list) -> str:
 
 
 def _lock_timeout() -> float:
-    raw = os.environ.get("FUNCTRAIN_COMPILE_LOCK_TIMEOUT")
-    if raw is None:
-        return _LOCK_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise ValueError(f"FUNCTRAIN_COMPILE_LOCK_TIMEOUT must be a number of seconds >= 0; got {raw!r}")
-    return value
+    return env_seconds("FUNCTRAIN_COMPILE_LOCK_TIMEOUT", _LOCK_TIMEOUT)
 
 
 class GraphLock:

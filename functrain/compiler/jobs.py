@@ -25,6 +25,7 @@ import time
 import weakref
 from typing import Any, Callable
 
+from ..core.validate import env_seconds
 from .backend import compile_graph
 from .capture import Captured
 
@@ -40,29 +41,11 @@ RUNNING, READY, FAILED = 0, 1, -1  # a job's status, and what the ranks agree on
 
 
 def _timeout() -> float:
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return _TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0; got {raw!r}")
-    return value
+    return env_seconds(TIMEOUT_ENV, _TIMEOUT, positive=True)
 
 
 def _grace() -> float:
-    raw = os.environ.get(GRACE_ENV)
-    if raw is None:
-        return _GRACE
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value >= 0:
-        raise ValueError(f"{GRACE_ENV} must be a number of seconds >= 0; got {raw!r}")
-    return value
+    return env_seconds(GRACE_ENV, _GRACE)
 
 
 def leads_at_once() -> bool:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import Any, Iterable
 
-__all__ = ["BadValue", "describe", "bounded_repr", "is_real", "is_int", "check_real", "check_int", "check_choice", "path_str"]
+__all__ = ["BadValue", "describe", "bounded_repr", "is_real", "is_int", "check_real", "check_int", "check_choice", "path_str",
+           "env_seconds"]
 
 
 class BadValue(TypeError, ValueError):
@@ -158,3 +160,24 @@ def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
 def path_str(path: Iterable[Any]) -> str:
     """A pytree path as ``"layer/w"`` (the root is ``"<root>"``), for messages and checkpoint keys."""
     return "/".join(str(p) for p in path) or "<root>"
+
+
+def env_seconds(name: str, default: float, *, positive: bool = False) -> float:
+    """The number of seconds in environment variable ``name`` (``default`` when unset): a ``ValueError`` naming
+    the variable, what it holds and what is allowed (``> 0`` with ``positive``, else ``>= 0``) otherwise.
+
+    Example::
+
+        >>> env_seconds("FUNCTRAIN_DOCTEST_UNSET_SECONDS", 5.0)
+        5.0
+    """
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 if positive else value >= 0):
+        raise ValueError(f"{name} must be a number of seconds {'> 0' if positive else '>= 0'}; got {raw!r}")
+    return value

@@ -57,8 +57,8 @@ import torch
 from ..core.validate import env_seconds
 from . import trust
 
-__all__ = ["use_cache_dir", "trusted_folder", "compile_lock", "GraphLock", "probe_memo", "graph_key", "check_private_folder",
-           "machine", "NotCached", "refuse_codegen"]
+__all__ = ["use_cache_dir", "trusted_folder", "compile_lock", "GraphLock", "probe_memo", "graph_key",
+           "check_private_folder", "machine", "NotCached", "refuse_codegen"]
 
 _MEMO_FORMAT = 1
 _LOCK_TIMEOUT = 600.0
@@ -307,11 +307,13 @@ class GraphLock:
         return False
 
     def release(self) -> None:
+        """Let the lock go if this process holds it (the file stays open: it can be taken again)."""
         if self.held:
             self._fcntl.flock(self.fd, self._fcntl.LOCK_UN)
             self.held = False
 
     def close(self) -> None:
+        """Release the lock and close its file; the lock is unusable afterwards."""
         self.release()
         if self.fd is not None:
             os.close(self.fd)

@@ -378,16 +378,19 @@ class SharedJob(Job):
         self.inner: Job | None = None  # this process's worker, when it leads
         self.fn: Callable | None = None
         self.seen_held = False  # another process was seen holding the lock: its result is worth a load
-        self._lead_at = self.started + (0.0 if lead else grace)
+        # (without a usable lock nobody can be followed: compile at once)
+        self._lead_at = self.started + (0.0 if lead or not lock.usable else grace)
         if lead:
             self._lead()
 
     @property
     def source(self) -> str:  # type: ignore[override]
+        """``"worker"`` when this process's worker compiles the graph, ``"peer"`` while it follows another's."""
         return self.inner.source if self.inner is not None else "peer"
 
     @property
     def pid(self) -> int | None:
+        """The process id of this process's worker, or ``None`` (a follower)."""
         return getattr(self.inner, "pid", None)
 
     def _lead(self) -> None:

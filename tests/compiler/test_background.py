@@ -95,12 +95,14 @@ def test_first_call_returns_before_the_compile_then_the_compiled_code_runs(cache
 
 
 def _hanging_compiler(folder):
-    """A C++ compiler that never returns in a compile worker (which runs at nice +10: it sleeps far past every
-    timeout the tests set) and is g++ in the training process (inductor's CPU probes run there)."""
+    """The environment of a training process whose compile worker's C++ compiler never returns: in the worker
+    (which runs 10 above the training process's niceness, FUNCTRAIN_COMPILE_NICE) the compiler sleeps far past
+    every timeout the tests set; in the training process (inductor's CPU probes run there) it is g++."""
     path = folder / "hang-cxx.sh"
-    path.write_text('#!/bin/sh\nif [ "$(nice)" -ge 5 ]; then exec sleep 3600; fi\nexec g++ "$@"\n')
+    above = os.nice(0) + 5  # this process's niceness, which the training process inherits, plus 5
+    path.write_text(f'#!/bin/sh\nif [ "$(nice)" -ge {above} ]; then exec sleep 3600; fi\nexec g++ "$@"\n')
     path.chmod(0o700)
-    return str(path)
+    return {"HANG_CXX": str(path), "FUNCTRAIN_COMPILE_NICE": 10}
 
 
 @pytest.mark.parametrize("mode, reason", [
@@ -110,8 +112,7 @@ def _hanging_compiler(folder):
     ("held", "the process compiling this graph on this machine did not finish within 20 s (FUNCTRAIN_COMPILE_TIMEOUT)"),
 ])
 def test_a_failing_dead_or_hung_worker_leaves_eager_training_and_one_warning(tmp_path, mode, reason):
-    r = _job(mode, tmp_path, FUNCTRAIN_COMPILE_TIMEOUT=20,
-             **({"HANG_CXX": _hanging_compiler(tmp_path)} if mode == "hang" else {}))
+    r = _job(mode, tmp_path, FUNCTRAIN_COMPILE_TIMEOUT=20, **(_hanging_compiler(tmp_path) if mode == "hang" else {}))
     assert r["phase"] == "failed", r
     assert len(r["warnings"]) == 1, r["warnings"]  # said once, and training went on
     pid = r["reason"].split("pid ")[1].split(")")[0] if "pid " in r["reason"] else "?"
@@ -160,7 +161,7 @@ def test_a_follower_whose_compiling_process_is_killed_compiles_itself(tmp_path):
     the kernel frees the lock), the follower finds nothing in the caches and compiles the graph itself: no hang,
     no warning, compiled in the end. (The first process's worker never finishes: its C++ compiler hangs.)"""
     leader = subprocess.Popen([sys.executable, JOB, "hold"],
-                              env=_env(tmp_path, LOCAL_RANK=0, HANG_CXX=_hanging_compiler(tmp_path)),
+                              env=_env(tmp_path, LOCAL_RANK=0, **_hanging_compiler(tmp_path)),
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     follower, worker = None, None
     try:
@@ -234,7 +235,7 @@ def test_a_worker_left_to_finish_is_still_bounded_by_its_timeout(tmp_path):
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, JOB, "short"],
                          env=_env(tmp_path, FUNCTRAIN_COMPILE_FINISH=1, FUNCTRAIN_COMPILE_TIMEOUT=15,
-                                  HANG_CXX=_hanging_compiler(tmp_path)),
+                                  **_hanging_compiler(tmp_path)),
                          capture_output=True, text=True, timeout=300)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
@@ -357,7 +358,8 @@ def test_bad_choices_are_refused(monkeypatch):
     step, *_ = _problem()
     for bad in ("-1", "soon"):
         monkeypatch.setenv("FUNCTRAIN_COMPILE_FOLLOW_S", bad)
-        with pytest.raises(ValueError, match=rf"FUNCTRAIN_COMPILE_FOLLOW_S must be a number of seconds >= 0; got '{bad}'"):
+        with pytest.raises(ValueError,
+                           match=rf"FUNCTRAIN_COMPILE_FOLLOW_S must be a number of seconds >= 0; got '{bad}'"):
             ft.compile(step, background=True)
     monkeypatch.delenv("FUNCTRAIN_COMPILE_FOLLOW_S")
     with pytest.raises(ValueError, match=r"background=True / switch_at=\) compiles the direct capture"):

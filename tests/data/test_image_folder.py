@@ -83,3 +83,162 @@ def test_ft_shard_batches_an_image_folder(tmp_path):
     batches = list(loader)
     assert len(batches) == 2 and tuple(batches[0].shape) == (4, 1, 5, 5)
     assert torch.allclose(batches[1][:, 0, 0, 0], torch.tensor([80, 100, 120, 140]) / 255)
+
+
+# ------------------------------------------------------------------------------------------ bounded, every mode
+def _whole_resize_then_crop(img, size):
+    """What ImageFolder did for every image before the bound (torchvision's Resize(size) + CenterCrop(size) on a
+    PIL image): the shorter side resized to ``size`` (bilinear), then the centered square cut out of it."""
+    w, h = img.size
+    new = (size, int(size * h / w)) if w <= h else (int(size * w / h), size)
+    if new != img.size:
+        img = img.resize(new, Image.BILINEAR)
+    w, h = img.size
+    top, left = int(round((h - size) / 2.0)), int(round((w - size) / 2.0))
+    return np.asarray(img.crop((left, top, left + size, top + size)), dtype=np.float32) / 255
+
+
+def test_ordinary_images_are_the_whole_resize_then_crop_and_beyond_max_pixels_only_the_crop_is_resized(tmp_path):
+    """Images whose resized whole fits in max_pixels are resized whole, then cropped: bitwise what ImageFolder
+    (and the package's Dataset) always gave. Beyond it only the crop's source region is resized (Pillow's
+    resize with a box): the same sampling positions, equal to the whole resize within resampling rounding
+    (one step of 1/255), without allocating the whole."""
+    rng = np.random.default_rng(1)
+    shapes = [(20, 30), (33, 17), (9, 40), (40, 30), (7, 7), (5, 100), (100, 6), (4, 150), (150, 4)]
+    for i, (h, w) in enumerate(shapes):
+        _save(tmp_path / f"{i}.png", rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+    size = 12
+    whole = ft.data.ImageFolder(tmp_path, size)
+    cropped = ft.data.ImageFolder(tmp_path, size, max_pixels=2_000)  # 5x100 resizes to 12x240: the crop
+    assert cropped.max_pixels == 2_000 and whole.max_pixels == ft.data.image_folder.MAX_PIXELS
+    for i, path in enumerate(whole.paths):
+        with Image.open(path) as img:
+            expected = torch.from_numpy(_whole_resize_then_crop(img.convert("RGB"), size)).permute(2, 0, 1)
+        assert torch.equal(whole[i], expected), path.name
+        assert (cropped[i] - expected).abs().max() <= 1.0001 / 255, path.name
+    resized = [size * int(size * max(h, w) / min(h, w)) for h, w in shapes]
+    assert [i for i, n in enumerate(resized) if n > 2_000] == [5, 6, 7, 8]  # these four went through the box
+
+
+_PROBE = r"""
+import resource, sys
+try:  # keep a regression from taking the shared machine's memory: at most ~1 GiB more address space
+    vm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))
+except (OSError, StopIteration, ValueError):
+    pass
+import functrain as ft
+data = ft.data.ImageFolder(sys.argv[1], 64, convert_image_to="RGB")
+first = data[0]  # an ordinary image first: what a sample costs anyway is in the baseline
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+wide = data[1]
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+values = [sorted(set(c.mul(255).round().int().flatten().tolist())) for c in wide]  # per channel
+print("GROWTH_KIB", after - before, tuple(wide.shape), values, flush=True)
+"""
+
+
+def test_a_200000_by_1_png_is_read_in_little_memory(tmp_path):
+    """A 200000x1 PNG (about 1 KiB, under Pillow's decompression-bomb check) at image_size=64 resized whole is
+    12800000x64 pixels (2.4 GB as RGB); only its crop is resized now. Measured in a subprocess: the peak
+    resident memory grows by less than 64 MiB over reading an ordinary image."""
+    import subprocess
+
+    folder = tmp_path / "images"
+    _save(folder / "a.png", np.full((64, 64, 3), 7, np.uint8))
+    Image.new("RGB", (200_000, 1), (10, 200, 30)).save(folder / "b.png")
+    assert (folder / "b.png").stat().st_size < 4096
+    out = subprocess.run([sys.executable, "-c", _PROBE, str(folder)], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    line = next(s for s in out.stdout.splitlines() if s.startswith("GROWTH_KIB"))
+    _, growth, *rest = line.split(" ", 2)
+    assert int(growth) < 64 * 1024, line
+    assert rest == ["(3, 64, 64) [[10], [200], [30]]"], line
+
+
+def test_an_image_over_max_pixels_is_refused_naming_it_and_both_sizes(tmp_path):
+    _save(tmp_path / "small.png", np.zeros((10, 10), np.uint8))
+    _save(tmp_path / "tall.png", np.zeros((300, 20), np.uint8))
+    data = ft.data.ImageFolder(tmp_path, 8, max_pixels=5_000)
+    assert tuple(data[0].shape) == (1, 8, 8)
+    with pytest.raises(ValueError, match=r"ImageFolder: '.*tall\.png' is 20x300 pixels \(6000\), more than "
+                                         r"max_pixels=5000.*max_pixels="):
+        data[1]
+    with pytest.raises(ValueError, match=r"max_pixels must be an int >= 1; got 0"):
+        ft.data.ImageFolder(tmp_path, 8, max_pixels=0)
+    with pytest.raises(ValueError, match=r"image_size \(100, 60\) gives samples of 6000 pixels, more than "
+                                         r"max_pixels=5000"):
+        ft.data.ImageFolder(tmp_path, (100, 60), max_pixels=5_000)
+
+
+def test_a_file_that_cannot_be_decoded_is_named(tmp_path):
+    import io
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(buffer, "JPEG")
+    (tmp_path / "cut.jpg").write_bytes(buffer.getvalue()[:len(buffer.getvalue()) // 2])
+    (tmp_path / "junk.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
+    data = ft.data.ImageFolder(tmp_path, 8, convert_image_to="RGB")
+    for i, name in enumerate(["cut.jpg", "junk.png"]):
+        with pytest.raises(OSError, match=rf"ImageFolder: cannot read '.*{name}' \(\w+: .+\)"):
+            data[i]
+
+
+def _cmyk_jpeg(path):
+    rng = np.random.default_rng(2)
+    Image.fromarray(rng.integers(0, 256, (6, 6, 4), dtype=np.uint8), mode="CMYK").save(path, quality=95)
+
+
+@pytest.mark.parametrize("target", ["L", "RGB", "RGBA"])
+def test_every_mode_becomes_the_configured_channels(tmp_path, target):
+    """CMYK JPEG, palette PNG, 16-bit PNG (I;16), 32-bit int TIFF (I), LA, L, RGBA and 1-bit files all give the
+    configured channels; 16-bit values are scaled to 8 bits (v * 257 -> v), not clipped at 255."""
+    rng = np.random.default_rng(3)
+    grey = rng.integers(0, 256, (6, 6), dtype=np.uint8)
+    _cmyk_jpeg(tmp_path / "cmyk.jpg")
+    Image.fromarray(grey).convert("P").save(tmp_path / "palette.png")
+    Image.fromarray(grey.astype(np.uint16) * 257).save(tmp_path / "sixteen.png")
+    Image.fromarray(grey.astype(np.int32) * 257, mode="I").save(tmp_path / "thirtytwo.tiff")
+    Image.fromarray(np.stack([grey, 255 - grey], -1), mode="LA").save(tmp_path / "la.png")
+    _save(tmp_path / "l.png", grey)
+    _save(tmp_path / "rgba.png", np.stack([grey, grey, grey, 255 - grey], -1))
+    Image.fromarray(grey > 127).save(tmp_path / "one.png")
+    data = ft.data.ImageFolder(tmp_path, 6, convert_image_to=target, augment_horizontal_flip=False)
+    with Image.open(tmp_path / "sixteen.png") as img:
+        assert img.mode == "I;16"
+    with Image.open(tmp_path / "thirtytwo.tiff") as img:
+        assert img.mode == "I"
+    channels = len(target)
+    samples = {p.name: data[i] for i, p in enumerate(data.paths)}
+    for name, x in samples.items():
+        assert tuple(x.shape) == (channels, 6, 6), name
+    g = torch.from_numpy(grey).float() / 255
+    for name in ("palette.png", "sixteen.png", "thirtytwo.tiff", "l.png", "la.png", "rgba.png"):
+        assert torch.equal(samples[name][0], g), name  # the grey (or red) channel, exactly
+    assert torch.equal(samples["one.png"][0], (g > 127 / 255).float())  # 1-bit: 0 or 1.0
+    if target != "L":
+        assert torch.equal(samples["sixteen.png"][2], g)
+    with Image.open(tmp_path / "cmyk.jpg") as img:
+        assert img.mode == "CMYK"
+        expected = np.asarray(img.convert(target), dtype=np.float32).reshape(6, 6, channels) / 255
+    assert torch.equal(samples["cmyk.jpg"], torch.from_numpy(expected).permute(2, 0, 1))
+    if target == "RGBA":
+        alpha = torch.from_numpy(255 - grey).float() / 255
+        assert torch.equal(samples["la.png"][3], alpha) and torch.equal(samples["rgba.png"][3], alpha)
+
+
+def test_without_convert_image_to_a_file_of_other_channels_is_named(tmp_path):
+    """convert_image_to=None keeps each file's channels; a file whose channels differ from the first file's (a
+    CMYK JPEG among RGB files) is refused naming both, where the batch would otherwise fail later, unnamed."""
+    _save(tmp_path / "a.png", np.zeros((6, 6, 3), np.uint8))
+    _cmyk_jpeg(tmp_path / "b.jpg")
+    Image.fromarray(np.full((6, 6), 255, np.uint8)).convert("1").save(tmp_path / "c.png")
+    data = ft.data.ImageFolder(tmp_path, 6)
+    assert tuple(data[0].shape) == (3, 6, 6)
+    with pytest.raises(ValueError, match=r"ImageFolder: '.*b\.jpg' has mode 'CMYK' \(4 channels\) where the "
+                                         r"folder's first image '.*a\.png' has 3 \(mode 'RGB'\).*"
+                                         r"convert_image_to='RGB'"):
+        data[1]
+    grey = ft.data.ImageFolder(tmp_path, 6, convert_image_to="L")
+    assert float(grey[2].min()) == 1.0  # a 1-bit image's white is 1.0 (not 1/255)

@@ -8,6 +8,7 @@ import torch
 
 from ..core import tree as T
 from ..data import gather_for_eval, shard
+from ..data.arrays import as_columns
 from ..core.state import TrainState
 
 __all__ = ["Evaluator"]
@@ -38,7 +39,7 @@ class Evaluator:
         self.seed = seed
         self.loader = shard(dataset, batch_size=batch_size, shuffle=False, drop_last=False, device=device)
         self.device = device
-        world, size = self.loader.world_size, _size(dataset)
+        world, size = self.loader.world_size, _samples(self.loader.dataset)
         if size is not None and size < world * batch_size:
             raise ValueError(f"the eval dataset has {size} samples, fewer than one batch of {batch_size} on each of "
                              f"{world} process(es) ({world * batch_size} samples): lower TrainConfig.eval_batch_size "
@@ -93,7 +94,13 @@ class Evaluator:
             yield
 
 
-def _size(dataset: Any) -> int | None:
+def _samples(dataset: Any) -> int | None:
+    """The samples of an eval set (a DataLoader's: its dataset's), ``None`` if unknown: the rows of in-memory
+    columns (a tuple or dict of tensors / numpy arrays, a ``TensorDataset``: ``ft.shard``'s reading of them,
+    not ``len`` of the container), else ``len(dataset)``."""
+    columns = as_columns(dataset)
+    if columns is not None:
+        return len(columns)
     try:
         return len(dataset)
     except TypeError:

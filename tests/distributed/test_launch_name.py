@@ -1,0 +1,48 @@
+"""``ft.launch`` stays the in-process launcher function whoever imports ``functrain.launch`` (the ``python -m``
+entry point): a user, a doctest or documentation run over the package, ``pkgutil.walk_packages``. Each check runs in
+a fresh interpreter (with a timeout), so that no earlier import in this process hides the binding."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_WALK = r"""
+import importlib, pkgutil, sys
+import functrain as ft
+import functrain.launch
+import functrain.distributed
+assert callable(ft.launch), f"after import functrain.launch, ft.launch is {ft.launch!r}"
+names, skipped = [], []
+for info in pkgutil.walk_packages(ft.__path__, "functrain.", onerror=skipped.append):
+    try:
+        importlib.import_module(info.name)
+    except ImportError as e:  # an optional extra that is not installed here
+        skipped.append(f"{info.name}: {e}")
+    names.append(info.name)
+assert "functrain.launch" in names, names
+from functrain import launch as imported
+print("CALLABLE", callable(ft.launch), "SAME", ft.launch is functrain.distributed.launch,
+      "FROM", imported is functrain.distributed.launch,
+      "IMPORT_MODULE", importlib.import_module("functrain.launch") is functrain.distributed.launch,
+      "SIGNATURE", next(iter(__import__("inspect").signature(ft.launch).parameters)), flush=True)
+print("MODULES", len(names), "SKIPPED", skipped, flush=True)
+"""
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+
+
+def test_importing_every_module_keeps_ft_launch_the_function():
+    out = subprocess.run([sys.executable, "-c", _WALK], capture_output=True, text=True, timeout=300, env=_env(),
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "CALLABLE True SAME True FROM True IMPORT_MODULE True SIGNATURE fn" in out.stdout, out.stdout
+
+
+def test_python_m_functrain_launch_is_still_the_command_line_launcher():
+    out = subprocess.run([sys.executable, "-m", "functrain.launch", "--help"], capture_output=True, text=True,
+                         timeout=120, env=_env(), cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.startswith("usage: python -m functrain.launch") and "--nproc" in out.stdout, out.stdout

@@ -20,6 +20,7 @@ from .backend import CountingBackend, DynamoCall, make_backend
 from .errors import GraphBreakError
 from .options import Options
 from .runtime import DirectCall
+from .settings import WorkerSettings
 
 __all__ = ["compile", "CompiledStep", "GraphBreakError"]
 
@@ -39,6 +40,8 @@ class CompiledStep:
         step: the :class:`~functrain.Step` to compile.
         options: the checked options (what :func:`compile` builds from its arguments), or ``None`` to build them from
             ``**kwargs`` (the arguments of :func:`compile` after ``step``).
+        settings: the compile worker's :class:`~functrain.compiler.settings.WorkerSettings`, or ``None`` to read
+            and check the ``FUNCTRAIN_COMPILE_*`` variables now (a bad value is refused here, naming it).
 
     Example::
 
@@ -48,21 +51,23 @@ class CompiledStep:
         (True, 0, False)
     """
 
-    def __init__(self, step: Step, options: Options | None = None, **kwargs: Any):
+    def __init__(self, step: Step, options: Options | None = None, settings: WorkerSettings | None = None,
+                 **kwargs: Any):
         if not isinstance(step, Step):
             raise TypeError(f"ft.compile takes a functrain Step (from ft.train_step); got {type(step).__name__}")
         options = Options(**kwargs) if options is None else options
         self.step = step
         self.options = options
+        self.settings = WorkerSettings.from_env() if settings is None else settings
         self.donate = options.donate
         # checked before anything compiles or loads (None: inductor's own folder, the Trainer's default)
         folder = cache.use_cache_dir(options.cache_dir)
         self.cache_dir = None if options.cache_dir is None else folder
-        self._backend: CountingBackend = make_backend(options)
+        self._backend: CountingBackend = make_backend(options, self.settings.lock_timeout)
         self._packages = None
         if options.package:
             from .package import Packages
-            self._packages = Packages(os.fspath(options.cache_dir))
+            self._packages = Packages(os.fspath(options.cache_dir), self.settings.lock_timeout)
         self._fast: DirectCall | None = None  # the direct path (None on the Dynamo path)
         self._dynamo: DynamoCall | None = None
         self._owned: Any = None  # the Dynamo path's donating twin, made on first use (see donating())
@@ -79,7 +84,7 @@ class CompiledStep:
             form = DirectCall(self.step, self._backend, memory=memory, packages=self._packages,
                               cuda_graphs=self.options.cuda_graphs, reuse_blocks=self.options.reuse_blocks)
             if background:
-                Background(form, self.options)  # installs itself as the form's fallback
+                Background(form, self.options, self.settings)  # installs itself as the form's fallback
             self._forms[(memory, background)] = form
         self._used = form
         return form
@@ -156,7 +161,7 @@ class CompiledStep:
         if self.donate:
             return self
         if self._owned is None:
-            self._owned = CompiledStep(self.step, self.options.replace(donate=True))
+            self._owned = CompiledStep(self.step, self.options.replace(donate=True), self.settings)
         return self._owned
 
     def direct(self, donate: bool) -> DirectCall | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import sys
 import types
 import warnings
 from typing import Any, Callable, Iterator
@@ -35,13 +36,15 @@ class CountingBackend:
     """A ``torch.compile`` backend that counts the graphs it compiles, then defers to the real one.
 
     ``shared``: the real backend keeps an on-disk cache other processes read (inductor): each graph
-    is compiled under its machine-wide lock, with inductor's CPU probes memoized. ``lock_held``: that lock
-    is already held for this process's one graph (a compile worker whose parent holds it on its behalf)."""
+    is compiled under its machine-wide lock (another process's compile of it waited for at most
+    ``lock_timeout`` seconds), with inductor's CPU probes memoized. ``lock_held``: that lock is already held
+    for this process's one graph (a compile worker whose parent holds it on its behalf)."""
 
-    def __init__(self, backend: Any, shared: bool = False):
+    def __init__(self, backend: Any, shared: bool = False, lock_timeout: float = 600.0):
         self._backend = backend  # the backend, or a partial that makes it (inductor's: on first use, so
         self.count = 0           # that a process that only loads packages never imports inductor)
         self.shared = shared
+        self.lock_timeout = lock_timeout
         self.lock_held = False
 
     @property
@@ -58,7 +61,7 @@ class CountingBackend:
             with cache.probe_memo():
                 return self.backend(gm, example_inputs)
         key = cache.graph_key(gm, [t for t in example_inputs if torch.is_tensor(t)])
-        with cache.probe_memo(), cache.compile_lock(key):
+        with cache.probe_memo(), cache.compile_lock(key, self.lock_timeout):
             return self.backend(gm, example_inputs)
 
     def load(self, gm: torch.fx.GraphModule, metas: tuple) -> Callable:
@@ -76,9 +79,10 @@ class CountingBackend:
         return getattr(self.backend, name)
 
 
-def make_backend(options: Options) -> CountingBackend:
+def make_backend(options: Options, lock_timeout: float = 600.0) -> CountingBackend:
     """The counting backend for ``options`` (inductor made lazily; on the direct path without its per-call
-    size asserts, which the runtime's signature check makes redundant; CUDA graphs there are functrain's)."""
+    size asserts, which the runtime's signature check makes redundant; CUDA graphs there are functrain's);
+    ``lock_timeout``: see :class:`CountingBackend`."""
     backend, mode, extra = options.backend, options.mode, options.options
     direct = options.path == "direct"
     if backend in (None, "inductor"):
@@ -88,8 +92,9 @@ def make_backend(options: Options) -> CountingBackend:
         wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
         if wrapper is None:  # pragma: no cover - older torch: count through the registry's inductor
             from torch._dynamo.backends.registry import lookup_backend
-            return CountingBackend(lookup_backend("inductor"), shared=True)
-        return CountingBackend(functools.partial(wrapper, mode, extra, options.dynamic), shared=True)
+            return CountingBackend(lookup_backend("inductor"), shared=True, lock_timeout=lock_timeout)
+        return CountingBackend(functools.partial(wrapper, mode, extra, options.dynamic), shared=True,
+                               lock_timeout=lock_timeout)
     if isinstance(backend, str):
         from torch._dynamo.backends.registry import lookup_backend
         backend = lookup_backend(backend)
@@ -132,12 +137,64 @@ def fake_inputs(metas: tuple, fake_mode: Any = None) -> list:
                 for shape, stride, dtype, device in metas]
 
 
-def compile_graph(backend: Callable, gm: torch.fx.GraphModule, metas: tuple) -> Callable:
+def compile_graph(backend: Callable, gm: torch.fx.GraphModule, metas: tuple, notes: list | None = None) -> Callable:
     """``backend(gm, inputs)`` for fake inputs of ``metas`` inside a tracing context with a shape
     environment, as Dynamo calls backends: without one, AOTAutograd's and inductor's FX-graph caches
     bypass the graph ("No shape env") and every process compiles it from scratch. The inputs are made
     from metadata alone (shape, stride, dtype, device), so a worker process that has no tensor of the
-    step builds the same ones, and its compile keys the caches as this process's would."""
+    step builds the same ones, and its compile keys the caches as this process's would.
+
+    A compile that fails on a file of the cache (a damaged kernel source inductor would build again at every
+    run) is retried once with that file moved aside (:func:`~functrain.compiler.cache.set_aside_damaged`); what
+    was moved is said in a warning, or appended to ``notes`` (a worker: its parent says it). A second failure
+    raises :class:`~functrain.compiler.cache.CacheDamaged`, naming the folder to delete."""
+    try:
+        return _compile_once(backend, gm, metas)
+    except Exception as first:  # noqa: BLE001 - a damaged cache file, or the compile's own failure (re-raised)
+        moved = cache.set_aside_damaged(first) if backend_is_shared(backend) else []
+        if not moved:
+            raise
+        why = f"{type(first).__name__}: {_first_line(first)}"
+        if isinstance(backend, CountingBackend):
+            backend.count -= 1  # (the failed attempt built nothing)
+        _forget_in_memory()  # (inductor remembers the failed build in this process too)
+        try:
+            fn = _compile_once(backend, gm, metas)
+        except Exception as again:  # noqa: BLE001
+            raise cache.CacheDamaged(
+                f"the compile failed on cached file(s) {moved}, which were moved aside (renamed *.damaged), and "
+                f"failed again ({type(again).__name__}: {_first_line(again)}): delete the compile cache folder "
+                f"{cache.inductor_dir()} (it is rebuilt), then run again; the first failure was {why}") from again
+    note = (f"a damaged compile cache file was moved aside and rebuilt: {', '.join(moved)} (renamed *.damaged; the "
+            f"compile failed on it with {why})")
+    if notes is None:
+        warnings.warn(f"ft.compile: {note}", RuntimeWarning, stacklevel=2)
+    else:
+        notes.append(note)
+    return fn
+
+
+def _forget_in_memory() -> None:
+    """Drop inductor's in-process code caches (a failed build is kept there, keyed like the file on disk)."""
+    utils = sys.modules.get("torch._inductor.utils")
+    if utils is not None and hasattr(utils, "clear_caches"):
+        try:
+            utils.clear_caches()
+        except Exception:  # noqa: BLE001 - an older torch: the retry may fail again, and says what to delete
+            pass
+
+
+def backend_is_shared(backend: Any) -> bool:
+    """Whether ``backend`` keeps an on-disk cache (inductor's): only then can a cache file be at fault."""
+    return backend.shared if isinstance(backend, CountingBackend) else False
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
+
+
+def _compile_once(backend: Callable, gm: torch.fx.GraphModule, metas: tuple) -> Callable:
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv

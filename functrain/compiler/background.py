@@ -56,7 +56,6 @@ inline, cache hit) are :mod:`functrain.compiler.jobs`.
 """
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from typing import Any, Callable
@@ -68,7 +67,8 @@ from ..core.state import TrainState
 from .backend import compile_captured
 from .capture import Captured, importing as _importing, preload as _preload, wait_for_imports
 from .jobs import (FAILED, READY, RUNNING, TIMEOUT_ENV, FailedJob, InlineJob, Job, LoadedJob, SharedJob, ThreadJob,
-                   WorkerJob, _first, _grace, _timeout, leads_at_once)
+                   WorkerJob, _first, leads_at_once)
+from .settings import WorkerSettings
 
 __all__ = ["Background", "Progress", "WORKER_ENV", "TIMEOUT_ENV", "RUNNING", "READY", "FAILED"]
 
@@ -143,10 +143,11 @@ class Background:
     compiled yet, and compiles each such graph off the training thread (see the module docstring).
 
     ``options``: the compiled step's :class:`~functrain.compiler.options.Options` (``switch_at``, the inductor
-    arguments). Installs itself as ``direct.fallback`` and its :class:`Progress` as ``direct.progress``.
+    arguments); ``settings``: its :class:`~functrain.compiler.settings.WorkerSettings` (read and checked by
+    ``ft.compile``). Installs itself as ``direct.fallback`` and its :class:`Progress` as ``direct.progress``.
     """
 
-    def __init__(self, direct: Any, options: Any):
+    def __init__(self, direct: Any, options: Any, settings: WorkerSettings):
         self.direct = direct
         self.step = direct.step
         self.switch_at: int | None = options.switch_at
@@ -156,10 +157,8 @@ class Background:
         self.progress = Progress(options.switch_at)
         self._known: tuple | None = None  # (the step tensor the last eager call returned, its host count)
         self._spare: WorkerJob | None = None  # a worker started before the trace, waiting for its job
-        self._follow_s = _grace()  # (checked now: a bad value is refused by ft.compile, not by a later call)
-        self._worker = os.environ.get(WORKER_ENV, "process")
-        if self._worker not in ("process", "thread"):
-            raise ValueError(f"{WORKER_ENV} must be 'process' or 'thread'; got {self._worker!r}")
+        self.settings = settings
+        self._worker = settings.worker
         if self._worker == "thread":
             warnings.warn(f"{WORKER_ENV}=thread: compiling in a thread of the training process, for comparison "
                           f"only: torch's compiler saves and restores the global random generator and patches "
@@ -253,8 +252,10 @@ class Background:
                 self._spare = None
             job = FailedJob(f"{type(e).__name__}: {e}")
             self.jobs[key] = (None, job)
-            self.progress.phase = "compiling"
-            self.progress.traced = True
+            p = self.progress  # failed here, now (the ranks agree on it at the next call)
+            p.traced, p.reason, p.worker_pid = True, job.reason, None
+            running = any(j.status == RUNNING for _, j in self.jobs.values())
+            p.phase = "compiling" if running else ("compiled" if self.direct.captures else "failed")
             self._say(job.reason)  # now: the ranks agree on it at the next call
             job.said = True
             return
@@ -274,13 +275,14 @@ class Background:
         if not backend.shared:  # a backend other than inductor: its code cannot travel between processes
             return InlineJob(cap, backend)
         if self._worker == "thread":
-            return ThreadJob(cap, backend, int(os.environ.get("FUNCTRAIN_COMPILE_NICE", "10")), _timeout())
+            return ThreadJob(cap, backend, self.settings)
         from . import cache
         from .backend import fake_inputs
         from .worker import job_payload
         lock = cache.GraphLock(cache.graph_key(cap.gm, fake_inputs(cap.metas)))
         try:
-            payload = job_payload(cap.gm, cap.metas, self.inductor, lock=lock.key if lock.usable else None)
+            payload = job_payload(cap.gm, cap.metas, self.inductor, lock=lock.key if lock.usable else None,
+                                  lock_timeout=self.settings.lock_timeout)
         except Exception as e:  # noqa: BLE001 - a graph torch cannot serialize: compile it here instead
             lock.close()
             if self._spare is not None:
@@ -295,7 +297,7 @@ class Background:
 
         def start(key: str) -> Job:  # this process leads: its worker compiles the graph, under the lock it holds
             worker, self._spare = self._spare, None
-            worker = worker if worker is not None else WorkerJob(_timeout())
+            worker = worker if worker is not None else WorkerJob(self.settings)
             self.progress.workers += 1
             worker.send(payload)
             return worker
@@ -303,7 +305,8 @@ class Background:
         def load() -> Any:  # another process compiled it: its code, from the caches
             return backend.load(cap.gm, cap.metas)
 
-        job = SharedJob(lock, load, start, lead=leads_at_once(), grace=self._follow_s, timeout=_timeout())
+        job = SharedJob(lock, load, start, lead=leads_at_once(), grace=self.settings.follow_s,
+                        timeout=self.settings.timeout)
         if job.inner is None and self._spare is not None:  # another process compiles it: no worker here
             self._spare.close()
             self._spare = None
@@ -330,7 +333,7 @@ class Background:
         inductor while this process runs the step and traces it)."""
         if self._spare is None and self._worker == "process" and self.direct.backend.shared \
                 and self.direct.packages is None and leads_at_once():
-            self._spare = WorkerJob(_timeout())
+            self._spare = WorkerJob(self.settings)
             self.progress.worker_pid = self._spare.pid
         if self.progress.phase == "eager":
             self.progress.phase = "compiling"
@@ -350,6 +353,8 @@ class Background:
                               f"{_first(e)}); compiling the step on the training thread (the steps wait)",
                               RuntimeWarning, stacklevel=4)
                 fn = None
+        for note in job.notes:  # (a damaged cache entry the compile set aside and rebuilt)
+            warnings.warn(f"ft.compile: {note}", RuntimeWarning, stacklevel=4)
         source = job.source if fn is not None else "here"
         compile_captured(cap, d.backend, packages=d.packages, cuda_graphs=d.cuda_graphs, fn=fn)
         d.captures[key] = cap

@@ -27,6 +27,10 @@ different key, compiled afresh, never a stale entry. functrain adds three things
   these caches; the training process then loads them with inductor's code generation
   refused, so a miss (a corrupt or missing entry, a key that differs) is an error it can
   act on, never a compile that blocks training without saying so.
+* **a damaged entry is rebuilt, not kept** (:func:`set_aside_damaged`): a compile that fails on a file of the
+  cache (a flipped byte in a kernel's ``.cpp``, which inductor would otherwise build again at every run) is
+  retried once with that file moved aside (``<name>.damaged``), and the warning names it; a second failure
+  says which folder to delete.
 * **a memo of inductor's CPU probes** (:func:`probe_memo`): before its first CPU
   kernel, inductor compiles a test program per vector ISA the CPU reports and loads
   each in a child process (~7 s cold, ~1.3 s with the probes' builds cached: most of a
@@ -54,14 +58,13 @@ from typing import Any, Iterator
 
 import torch
 
-from ..core.validate import env_seconds
 from . import trust
 
 __all__ = ["use_cache_dir", "trusted_folder", "compile_lock", "GraphLock", "probe_memo", "graph_key",
-           "check_private_folder", "machine", "NotCached", "refuse_codegen"]
+           "check_private_folder", "machine", "NotCached", "refuse_codegen", "set_aside_damaged",
+           "CacheDamaged", "inductor_dir"]
 
 _MEMO_FORMAT = 1
-_LOCK_TIMEOUT = 600.0
 _active: str | None = None  # the inductor folder this process compiles into (set by use_cache_dir)
 _warned: set = set()  # the untrusted folders already warned about (once per process each)
 _trusted: dict = {}  # folder -> the folder used for it, as trusted_folder decided (once per process)
@@ -248,10 +251,6 @@ def graph_key(gm: torch.fx.GraphModule, inputs: list) -> str:
     return h.hexdigest()[:40]
 
 
-def _lock_timeout() -> float:
-    return env_seconds("FUNCTRAIN_COMPILE_LOCK_TIMEOUT", _LOCK_TIMEOUT)
-
-
 class GraphLock:
     """The machine-wide lock on graph ``key``: an ``flock`` on a file named by the key in a private folder beside
     inductor's cache. The kernel releases it when the process that holds it exits, however it exits.
@@ -329,14 +328,14 @@ class GraphLock:
 
 
 @contextlib.contextmanager
-def compile_lock(key: str) -> Iterator[bool]:
+def compile_lock(key: str, timeout: float) -> Iterator[bool]:
     """Hold the machine-wide lock on graph ``key`` while compiling it (yields whether it is held).
 
-    Another process holding it is waited for, at most ``FUNCTRAIN_COMPILE_LOCK_TIMEOUT``
-    seconds; after that this one compiles anyway (a warning says so). Without ``fcntl``
-    (Windows) or a writable lock folder there is no lock: each process compiles itself.
+    Another process holding it is waited for, at most ``timeout`` seconds
+    (``FUNCTRAIN_COMPILE_LOCK_TIMEOUT``, read by :mod:`functrain.compiler.settings`); after that this one
+    compiles anyway (a warning says so). Without ``fcntl`` (Windows) or a writable lock folder there is no
+    lock: each process compiles itself.
     """
-    timeout = _lock_timeout()
     lock = GraphLock(key)
     if not lock.usable:
         if lock.reason != "no fcntl":
@@ -503,3 +502,50 @@ def refuse_codegen() -> Iterator[None]:
     finally:
         for module, attr, original in patched:
             setattr(module, attr, original)
+
+
+# -- damaged entries --------------------------------------------------------------------------
+_PATH = None
+
+
+class CacheDamaged(RuntimeError):
+    """A compile failed on a cached file twice, the second time with that file moved aside: the message names
+    the compile cache folder to delete."""
+
+
+def inductor_dir() -> str:
+    """The inductor cache folder this process compiles into (checked: :func:`use_cache_dir`)."""
+    return _inductor_dir()
+
+
+def set_aside_damaged(error: BaseException) -> list[str]:
+    """Move aside the cache files that ``error`` (a failed compile, and its causes) names: files of this
+    process's inductor folder (a damaged ``.cpp`` that inductor finds on disk and builds again and again, for
+    good), each renamed to ``<name>.damaged`` beside it so that the next compile writes it afresh. Returns the
+    files moved (none: the error names no cache file, and the caller re-raises it). A link is never followed
+    or moved."""
+    import re
+
+    global _PATH
+    if _PATH is None:
+        _PATH = re.compile(r"(/[^\s'\"`:;,()\[\]]+)")
+    try:
+        root = os.path.realpath(_inductor_dir()) + os.sep
+    except (OSError, ValueError):
+        return []
+    texts, seen, e = [], set(), error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        texts.append(str(e))
+        e = e.__cause__ or e.__context__
+    moved: list[str] = []
+    for path in dict.fromkeys(p for text in texts for p in _PATH.findall(text)):
+        real = os.path.realpath(os.path.dirname(path))
+        if not (real + os.sep).startswith(root) or os.path.islink(path) or not os.path.isfile(path):
+            continue
+        try:
+            os.replace(path, path + ".damaged")
+        except OSError:
+            continue
+        moved.append(path)
+    return moved

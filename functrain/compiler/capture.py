@@ -27,6 +27,7 @@ import torch
 
 from ..core import regions
 from ..core.rng import HostRandomError, host_random_refused
+from .host_sync import HostSync, data_dependent, no_print
 from .memory import Memory, Written
 
 __all__ = ["Captured", "Signature", "CaptureError", "trace", "draws_random", "flatten", "tensor_metas", "preload",
@@ -263,7 +264,7 @@ def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: boo
 
     def make(name_calls: bool) -> torch.fx.GraphModule:
         # a draw from random/numpy would be frozen into the graph: refused
-        with _compiling(), _regions(reuse), host_random_refused("ft.compile", name_calls=name_calls):
+        with _compiling(), _regions(reuse), host_random_refused("ft.compile", name_calls=name_calls), no_print():
             return make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
 
     try:
@@ -278,6 +279,10 @@ def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: boo
         raise
     except Exception as e:  # noqa: BLE001 - the caller re-runs eagerly to tell a user error from a graph break
         raise CaptureError(f"{type(e).__name__}: {e}") from e
+    op = data_dependent(gm)  # traced, but not one graph inductor can compile: a host read, a data-dependent size
+    if op is not None:
+        raise CaptureError(f"the trace holds {op}, whose value or size depends on the data") \
+            from HostSync(op)
     constants = _lift_constants(gm)
     plan = record["plan"]
     step_t = getattr(state, "step", None)  # a TrainState's step counter (an owned donation re-homes only it)

@@ -15,6 +15,7 @@ import torch
 
 from ..core.step import Step
 from ..core.validate import path_str
+from .host_sync import HostSync, describe, locate
 
 __all__ = ["GraphBreakError", "explain"]
 
@@ -28,8 +29,14 @@ class GraphBreakError(RuntimeError):
     A ``RuntimeError`` raised by a :func:`functrain.compile`'d step's first call, after the
     step run eagerly succeeded (an error of the step itself is raised as it is). Its message
     names the cause (a host sync such as ``.item()``, a Python branch on a tensor value,
-    untraceable code) and the tracer's report; ``__cause__`` is the tracer's error. Fix the
-    loss function, or pass ``fullgraph=False`` to allow graph breaks (slower).
+    untraceable code) and the user's line that does it, and the tracer's report; ``__cause__`` is the
+    tracer's error. Fix the loss function, or pass ``fullgraph=False`` to allow graph breaks (slower).
+
+    Attributes:
+        what: the operation found (``"item"``, ``"__bool__"``: a Python ``if`` on a tensor, ``"print"``,
+            ``"__getitem__"``: a boolean mask, ...), or ``None`` when only the tracer's report says why.
+        where: the user's line (:class:`functrain.compiler.host_sync.Where`: file, line, function, text), or
+            ``None``.
 
     Example::
 
@@ -45,6 +52,9 @@ class GraphBreakError(RuntimeError):
         the step cannot be compiled as one graph (fullgraph=True)
     """
 
+    what: str | None = None
+    where: Any = None
+
 
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
@@ -58,8 +68,13 @@ def explain(step: Step, error: BaseException, state: Any, batch: Any, *, tracer:
     ``tracer`` names the tracer for the note (``"make_fx"``, ``"Dynamo"``). Returns only when
     ``graph_break`` is false and the eager step runs (the caller re-raises the tracer's error).
     """
+    found = error if isinstance(error, HostSync) and error.where is not None else None
     try:
-        step.host_call(step.apply, state, batch)
+        if found is None:  # the eager step, watched for the host read that broke the graph
+            located = locate(lambda: step.host_call(step.apply, state, batch))
+            found = HostSync(*located) if located is not None else None
+        else:
+            step.host_call(step.apply, state, batch)
     except Exception as real:  # noqa: BLE001 - surface whatever the step itself raises
         if hasattr(real, "add_note"):  # Python >= 3.11
             real.add_note(f"(raised by the step run eagerly after ft.compile's {tracer} trace of it failed with "
@@ -79,11 +94,18 @@ def explain(step: Step, error: BaseException, state: Any, batch: Any, *, tracer:
             "(Hugging Face models' gradient_checkpointing_enable() is routed there by ft.functionalize). The "
             f"tracer ({tracer}) said: {_first_line(error)}") from error
     if graph_break or isinstance(error, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
-        raise GraphBreakError(
-            f"the step cannot be compiled as one graph (fullgraph=True): {_first_line(error)}. "
-            f"A step must have no host sync (.item(), print, Python branches on tensor values) and call "
-            f"only traceable code; fix the loss function, or pass fullgraph=False to ft.compile to allow "
-            f"graph breaks (slower). The tracer ({tracer}) said:\n{error}") from error
+        if found is not None:
+            cause = f"{describe(found.what)}, at {found.where}"
+        else:
+            cause = _first_line(error)
+        e = GraphBreakError(
+            f"the step cannot be compiled as one graph (fullgraph=True): {cause}. "
+            f"A step must have no host sync (.item(), print, Python branches on tensor values, data-dependent "
+            f"shapes) and call only traceable code; fix the loss function, or pass fullgraph=False to ft.compile "
+            f"to allow graph breaks (slower). The tracer ({tracer}) said:\n{error}")
+        if found is not None:
+            e.what, e.where = found.what, found.where
+        raise e from error
 
 
 def _qualname(error: BaseException) -> str:

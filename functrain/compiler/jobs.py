@@ -10,7 +10,14 @@ failed (:class:`FailedJob`). Every job is bounded: ``FUNCTRAIN_COMPILE_TIMEOUT``
 and a worker is killed with its compiler children when its job ends early, when it is garbage-collected
 and at exit, with one exception: a job whose run ended normally (:meth:`WorkerJob.finish_after_exit`,
 called by ``ft.run`` when its loop completes) is left to finish at exit, so that the next run finds
-the code in the caches (``FUNCTRAIN_COMPILE_FINISH=0``: killed as the others).
+the code in the caches (``FUNCTRAIN_COMPILE_FINISH=0``: killed as the others). The settings come from
+:class:`~functrain.compiler.settings.WorkerSettings`, read once by ``ft.compile``: nothing here reads the
+environment.
+
+A worker imports functrain and torch only from where this process imported them: it is started with an
+explicit ``sys.path`` (this process's, without the current folder or an empty entry, functrain's own folder
+first), never as ``python -m``, which would put the current folder first and run whatever another user planted
+there.
 """
 from __future__ import annotations
 
@@ -25,27 +32,38 @@ import time
 import weakref
 from typing import Any, Callable
 
-from ..core.validate import env_seconds
 from .backend import compile_graph
 from .capture import Captured
+from .settings import WorkerSettings
 
 __all__ = ["Job", "FailedJob", "InlineJob", "LoadedJob", "ThreadJob", "WorkerJob", "SharedJob", "TIMEOUT_ENV",
-           "FINISH_ENV", "GRACE_ENV", "RUNNING", "READY", "FAILED", "finish_after_exit_allowed", "leads_at_once"]
+           "FINISH_ENV", "GRACE_ENV", "RUNNING", "READY", "FAILED", "leads_at_once", "worker_command"]
 
-TIMEOUT_ENV = "FUNCTRAIN_COMPILE_TIMEOUT"
+TIMEOUT_ENV = "FUNCTRAIN_COMPILE_TIMEOUT"  # (named in messages; read by compiler.settings only)
 FINISH_ENV = "FUNCTRAIN_COMPILE_FINISH"
 GRACE_ENV = "FUNCTRAIN_COMPILE_FOLLOW_S"
-_TIMEOUT = 3600.0
-_GRACE = 5.0
 RUNNING, READY, FAILED = 0, 1, -1  # a job's status, and what the ranks agree on (their MIN)
 
 
-def _timeout() -> float:
-    return env_seconds(TIMEOUT_ENV, _TIMEOUT, positive=True)
+def worker_command(module: str, *args: str) -> list[str]:
+    """The command line that runs ``module``'s ``main(argv)`` in a new Python process which imports only from
+    this process's ``sys.path``, functrain's own folder first: no empty entry, no current folder (``python -m``
+    and ``-c`` put the current folder first, where another user may have planted a ``functrain`` or ``torch``
+    package). ``-P`` (Python >= 3.11) keeps it out too; the explicit path does it on 3.10.
 
+    Example::
 
-def _grace() -> float:
-    return env_seconds(GRACE_ENV, _GRACE)
+        >>> cmd = worker_command("functrain.compiler.worker", "1")
+        >>> "-m" in cmd, cmd[-2:]
+        (False, ['functrain.compiler.worker', '1'])
+    """
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cwd = os.getcwd()
+    path = [root] + [p for p in sys.path if p and p != root and os.path.abspath(p) != cwd]
+    code = (f"import sys; sys.path[:] = {path!r}; import importlib; "
+            f"sys.exit(importlib.import_module(sys.argv[1]).main(sys.argv[2:]))")
+    # (the module's name is an argument of its own: what `ps` shows, and what a test finds the worker by)
+    return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-c", code, module, *args]
 
 
 def leads_at_once() -> bool:
@@ -63,6 +81,7 @@ class Job:
     reason: str | None = None
     seconds: float | None = None  # the compile itself, where it is known
     said = False  # its failure was warned about
+    notes: list = []  # what the compile asks to be said (a damaged cache entry it set aside and rebuilt)
     finished: float | None = None  # when the code was ready
 
     def __init__(self) -> None:
@@ -142,10 +161,11 @@ class ThreadJob(Job):
 
     source = "thread"
 
-    def __init__(self, cap: Captured, backend: Any, nice: int, timeout: float):
+    def __init__(self, cap: Captured, backend: Any, settings: WorkerSettings):
         super().__init__()
         self.fn: Callable | None = None
-        self.timeout = timeout
+        self.timeout = timeout = settings.timeout
+        nice = settings.nice
         gm, metas = cap.gm, cap.metas
 
         def run() -> None:
@@ -177,7 +197,9 @@ _LIVE: "weakref.WeakSet[WorkerJob]" = weakref.WeakSet()
 _atexit_registered = False
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
+def _kill_tree(proc: subprocess.Popen, files: tuple = ()) -> None:
+    """Kill the worker with its compiler children, reap it and close every file this process holds of it (its
+    pipes, its log): nothing left to the garbage collector, which would warn (``ResourceWarning``)."""
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # the worker and its compiler children (its own group)
@@ -187,32 +209,23 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:  # pragma: no cover - a process that ignores SIGKILL (D state)
         pass
-
-
-def finish_after_exit_allowed() -> bool:
-    """Whether a compile still running when its run ends normally may finish after the process exits
-    (``FUNCTRAIN_COMPILE_FINISH``: ``1``, the default, or ``0``)."""
-    raw = os.environ.get(FINISH_ENV, "1").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"{FINISH_ENV} must be 0 (stop a running compile at exit) or 1 (let it finish so the "
-                         f"next run starts compiled); got {raw!r}")
-    return raw == "1"
+    for f in (proc.stdin, proc.stdout, *files):
+        try:
+            if f is not None:
+                f.close()
+        except OSError:  # (a pipe whose feeding thread still writes: closed when the write fails)
+            pass
 
 
 def _at_exit() -> None:
-    """At exit: a worker whose run ended normally finishes its compile (said once on stderr); every other is
-    killed with its compiler children."""
-    try:
-        keep = finish_after_exit_allowed()
-    except ValueError as e:
-        print(f"functrain: {e}; stopping the background compile", file=sys.stderr)
-        keep = False
+    """At exit: a worker whose run ended normally finishes its compile (said once on stderr), unless its settings
+    say ``finish=False``; every other is killed with its compiler children."""
     for job in list(_LIVE):
-        if not (keep and job.keep):
+        if not (job.settings.finish and job.keep):
             job.close()
         elif job.detach():
             print(f"functrain: the background compile goes on in process {job.pid} (nice +"
-                  f"{os.environ.get('FUNCTRAIN_COMPILE_NICE', '10')}, at most {job.timeout:g} s) after this process "
+                  f"{job.settings.nice}, at most {job.timeout:g} s) after this process "
                   f"exits, so that the next run of this step starts compiled ({FINISH_ENV}=0 stops it at exit "
                   f"instead)", file=sys.stderr, flush=True)
         else:  # (detach killed it) said, since the next run will compile from scratch again
@@ -229,17 +242,15 @@ class WorkerJob(Job):
 
     source = "worker"
 
-    def __init__(self, timeout: float):
+    def __init__(self, settings: WorkerSettings):
         global _atexit_registered
         super().__init__()
-        self.timeout = timeout
+        self.settings = settings
+        self.timeout = timeout = settings.timeout
         self.log = tempfile.TemporaryFile()  # the worker's stderr (no file left behind)
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        self.proc = subprocess.Popen([sys.executable, "-m", "functrain.compiler.worker", str(os.getpid()),
-                                      repr(float(timeout))],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
+        self.proc = subprocess.Popen(worker_command("functrain.compiler.worker", str(os.getpid()),
+                                                    repr(float(timeout)), str(settings.nice)),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      start_new_session=True)
         self.pid = self.proc.pid
         self.sent = False  # the worker has its graph
@@ -248,7 +259,7 @@ class WorkerJob(Job):
         if not _atexit_registered:
             atexit.register(_at_exit)
             _atexit_registered = True
-        self._finalizer = weakref.finalize(self, _kill_tree, self.proc)
+        self._finalizer = weakref.finalize(self, _kill_tree, self.proc, (self.log,))
         self._finalizer.atexit = False  # at exit _at_exit decides (kill, or let a completed run's job finish)
 
     def send(self, payload: bytes) -> None:
@@ -267,8 +278,8 @@ class WorkerJob(Job):
 
     def finish_after_exit(self, finish: bool = True) -> None:
         """The run that started this compile ended normally: if it still runs at exit, let it finish there (see
-        :func:`_at_exit`) rather than kill it. A worker with no graph yet is closed now. ``finish=False``:
-        killed at exit after all."""
+        :func:`_at_exit`) rather than kill it, unless the settings say ``finish=False``. A worker with no graph
+        yet is closed now. ``finish=False``: killed at exit after all."""
         if not self.sent:
             self.close()
         else:
@@ -311,6 +322,11 @@ class WorkerJob(Job):
             return False
         self._finalizer.detach()
         _LIVE.discard(self)
+        for f in (self.proc.stdin, self.proc.stdout, self.log):  # (the worker goes on: its pipes and log are its)
+            try:
+                f.close()
+            except OSError:
+                pass
         return True
 
     def poll(self) -> int:
@@ -324,7 +340,8 @@ class WorkerJob(Job):
                                   f"({TIMEOUT_ENV}); it was stopped")
             return RUNNING
         answer = self.proc.stdout.read().decode(errors="replace").strip().splitlines()
-        self.proc.stdout.close()
+        tail = self._log_tail()
+        self._finalizer()  # reaped: its pipes and log closed
         _LIVE.discard(self)
         result = None
         if answer:
@@ -333,6 +350,8 @@ class WorkerJob(Job):
                 result = json.loads(answer[-1])
             except ValueError:
                 result = None
+        if isinstance(result, dict):
+            self.notes = [str(n) for n in result.get("notes") or ()][:10]
         if code == 0 and isinstance(result, dict) and result.get("ok"):
             return self._ready(float(result.get("seconds") or 0.0))
         if code < 0:
@@ -341,7 +360,7 @@ class WorkerJob(Job):
             why = f"failed: {result['error']}"
         else:
             why = f"exited with status {code} without an answer"
-        return self._fail(f"the compile worker (pid {self.pid}) {why}{self._log_tail()}")
+        return self._fail(f"the compile worker (pid {self.pid}) {why}{tail}")
 
     def _log_tail(self) -> str:
         try:
@@ -352,7 +371,7 @@ class WorkerJob(Job):
         return f"; its log ends:\n{text[-1500:]}" if text else ""
 
     def close(self) -> None:
-        _kill_tree(self.proc)
+        self._finalizer()  # (once: a later call does nothing)
         _LIVE.discard(self)
 
 
@@ -406,8 +425,8 @@ class SharedJob(Job):
             status = self.inner.poll()
             if status != RUNNING:
                 self.lock.release()
-                self.status, self.reason, self.seconds, self.finished = \
-                    status, self.inner.reason, self.inner.seconds, self.inner.finished
+                self.status, self.reason, self.seconds, self.finished, self.notes = \
+                    status, self.inner.reason, self.inner.seconds, self.inner.finished, self.inner.notes
             return status
         if time.perf_counter() - self.started > self.timeout:
             return self._fail(f"the process compiling this graph on this machine did not finish within "

@@ -58,7 +58,8 @@ class Packages:
     Attributes ``built`` and ``loaded`` count what this object did.
     """
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, lock_timeout: float = 600.0):
+        self.lock_timeout = lock_timeout
         root = compile_cache.trusted_folder(os.fspath(folder), "the cache_dir")
         self.folder = compile_cache.check_private_folder(os.path.join(root, "packages"), contents=False)
         self.key = package_key()
@@ -80,7 +81,7 @@ class Packages:
         key = hashlib.sha256(material.encode()).hexdigest()[:40]
         fn = self._load(key, material)
         if fn is None:
-            with compile_cache.compile_lock("package-" + key):
+            with compile_cache.compile_lock("package-" + key, self.lock_timeout):
                 fn = self._load(key, material, quiet=True)  # another rank may have built it meanwhile
                 if fn is None:
                     try:

@@ -1,6 +1,6 @@
 """The compile worker: a child process that compiles one traced graph into the shared caches.
 
-    python -m functrain.compiler.worker PARENT_PID [TIMEOUT_S] < job
+    main([PARENT_PID, TIMEOUT_S, NICE]) < job    (started by functrain.compiler.jobs.worker_command)
 
 :mod:`functrain.compiler.background` starts it for each graph it compiles in the background,
 before tracing the graph (the worker imports torch and inductor meanwhile), and then writes
@@ -17,8 +17,8 @@ so its entries land in AOTAutograd's and inductor's on-disk caches under the key
 then loads (:meth:`~functrain.compiler.backend.CountingBackend.load`), and a later run finds.
 
 It answers one JSON line on stdout, ``{"ok": true, "seconds": s}`` or ``{"ok": false, "error":
-"..."}``, and exits. It runs at a lower priority (``nice`` + ``FUNCTRAIN_COMPILE_NICE``, 10 by
-default: its compiler subprocesses inherit it), ignores Ctrl-C (its parent decides) and dies
+"..."}``, and exits. It runs at a lower priority (``nice`` + ``NICE``, ``FUNCTRAIN_COMPILE_NICE`` as the
+parent read it, 10 by default: its compiler subprocesses inherit it), ignores Ctrl-C (its parent decides) and dies
 with its parent (``PR_SET_PDEATHSIG``; :func:`functrain.core.procs.die_with_parent`), unless the
 parent, ending its run normally, sends it ``SIGUSR1`` first (once it has said ``ready``: the signal
 is handled from then on): then it answers ``detached`` on stdout at once, finishes its compile after
@@ -38,10 +38,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["job_payload", "settings", "apply_settings", "main", "FORMAT", "NICE_ENV"]
+__all__ = ["job_payload", "settings", "apply_settings", "main", "FORMAT"]
 
 FORMAT = 1
-NICE_ENV = "FUNCTRAIN_COMPILE_NICE"
 _CONFIGS = ("torch._inductor.config", "torch._functorch.config", "torch._dynamo.config")
 _FLAGS = ("cuda.matmul.allow_tf32", "cuda.matmul.allow_fp16_reduced_precision_reduction",
           "cuda.matmul.allow_bf16_reduced_precision_reduction", "cudnn.allow_tf32", "cudnn.deterministic",
@@ -128,16 +127,19 @@ def _sendable(name: str) -> bool:
     return name.startswith(_SENDABLE_OPS)
 
 
-def job_payload(gm: torch.fx.GraphModule, metas: tuple, inductor: dict, lock: str | None = None) -> bytes:
+def job_payload(gm: torch.fx.GraphModule, metas: tuple, inductor: dict, lock: str | None = None,
+                lock_timeout: float = 600.0) -> bytes:
     """The job for a worker: ``gm`` (traced, constants lifted), its inputs' ``metas``, the inductor
     arguments (``{"mode", "options", "donate"}`` of :class:`~functrain.compiler.options.Options`).
     ``lock``: the key of the graph's machine-wide lock, which the parent holds for the worker (the worker
-    compiles without taking it, and takes it over if the parent exits first)."""
+    compiles without taking it, and takes it over if the parent exits first); ``lock_timeout``: how long the
+    worker waits for another process's compile of the graph when nobody holds the lock for it."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
     graph = GraphPickler.dumps(gm, Options(ops_filter=_sendable))
     return pickle.dumps({"format": FORMAT, "graph": graph, "metas": metas, "inductor": inductor,
-                         "settings": settings(), "process_group": _process_group(gm), "lock": lock},
+                         "settings": settings(), "process_group": _process_group(gm), "lock": lock,
+                         "lock_timeout": float(lock_timeout)},
                         protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -217,11 +219,12 @@ def _run(data: bytes) -> dict:
     with contextlib.ExitStack() as stack:
         apply_settings(job["settings"], stack)
         gm = GraphPickler.loads(job["graph"], FakeTensorMode())
-        backend = make_backend(Options(**job["inductor"]))
+        backend = make_backend(Options(**job["inductor"]), float(job.get("lock_timeout", 600.0)))
         backend.lock_held = bool(job.get("lock"))
         t0 = time.perf_counter()
-        compile_graph(backend, gm, tuple(job["metas"]))
-    return {"ok": True, "seconds": time.perf_counter() - t0}
+        notes: list = []  # (a damaged cache file set aside and rebuilt: the parent says it)
+        compile_graph(backend, gm, tuple(job["metas"]), notes)
+    return {"ok": True, "seconds": time.perf_counter() - t0, "notes": notes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,14 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     argv = sys.argv[1:] if argv is None else argv
     die_with_parent(int(argv[0]) if argv and argv[0].isdigit() else None)
-    try:
-        timeout = float(argv[1]) if len(argv) > 1 else 3600.0
-    except ValueError:
-        timeout = 3600.0
+    # (the parent checked both: WorkerSettings)
+    timeout = float(argv[1]) if len(argv) > 1 else 3600.0
+    nice = int(argv[2]) if len(argv) > 2 else 10
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
     try:
-        os.nice(int(os.environ.get(NICE_ENV, "10")))
-    except (OSError, ValueError):
+        os.nice(nice)
+    except OSError:
         pass
     out = sys.stdout
     sys.stdout = sys.stderr  # whatever the compiler prints goes to the log, not into the answer

@@ -119,15 +119,16 @@ def test_the_folder_is_process_wide_a_second_one_warns(tmp_path, monkeypatch):
 
 
 def test_the_lock_timeout_must_be_a_number(monkeypatch):
+    from functrain.compiler.settings import WorkerSettings
+
     monkeypatch.setenv("FUNCTRAIN_COMPILE_LOCK_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="FUNCTRAIN_COMPILE_LOCK_TIMEOUT.*'soon'"):
-        compile_cache._lock_timeout()
+        WorkerSettings.from_env()
 
 
 def test_a_held_lock_is_waited_for_then_compiled_through_with_a_warning(tmp_path, monkeypatch):
     """Bounded: another process holding the graph's lock past the timeout -> compile here, with a warning."""
     monkeypatch.setattr(compile_cache, "_inductor_dir", lambda: str(tmp_path))
-    monkeypatch.setenv("FUNCTRAIN_COMPILE_LOCK_TIMEOUT", "0.3")
     os.makedirs(tmp_path / "functrain-locks", mode=0o700)
     holder = subprocess.Popen([sys.executable, "-c", (
         "import fcntl, os, sys, time\n"
@@ -137,12 +138,12 @@ def test_a_held_lock_is_waited_for_then_compiled_through_with_a_warning(tmp_path
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.warns(UserWarning, match="compiling it here too"):
-            with compile_cache.compile_lock("k") as held:
+            with compile_cache.compile_lock("k", 0.3) as held:
                 assert held is False
     finally:
         holder.kill()
         holder.wait(10)
-    with compile_cache.compile_lock("k") as held:  # released by the holder's exit: taken at once
+    with compile_cache.compile_lock("k", 0.3) as held:  # released by the holder's exit: taken at once
         assert held is True
 
 

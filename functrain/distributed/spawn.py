@@ -4,13 +4,15 @@ For scripts and clusters use ``python -m functrain.launch`` (torchrun underneath
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..core.validate import check_int, check_real, describe
 from .faults import RankEnd, cause_of, describe_end, die_with_parent, root_cause
@@ -22,6 +24,31 @@ class LaunchError(RuntimeError):
     """A launched rank failed, or the job did not finish in time."""
 
 
+_SAFE_PATH = "PYTHONSAFEPATH"
+
+
+@contextlib.contextmanager
+def _safe_path(add: bool) -> Iterator[None]:
+    """While the ranks start, ``PYTHONSAFEPATH=1`` (Python >= 3.11): they import nothing from the current folder.
+
+    multiprocessing starts each process (and its resource tracker) as ``python -c 'from multiprocessing.spawn
+    import spawn_main; ...'``, and ``-c`` puts the current folder first on ``sys.path``: a ``multiprocessing/``
+    another user planted in a folder they can write would run as you before the process takes this process's
+    ``sys.path`` (from which it then imports functrain, as this process did). The variable is set in
+    ``os.environ`` only around the starts (the only way to reach the new interpreter) and removed again in each
+    rank, first thing.
+    Python 3.10 has no such flag: there, start jobs from a folder only you can write.
+    """
+    if not add:
+        yield
+        return
+    os.environ[_SAFE_PATH] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(_SAFE_PATH, None)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -30,8 +57,10 @@ def free_port() -> int:
 
 
 def _worker(fn: Callable, args: tuple, rank: int, nprocs: int, port: int, backend: str | None,
-            results: Any, env: dict, parent: int) -> None:
+            results: Any, env: dict, parent: int, safe_path_added: bool = False) -> None:
     die_with_parent(parent)  # first: a SIGKILLed caller must not leave this rank running
+    if safe_path_added:  # set by launch() for this process's start only: not for the processes fn starts
+        os.environ.pop(_SAFE_PATH, None)
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -133,13 +162,15 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | No
         dist_timeout = check_real("launch: dist_timeout", dist_timeout, lo=0, lo_open=True)
         child_env["FUNCTRAIN_DIST_TIMEOUT"] = f"{dist_timeout:g}"
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, args, r, nprocs, port, backend, results, child_env, os.getpid()),
-                         daemon=True)
-             for r in range(nprocs)]
-    for p in procs:
-        p.start()
+    added = sys.version_info >= (3, 11) and _SAFE_PATH not in os.environ
+    with _safe_path(added):  # (the queue may start multiprocessing's resource tracker: a process too)
+        results = ctx.Queue()
+        port = free_port()
+        procs = [ctx.Process(target=_worker, args=(fn, args, r, nprocs, port, backend, results, child_env,
+                                                   os.getpid(), added), daemon=True)
+                 for r in range(nprocs)]
+        for p in procs:
+            p.start()
     deadline = time.monotonic() + timeout
     values: dict[int, Any] = {}
     finished: dict[int, float] = {}  # rank -> when its fn returned (a rank that leaves early is to blame)

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import signal
+import threading
 import time
 from typing import Any, Callable, Iterable
 
@@ -97,6 +100,11 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
       logged). The state is only valid during the call when steps donate their
       input (keep no reference to it).
 
+    Ctrl-C: ``run`` does not save, so it ends with ``KeyboardInterrupt``, raised by
+    ``run`` itself after the step in flight (not from deep inside the step); a second
+    Ctrl-C raises it at once. (Only where Python's own Ctrl-C handler is in place, in
+    the main thread: a handler of yours, or ``ft.Trainer``'s, which saves, is left alone.)
+
     Example::
 
         state = ft.run(ft.compile(step), state, loader, num_steps=1000, log_every=100)
@@ -153,6 +161,7 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
     rates = PhaseRates(step) if bar is not None and isinstance(step, DirectCall) else None
     metrics: dict | None = None
     i = logged = start
+    ctrl_c = _CtrlC.install()
     try:
         for i, batch in enumerate(batches, start=start + 1):
             state, metrics = step(state, to_device(batch, device))
@@ -166,16 +175,49 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
                 if rates is not None:
                     rates.show(bar)
                 bar.update(1)
-            if stop:
+            if stop or (ctrl_c is not None and ctrl_c.pressed):
                 break
+        if ctrl_c is not None and ctrl_c.pressed:  # (the state is not returned: run saves nothing)
+            raise KeyboardInterrupt(f"Ctrl-C: ft.run stopped after step {i}")
         if metrics is not None and logged != i:
             _log(i, metrics, bar, on_log)
         if isinstance(step, DirectCall):  # a normal end: a compile still running may finish for the next run
             step.finish_after_exit()
     finally:
+        if ctrl_c is not None:
+            ctrl_c.restore()
         if bar is not None:
             bar.close()
     return state
+
+
+class _CtrlC:
+    """Ctrl-C during :func:`run`: noted, acted on by the loop after the step in flight; a second one raises at once."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+
+    @classmethod
+    def install(cls) -> "_CtrlC | None":
+        if threading.current_thread() is not threading.main_thread() or \
+                signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return None
+        ctrl = cls()
+        signal.signal(signal.SIGINT, ctrl._handle)
+        return ctrl
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt("second Ctrl-C: ft.run stopped at once")
+        self.pressed = True
+        try:
+            os.write(2, b"Ctrl-C: ft.run stops after this step (Ctrl-C again stops at once)\n")
+        except OSError:
+            pass
+
+    def restore(self) -> None:
+        if signal.getsignal(signal.SIGINT) == self._handle:  # (not if someone installed another since)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _log(i: int, metrics: dict, bar: Any, on_log: Callable | None) -> None:

@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import signal
+import subprocess
 import time
 from typing import Any, Iterator
 
 __all__ = ["Watch", "watching"]
+
+AT_ONCE_S = 3.0  # after a second signal: how long the ranks get to say what is lost before SIGKILL
 
 
 @dataclasses.dataclass
@@ -35,7 +39,9 @@ class Watch:
     ``finished``: global rank -> ``(local rank, pid, time.time())`` of each rank seen
     ending with status 0 while the job ran. ``after_stop``: global rank -> exit status
     (``Popen.returncode``: negative for a signal) of every rank once the agent stopped
-    them (empty until then). ``term_timeout``: the grace period used.
+    them (empty until then). ``term_timeout``: the grace period used. ``second``: the
+    signal that came while the ranks had their grace period (a second Ctrl-C), which
+    cut it short: it was forwarded, and the ranks SIGKILLed ``AT_ONCE_S`` seconds later.
 
     Example::
 
@@ -47,6 +53,7 @@ class Watch:
     term_timeout: int = 30
     finished: dict = dataclasses.field(default_factory=dict)
     after_stop: dict = dataclasses.field(default_factory=dict)
+    second: int | None = None
 
     def ended_by_themselves(self, sig: int) -> bool:
         """Whether every rank ended on its own after the launcher forwarded ``sig``: status 0, or
@@ -59,8 +66,43 @@ class Watch:
         return sorted(r for r, code in self.after_stop.items() if code == -signal.SIGKILL)
 
 
+def _at_once(context: Any, sig: int) -> None:
+    """A second signal during the grace period: forward it (an ``ft.Trainer`` then says what is lost and ends),
+    give the ranks ``AT_ONCE_S`` seconds, SIGKILL the rest; a third signal SIGKILLs them at once."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    procs = [h.proc for h in getattr(context, "subprocess_handlers", {}).values()]
+
+    def send(proc: Any, s: int) -> None:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, s)  # each rank leads its own process group (torchrun starts it so)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    for proc in procs:
+        send(proc, sig)
+    end = time.monotonic() + AT_ONCE_S
+    try:
+        for proc in procs:
+            try:
+                proc.wait(max(end - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                pass
+    except SignalException:  # a third signal: no more waiting
+        pass
+    for proc in procs:
+        send(proc, signal.SIGKILL)
+    for proc in procs:
+        try:
+            proc.wait(10.0)
+        except subprocess.TimeoutExpired:  # (a process in uninterruptible sleep: nothing more to do)
+            pass
+
+
 def _agent_class(watch: Watch) -> type:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
 
     class Agent(LocalElasticAgent):
         """``LocalElasticAgent`` whose every stop honours the shutdown timeout, noting how ranks ended."""
@@ -74,7 +116,12 @@ def _agent_class(watch: Watch) -> type:
 
             def close_in_time(death_sig: Any = None, timeout_: Any = None) -> None:
                 # torchrun calls close() with its 30 s default on a rank's failure: use ours, always
-                close(death_sig, timeout)
+                try:
+                    close(death_sig, timeout)
+                except SignalException as e:  # another signal while the ranks had their grace: stop at once
+                    watch.second = int(e.sigval)
+                    _at_once(context, e.sigval)
+                    close(signal.SIGKILL, 0)  # the rest of close() (its output tails); every rank has ended
                 for local, handler in getattr(context, "subprocess_handlers", {}).items():
                     code = handler.proc.poll()
                     if code is not None and local in ranks:

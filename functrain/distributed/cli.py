@@ -90,11 +90,12 @@ import traceback
 
 from ..core.validate import BadValue, check_int, check_real
 from .agent import Watch, watching
-from .faults import LOST, OWN, TIMEOUT, RankEnd, cause_of, describe_end, die_with_parent, left_early, root_cause
+from .faults import (LOST, OWN, STOP_REPORT, TIMEOUT, RankEnd, cause_of, describe_end, die_with_parent, left_early,
+                     read_stop_reports, report_stop, root_cause, stop_outcome)
 
 __all__ = ["main"]
 
-_WORKER = "__functrain_worker__"  # first argument of the worker runner: python -u -m functrain.distributed.cli __functrain_worker__
+_WORKER = "__functrain_worker__"  # first argument of the worker runner: python -u -c BOOT __functrain_worker__
 _SECONDARY_GRACE_S = 3.0  # how long a rank failing only because a peer died waits to be stopped before it reports
 
 DEFAULT_DIST_TIMEOUT_S = 120
@@ -167,10 +168,36 @@ def _torchrun_argv(ns: argparse.Namespace, log_dir: str) -> list[str]:
         argv += ["--master-port", str(ns.master_port)]
     if ns.local_addr is not None:
         argv += ["--local-addr", ns.local_addr]
-    # each worker: python -u -m functrain.distributed.cli __functrain_worker__ [-m] script args...
-    argv += ["--module", __name__ if __name__ != "__main__" else "functrain.distributed.cli", _WORKER]
+    # each worker: python -u -c BOOT __functrain_worker__ [-m] script args... (see _boot_code)
+    argv += ["--no-python", sys.executable, "-u", "-c", _boot_code(), _WORKER]
     argv += (["-m"] if ns.module else []) + [ns.script, *ns.script_args]
     return argv
+
+
+def _boot_code() -> str:
+    """What each worker runs first (``python -c``): nothing is imported from the current folder.
+
+    ``python -m`` and ``python -c`` put the current folder first on ``sys.path``; in a folder another user can
+    write (``/tmp``, a shared project folder) a planted ``functrain/`` or ``torch/`` would then run as the user.
+    The code drops that entry before any import (on Python 3.10 too, where ``-P`` does not exist), loads
+    functrain from the very folder the launcher imported it from, and runs the worker; the user's script gets
+    its own folder (or, with ``-m``, the current folder) on the path only after that (:func:`_worker`).
+    """
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../functrain
+    init = os.path.join(package, "__init__.py")
+    return "\n".join([
+        "import sys",
+        "if not getattr(sys.flags, 'safe_path', False):  # (-P, PYTHONSAFEPATH: nothing was put first)",
+        "    del sys.path[0]  # the current folder, put first by -c",
+        "import importlib.util",
+        f"spec = importlib.util.spec_from_file_location('functrain', {init!r}, "
+        f"submodule_search_locations=[{package!r}])",
+        "module = importlib.util.module_from_spec(spec)",
+        "sys.modules['functrain'] = module",
+        "spec.loader.exec_module(module)",
+        "from functrain.distributed.cli import main",
+        "sys.exit(main())",
+    ])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     # Environment the workers inherit (the agent copies os.environ into each worker); restored at the end.
-    saved = {k: os.environ.get(k) for k in ("FUNCTRAIN_DIST_TIMEOUT", "OMP_NUM_THREADS", _LAUNCHER_PID)}
+    saved = {k: os.environ.get(k) for k in ("FUNCTRAIN_DIST_TIMEOUT", "OMP_NUM_THREADS", _LAUNCHER_PID, STOP_REPORT)}
     os.environ[_LAUNCHER_PID] = str(os.getpid())
     if ns.dist_timeout is not None:
         os.environ["FUNCTRAIN_DIST_TIMEOUT"] = f"{ns.dist_timeout:g}"
@@ -209,10 +236,15 @@ def main(argv: list[str] | None = None) -> int:
     # redirected output is kept (in the temporary folder when no --log-dir): it is the only copy
     keep_logs = ns.log_dir is not None or ns.redirects != "0" or ns.tee != "0"
     _remove_stale_log_dirs()
-    log_dir = ns.log_dir or tempfile.mkdtemp(prefix="functrain-launch-")
-    if not keep_logs:  # a launcher killed by SIGKILL cannot remove it: the next launch will (see below)
-        with open(os.path.join(log_dir, _OWNER), "w") as fp:
-            fp.write(str(os.getpid()))
+    # this launch's own folder, removed at the end (a launcher killed by SIGKILL cannot: the next launch does, see
+    # _remove_stale_log_dirs): torchrun's logs unless they are kept, and the ranks' stop reports
+    scratch = tempfile.mkdtemp(prefix="functrain-launch-")
+    with open(os.path.join(scratch, _OWNER), "w") as fp:
+        fp.write(str(os.getpid()))
+    log_dir = ns.log_dir or (tempfile.mkdtemp(prefix="functrain-launch-") if keep_logs else scratch)
+    stops = os.path.join(scratch, "stops")  # where each rank says how it stopped (faults.report_stop)
+    os.mkdir(stops, 0o700)
+    os.environ[STOP_REPORT] = stops
     try:
         targs = torchrun.parse_args(_torchrun_argv(ns, log_dir))
         watch = None
@@ -223,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         except ChildFailedError as e:
             return _report(e, ns, watch)
         except SignalException as e:
-            return _stopped(e.sigval, ns, watch)
+            return _stopped(e.sigval, ns, watch, read_stop_reports(stops))
         except Exception as e:  # rendezvous timeout, a store that cannot be reached, a bad option
             if not _is_rendezvous_error(e):
                 raise
@@ -239,9 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        if not keep_logs:
-            shutil.rmtree(log_dir, ignore_errors=True)
-        elif ns.log_dir is None:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if keep_logs and ns.log_dir is None:
             print(f"{_prog()}: per-rank logs in {log_dir}", file=sys.stderr)
 
 
@@ -319,39 +350,15 @@ def _root(failures: dict) -> int:
     return root_cause(_end(r, f) for r, f in failures.items()).rank
 
 
-def _stopped(sig: signal.Signals, ns: argparse.Namespace, watch: Watch | None) -> int:
-    """The launcher was signalled and stopped the ranks: ``128 + sig`` if every rank then ended by itself within
-    ``--term-timeout`` (a Trainer saved its checkpoint), else ``128 + SIGKILL`` naming the ranks that did not."""
-    prog = _prog()
-    if watch is not None and watch.ended_by_themselves(sig):
-        print(f"{prog}: stopped by {sig.name}; every rank ended by itself within --term-timeout "
-              f"{ns.term_timeout} s", file=sys.stderr)
-        return 128 + int(sig)
-    after = watch.after_stop if watch is not None else {}
-    killed = watch.killed() if watch is not None else []
-    how = []
-    if killed:
-        how.append(f"rank(s) {', '.join(map(str, killed))} did not end within --term-timeout {ns.term_timeout} s "
-                   f"and were SIGKILLed")
-    other = sorted(r for r, c in after.items() if r not in killed and c not in (0, 128 + int(sig)))
-    if other:
-        how.append("rank(s) " + ", ".join(f"{r} ({_status(after[r])})" for r in other) + " did not end cleanly")
-    if not how:
-        how.append("how the ranks ended is unknown")
-    print(f"{prog}: stopped by {sig.name}; {'; '.join(how)}: their last checkpoint may not be written "
-          f"(exit status {128 + int(signal.SIGKILL)})", file=sys.stderr)
-    return 128 + int(signal.SIGKILL)
-
-
-def _status(code: int) -> str:
-    return f"killed by {_signal_name(-code)}" if code < 0 else f"exit status {code}"
-
-
-def _signal_name(num: int) -> str:
-    try:
-        return signal.Signals(num).name
-    except ValueError:
-        return f"signal {num}"
+def _stopped(sig: signal.Signals, ns: argparse.Namespace, watch: Watch | None, reports: dict | None = None) -> int:
+    """The launcher was signalled and stopped the ranks: print one line saying whether their checkpoint is written
+    and return the exit status (the rules: :func:`.faults.stop_outcome`)."""
+    code, text = stop_outcome(
+        int(sig), term_timeout=ns.term_timeout, after=watch.after_stop if watch is not None else {},
+        killed=watch.killed() if watch is not None else [], ended=watch is not None and watch.ended_by_themselves(sig),
+        second=watch.second if watch is not None else None, reports=reports or {})
+    print(f"{_prog()}: {text}", file=sys.stderr)
+    return code
 
 
 def _one_node(ns: argparse.Namespace) -> bool:
@@ -476,11 +483,12 @@ def _worker(argv: list[str]) -> int:
     code = 0
     try:
         sys.argv = [target, *args]
+        # as python does for the script (functrain and torch are imported already, from the launcher's folders)
         if module:
-            sys.path[0] = os.getcwd()
+            sys.path.insert(0, os.getcwd())
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
             runpy.run_path(target, run_name="__main__")
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
@@ -488,7 +496,8 @@ def _worker(argv: list[str]) -> int:
         else:  # sys.exit("message"): printed, status 1, as the interpreter does
             print(e.code, file=sys.stderr)
             code = 1
-    except KeyboardInterrupt:  # Ctrl-C reaches every rank: no traceback from each
+    except KeyboardInterrupt:  # the launcher forwarded a Ctrl-C the script does not handle: no traceback from each
+        report_stop(False, how="KeyboardInterrupt", replace=False)  # (a Trainer that saved already said so)
         _flush()
         os._exit(130)
     except BaseException as e:  # noqa: BLE001 - every failure is reported once

@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import signal
 import time
 import warnings
 from typing import Any, Callable
@@ -36,7 +35,7 @@ from .plots import MetricHistory, write_run_plot
 from .summary import FirstBatch, MemoryLine, run_summary
 from .build import build_step, checked_loss, model_loss
 from .compiling import compile_log, compile_notes, watch_compile
-from .run_state import RunState
+from .run_state import RunState, StopSignals
 from .inputs import batch_line, ema_copy, load_weights, process_batch, resolve_dataset, with_augmentation
 from .trackers import check_trackers, make_trackers
 
@@ -95,9 +94,10 @@ class Trainer:
     The loop adds no host sync per step: metrics are read at log steps only.
 
     Under faults the Trainer keeps these promises (docs/faults.md says each in full): non-finite updates
-    are skipped and counted, ``max_consecutive_nonfinite`` in a row save and stop; SIGTERM (or
-    ``should_stop``) stops every rank at the same step, at most one step late (a vote every step, a CPU
-    number on a gloo group: no device sync), and saves within the launcher's ``--term-timeout``; one run per
+    are skipped and counted, ``max_consecutive_nonfinite`` in a row save and stop; SIGTERM or Ctrl-C (or
+    ``should_stop``) stops every rank at the same step, at most one step late (a vote every step, a CPU number
+    on a gloo group: no device sync), and saves within the launcher's ``--term-timeout`` (a 2nd Ctrl-C: at once,
+    saying what is lost: :class:`~functrain.trainer.run_state.StopSignals`); one run per
     results folder (:class:`~functrain.checkpoint.FolderLock`); saves waited for ``save_timeout`` seconds;
     resume skips damaged checkpoints naming each, and on several processes the ranks agree on one
     checkpoint whole on every rank, or all refuse; a symbolic link where the trainer writes is refused
@@ -212,8 +212,8 @@ class Trainer:
         self._plotted_at: float | None = None
         self.weights: dict = {}
         self.skipped_updates = 0  # non-finite updates skipped by this process's train() calls (read at log steps)
-        self._stop = False  # set by SIGTERM or should_stop; acted on once every rank agrees
-        self._signalled = False  # SIGTERM (not should_stop): the grace period is short, so no weights export
+        self._stop = self._signalled = False  # stop: a signal or should_stop; signalled: SIGTERM/Ctrl-C, no export
+        self._signals = StopSignals(self._on_sigterm, self.rank, self.checkpoints)
         self._save_group: Any = None
         self._stop_group: Any = None  # gloo: the per-step stop votes (CPU numbers, never a device sync)
         self._run: RunState | None = None
@@ -356,7 +356,6 @@ class Trainer:
         self._stop = self._signalled = False  # (a stopped trainer may be run again: it resumes)
         os.makedirs(self.folder, exist_ok=True)
         lock = self._lock_folder()
-        previous = None
         run_state = None
         done = False
         try:
@@ -373,7 +372,7 @@ class Trainer:
             trackers = make_trackers(self.tracker_items, self.folder, c.to_dict(), start) if self.rank == 0 else []
             self._run = run_state = RunState(start, trackers, compiled=isinstance(self.run_step, CompiledStep))
             watch_compile(self.run_step, run_state)
-            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._signals.install(run_state)  # SIGTERM, Ctrl-C: stop at the agreed step and save
             run_state.memory = MemoryLine(self.run_step, self.rank, run_state.progress)
             data = FirstBatch(self.loader, lambda batch: run_state.memory.first(state, batch))  # before step 1
             state = run(self.run_step, state, data, num_steps=max(c.train_num_steps - start, 0),
@@ -384,6 +383,8 @@ class Trainer:
                 self.run_step.finish_after_exit(False)  # stopped by SIGTERM: a running compile dies with us
             if run_state.n != run_state.saved_at:  # stopped between saves (SIGTERM, should_stop)
                 self.save(state, run_state.n)
+            if self._signalled:
+                self._signals.saved(run_state.n)
             if run_state.in_a_row >= c.max_consecutive_nonfinite:  # counted by the stop step's log
                 self._nonfinite_stop(run_state.n, None)
             self._export(state)
@@ -391,8 +392,7 @@ class Trainer:
             done = True
         finally:
             self._run = None
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            self._signals.restore()
             for t in run_state.trackers if run_state is not None else ():
                 t.close()
             if lock is not None:
@@ -446,7 +446,8 @@ class Trainer:
         outputs = {"weights": self.weights.get("model"), "EMA weights": self.weights.get("ema"),
                    "metrics plot": self.plot_path,  # (metrics.jsonl: the jsonl tracker's own line)
                    "checkpoint": self.checkpoints.path(r.saved_at)}
-        head = "" if not self._signalled else f"stopped by SIGTERM at step {r.n}; resume by running again\n"
+        head = "" if not self._signalled else (f"stopped by {self._signals.signal} at step {r.n} and saved it "
+                                               f"({self.checkpoints.path(r.n)}); resume by running again\n")
         return head + run_summary(results_folder=self.folder, step=r.n, total_steps=self.config.train_num_steps,
                                   final_metrics={k: v for k, v in r.last.items() if k in _SUMMARY},
                                   wall_time_s=time.perf_counter() - r.t0,
@@ -525,7 +526,7 @@ class Trainer:
             self._nonfinite_stop(n, state)
         stop = self._stop if self.world == 1 else r.vote(self._stop, self._stop_group)
         if stop and self.rank == 0:
-            print(f"stopping at step {n} (SIGTERM or should_stop): saving", flush=True)
+            print(f"stopping at step {n} ({self._signals.signal or 'should_stop'}): saving", flush=True)
         last = n >= c.train_num_steps
         if self.evaluator is not None and not stop and (last or n % (c.eval_every or c.save_and_sample_every) == 0):
             self.evaluate(state, n)
@@ -591,8 +592,8 @@ class Trainer:
             raise error
         return lock
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self._stop = self._signalled = True  # finish the current step, save, return
+    def _on_sigterm(self) -> None:
+        self._stop = self._signalled = True  # SIGTERM or Ctrl-C: finish the current step, save, return
 
 
 # the metrics of the end-of-run summary line

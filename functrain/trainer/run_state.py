@@ -1,18 +1,23 @@
 """What one ``Trainer.train()`` call tracks between the hooks of ``ft.run``: host values only.
 
 Kept apart from :mod:`functrain.trainer.loop` (the ``Trainer`` and its hooks): the loop reads and writes
-these fields; the ranks' per-step stop vote lives here because it is state carried from step to step.
+these fields; the ranks' per-step stop vote lives here because it is state carried from step to step, and so
+does :class:`StopSignals`, what SIGTERM and Ctrl-C do while ``train()`` runs.
 """
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from ..distributed.faults import lost_steps, report_stop
 from ..driver import PhaseRates
 
-__all__ = ["RunState"]
+__all__ = ["RunState", "StopSignals"]
 
 
 class RunState:
@@ -72,3 +77,91 @@ class RunState:
         """Note when the first step (which compiles) returned; later calls change nothing."""
         if self.first_at is None:
             self.first_at, self.compile_s = now, now - self.t0
+
+
+class StopSignals:
+    """SIGTERM and Ctrl-C (SIGINT) while ``train()`` runs (installed by :meth:`install`, the previous handlers
+    put back by :meth:`restore`).
+
+    The first of them calls ``on_stop``: the trainer finishes the step every rank agrees on, saves it and
+    returns (:meth:`saved` then tells a launcher so). A Ctrl-C while that stop is under way (the grace period:
+    the step, the vote, the save) ends this process at once without saving: rank 0 says on stderr which step it
+    was at and which checkpoint is the last, so which steps are lost; the launcher is told the same
+    (:func:`~functrain.distributed.faults.report_stop`), and the process dies of SIGINT as an interrupted
+    program does (status 130 in a shell). No ``KeyboardInterrupt`` is raised inside a step.
+    """
+
+    def __init__(self, on_stop: Callable[[], None], rank: int, checkpoints: Any):
+        self.on_stop = on_stop
+        self.rank = rank
+        self.checkpoints = checkpoints  # the CheckpointManager: which checkpoints are complete, their paths
+        self.signal: str | None = None  # the name of the first signal of this train() call, if any
+        self.run: RunState | None = None
+        self._previous: dict = {}
+
+    def install(self, run: RunState) -> None:
+        self.signal, self.run = None, run
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            if handler is not None:  # (None: a handler not set from Python, which cannot be put back)
+                signal.signal(sig, handler)
+        self._previous = {}
+        self.run = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.signal is not None:
+            self._at_once()  # does not return
+        if self.signal is None:
+            self.signal = signal.Signals(signum).name
+            if signum == signal.SIGINT and self.rank == 0:
+                _say("Ctrl-C: stopping after this step (every rank at the same step) and saving it; Ctrl-C again "
+                     "stops at once without saving")
+        self.on_stop()
+
+    def last_checkpoint(self) -> int | None:
+        """The newest complete checkpoint's step: on disk, or the last save this run finished."""
+        try:
+            steps = self.checkpoints.steps()
+        except Exception:  # noqa: BLE001 - an unreadable folder: what this run knows
+            steps = []
+        saved = self.run.saved_at if self.run is not None and self.run.saved_at > 0 else None
+        known = [s for s in (*steps, saved) if s is not None]
+        return max(known) if known else None
+
+    def saved(self, step: int) -> None:
+        """The stop's checkpoint (of ``step``) is written: tell a launcher."""
+        report_stop(True, how="saved", step=step, checkpoint_step=step, checkpoint=self.checkpoints.path(step))
+
+    def _at_once(self) -> None:
+        n = self.run.n if self.run is not None else None
+        last = self.last_checkpoint()
+        path = self.checkpoints.path(last) if last is not None else None
+        at = f" (the last finished step: {n})" if n is not None else ""
+        if last is None:
+            lost = "; there is no checkpoint: every finished step is lost"
+        else:
+            lost = f"; the last checkpoint is step {last} ({path}): {lost_steps(last, n)}"
+        written = last is not None and n is not None and last >= n  # (the stop's save had finished)
+        report_stop(written, how="at_once", step=n, checkpoint_step=last, checkpoint=path)
+        if self.rank == 0:
+            _say(f"second Ctrl-C: stopped at once without saving{at}{lost}")
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a write in progress (we interrupted it) or a closed stream
+                pass
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)  # dies of the signal: no traceback, no teardown (the lock is the kernel's)
+        time.sleep(5.0)  # (the signal is delivered at once; this line is not reached)
+        os._exit(128 + int(signal.SIGINT))
+
+
+def _say(line: str) -> None:
+    """One line on stderr from a signal handler (os.write: no buffered stream that the handler interrupted)."""
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass

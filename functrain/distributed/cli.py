@@ -27,10 +27,21 @@ wraps its step in ``ft.data_parallel()``. What this adds to plain torchrun:
   rank therefore ends at most ``--dist-timeout`` + ``--term-timeout`` seconds
   (+ about a second) after the hang began (with the defaults 120 + 30 s).
 * **A bounded grace period.** Whenever the launcher stops the ranks (one failed,
-  or the launcher got SIGTERM/SIGINT, which it forwards), each rank gets SIGTERM
-  and ``--term-timeout`` seconds (default 30, torchrun's ``--shutdown-timeout``)
-  to finish (e.g. save a checkpoint) before SIGKILL: exactly that long, also when a
-  rank failed (torchrun itself then waits its own 30 s; :mod:`.agent` fixes it).
+  or the launcher got SIGTERM/SIGINT, which it forwards), each rank gets the signal
+  (SIGTERM when a rank failed) and ``--term-timeout`` seconds (default 30, torchrun's
+  ``--shutdown-timeout``) to finish (e.g. save a checkpoint) before SIGKILL: exactly
+  that long, also when a rank failed (torchrun itself then waits its own 30 s;
+  :mod:`.agent` fixes it). A second signal during the grace (a second Ctrl-C) is
+  forwarded at once and the ranks still running 3 s later are SIGKILLed.
+* **Whether the checkpoint is written.** Each rank tells the launcher how it
+  stopped (:func:`.faults.report_stop`: an ``ft.Trainer`` after its save, or when a
+  second Ctrl-C stopped it; the runner when a ``KeyboardInterrupt`` ended the
+  script); the launcher's exit status and last line say whether the checkpoint is
+  written, and if not which steps are lost (below).
+* **Nothing from the current folder.** Each worker runs ``python -u -c`` code that
+  drops the current folder from ``sys.path`` before any import and loads functrain
+  from the folder the launcher has it from (:func:`_boot_code`): a package another
+  user planted in a folder they can write never runs in a rank.
 * **Nothing left behind.** Each rank dies with the launcher, even when the
   launcher is SIGKILLed (the Linux parent-death signal, set first thing in each
   worker; a polling thread elsewhere): no orphan rank goes on writing
@@ -69,11 +80,14 @@ assigned on arrival, ``--nnodes MIN:MAX``, restarts across nodes).
 Exit status: 0 when every rank succeeded; else the first failed rank's exit code
 (128 + the signal number for a rank killed by a signal), 1 if the rendezvous
 failed. When the launcher itself is stopped (SIGTERM, Ctrl-C) and forwards the
-signal: 128 + the signal number (143 for SIGTERM) if every rank then ended by
-itself within ``--term-timeout`` (status 0, or 128 + that signal of its own: an
-``ft.Trainer`` returns after saving, so 143 means its checkpoint was written), else
-137 (128 + SIGKILL): some rank was SIGKILLed after the grace period or ended
-otherwise, and its checkpoint may be missing; the message names those ranks.
+signal: 128 + the signal number (143 for SIGTERM, 130 for Ctrl-C) if the
+checkpoint is written: every rank reported it saved (``ft.Trainer``), or, for a
+script that reports nothing, every rank ended by itself within ``--term-timeout``
+(status 0, or 128 + that signal of its own) and no second signal came; else 137
+(128 + SIGKILL): some rank was SIGKILLed after the grace period, stopped at once
+by a second signal, ended with a ``KeyboardInterrupt`` or otherwise, and the
+checkpoint may be missing; the last line names those ranks, the last checkpoint
+and the steps lost (the rules: :func:`.faults.stop_outcome`).
 """
 from __future__ import annotations
 

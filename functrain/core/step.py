@@ -373,8 +373,8 @@ def train_step(loss_fn: LossFn, optimizer: Any) -> Step:
 
     Args:
         loss_fn: ``loss_fn(params, buffers, batch) -> loss | (loss, aux)``, pure (no in-place writes to its inputs).
-        optimizer: a functrain optimizer (``ft.optim.adamw(1e-3)``, ...); a ``torch.optim`` one is refused naming its
-            functional equivalent.
+        optimizer: a functrain optimizer (``ft.optim.adamw(1e-3)``, ...), or a ``torch.optim`` optimizer instance,
+            an ``(optimizer, lr_scheduler)`` pair or a scheduler, translated by :func:`functrain.optim.from_torch`.
 
     Returns:
         The :class:`Step`; wrap it in transforms (``ft.clip(1.0)(step)``) and compile it (``ft.compile(step)``).
@@ -395,7 +395,8 @@ def train_step(loss_fn: LossFn, optimizer: Any) -> Step:
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable(params, buffers, batch) -> loss; got {type(loss_fn).__name__}")
-    check_optimizer(optimizer)  # explains the protocol and how to adapt torch.optim / Optax-style optimizers
+    # a torch.optim optimizer comes back translated (functrain.optim registers the translation); else explains
+    optimizer = check_optimizer(optimizer)
     return Step(loss_fn, optimizer)
 
 

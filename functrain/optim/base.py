@@ -44,6 +44,9 @@ class Optimizer(NamedTuple):
         schedule: (default ``None``) the lr it was built with, a float or a schedule
             ``callable(count) -> lr``, so that :func:`functrain.optim.schedules.check_covers` can
             refuse a schedule that ends before the run does (``None``: unknown, nothing is checked).
+        eval_params: (default ``None``) ``eval_params(params, opt_state) -> params`` for an optimizer
+            whose evaluation weights are not the trained ones (schedule-free AdamW's ``x``);
+            :func:`functrain.optim.eval_params` reads it (``None``: the params themselves).
 
     Example::
 
@@ -62,6 +65,7 @@ class Optimizer(NamedTuple):
     learning_rate: Callable[[Any], Any]
     per_param: bool = False
     schedule: Any = None
+    eval_params: Callable[[Any, Any], Any] | None = None
 
 
 # ----------------------------------------------------------------- validation

@@ -213,7 +213,7 @@ def build_step(loss: Callable, config: TrainConfig, world: int, *, optimizer: An
     if optimizer is None:
         optimizer = adamw(config_lr(c), betas=c.adam_betas, weight_decay=c.weight_decay)
     else:
-        check_optimizer(optimizer)
+        optimizer = check_optimizer(optimizer, num_steps=c.train_num_steps)  # a torch.optim one: translated
         _warn_unused(c, _OPTIMIZER_FIELDS, "Trainer(optimizer=...) brings its own lr, schedule and weight decay")
     schedules.check_covers(optimizer, c.train_num_steps)
     s = train_step(loss, optimizer)

@@ -126,15 +126,10 @@ class FakeGradientTransformation(NamedTuple):  # the shape of optax.GradientTran
 
 
 @pytest.mark.parametrize("obj, match", [
-    (torch.optim.SGD(_torch_params(), lr=0.1, momentum=0.9, nesterov=True),
-     r"torch\.optim\.sgd\.SGD is a stateful torch\.optim optimizer.*ft\.optim\.sgd\(lr=0\.1, momentum=0\.9, "
-     r"weight_decay=0, nesterov=True\)"),
-    (torch.optim.AdamW([{"params": _torch_params()[:1]}, {"params": _torch_params()[1:], "weight_decay": 0.0}],
-                       lr=1e-3), r"ft\.optim\.adamw\(lr=0\.001, betas=\(0\.9, 0\.999\), eps=1e-08, "
-     r"weight_decay=0\.01\) \(it has several param groups: .*weight_decay_mask=.*lr_multipliers="),
-    (torch.optim.Adam(_torch_params(), lr=1e-3, amsgrad=True), r"it sets amsgrad, which functrain's adam does not have"),
-    (torch.optim.RMSprop(_torch_params(), lr=1e-3), r"RMSprop is a stateful .* Port it: .*from_optax_style"),
-    (torch.optim.Adam, r"torch\.optim\.adam\.Adam is a stateful .*ft\.optim\.adam\(lr=\.\.\.\)"),
+    # a torch.optim class, not an instance (an instance is translated: tests/optim/test_optim_torch.py)
+    (torch.optim.Adam, r"torch\.optim\.adam\.Adam is a torch\.optim optimizer class.*pass an instance, "
+                       r"Adam\(model\.parameters\(\), \.\.\.\), and functrain translates it.*ft\.optim\.adam\(lr=\.\.\.\)"),
+    (torch.optim.RMSprop, r"RMSprop is a torch\.optim optimizer class.*a functional port .*from_optax_style"),
     (FakeGradientTransformation(lambda p: None, lambda u, s, p: (u, s)),
      r"has init and update but no learning_rate: .*ft\.optim\.from_optax_style\(tx\.init, tx\.update"),
     (ft.optim.adamw, r"got the factory ft\.optim\.adamw itself; call it, e\.g\. ft\.optim\.adamw\(lr=1e-3\)"),
@@ -154,18 +149,15 @@ def test_check_optimizer_accepts_functrain_optimizers():
         assert check_optimizer(opt) is opt
 
 
-def test_train_step_explains_a_torch_optim_instance():
-    model = torch.nn.Linear(2, 1)
-    with pytest.raises(TypeError, match=r"stateful torch\.optim optimizer.*ft\.optim\.adamw\(lr=0\.001"):
-        ft.train_step(lambda p, b, x: x.sum(), torch.optim.AdamW(model.parameters(), lr=1e-3))
-
-
 # ---------------------------------------------------------------- docstring examples
 
 
 @pytest.mark.parametrize("module", ["functrain.optim", "functrain.optim.base", "functrain.optim.adam",
                                     "functrain.optim.sgd", "functrain.optim.lion", "functrain.optim.groups", "functrain.core.optimizer",
-                                    "functrain.optim.masks", "functrain.optim.schedules", "functrain.optim.interop"])
+                                    "functrain.optim.masks", "functrain.optim.schedules", "functrain.optim.interop",
+                                    "functrain.optim.schedulefree", "functrain.optim.torch_optim",
+                                    "functrain.optim.torch_schedules", "functrain.optim.torch_step",
+                                    "functrain.optim.torch_names", "functrain.optim.partition"])
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

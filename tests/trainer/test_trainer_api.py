@@ -71,11 +71,16 @@ def _module_loss(model):
 
 
 # ------------------------------------------------------------------------------------------ optimizers
-def test_a_torch_optim_optimizer_is_explained_before_training(tmp_path):
+def test_a_torch_optim_optimizer_is_translated(tmp_path):
+    """Trainer(optimizer=torch.optim.AdamW(model.parameters())) trains as its functional port (ft.optim.from_torch)."""
+    data = _data()
+    torch.manual_seed(0)
     model = Linear()
-    with pytest.raises(TypeError, match=r"stateful torch.optim optimizer.*ft\.optim\.adamw\(lr=0\.01"):
-        ft.Trainer(model, _data(), _config(tmp_path), optimizer=torch.optim.AdamW(model.parameters(), lr=0.01))
-    assert not os.path.exists(tmp_path / "checkpoints")
+    got = ft.Trainer(model, data, _config(tmp_path / "torch"),
+                     optimizer=torch.optim.AdamW(model.parameters(), lr=0.01)).train()
+    expected = _train(Linear, data, _config(tmp_path / "port"), optimizer=ft.optim.adamw(0.01))
+    assert isinstance(got.opt_state, ft.optim.AdamState)
+    assert T.tree_equal(got, expected), "the translated torch.optim.AdamW differs from ft.optim.adamw"
 
 
 def test_optimizer_argument_is_the_optimizer_used(tmp_path):

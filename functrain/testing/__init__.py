@@ -13,13 +13,22 @@ Strategies (hypothesis ``SearchStrategy`` objects):
     :func:`mlp_problems` (a small MLP: params, a pure mean loss and a batch whose
     rows divide by a drawn ``n``), :func:`token_problems` (a tiny language model on
     variable-length padded sequences whose loss is a token sum with
-    ``aux["num_items"]``).
+    ``aux["num_items"]``), :func:`nd_params` and :func:`nd_problems` (params of 0 to 4
+    dimensions: scalars, vectors, matrices, 3-D, convolution filters; a loss using them all).
 
 Checkers (plain functions; they raise ``AssertionError`` naming the first
 differing leaves):
     :func:`assert_same_state` (bitwise, or allclose), :func:`assert_pure`,
-    :func:`assert_compiled_equals_eager` (and no recompiles),
-    :func:`assert_order_independent` (every wrapping order gives the same state).
+    :func:`assert_compiled_equals_eager` (and no recompiles; ``law=`` for bf16/fp16),
+    :func:`assert_order_independent` (every wrapping order gives the same state),
+    :func:`assert_close_normwise` (the documented norm-wise law of bf16/fp16 compute),
+    :func:`assert_data_parallel_equals_one_process` (2 gloo processes, replicated and
+    sharded, equal one process).
+
+Tools:
+    :func:`probe` (what a transform sees at a stage: gradients, params, the update),
+    :func:`with_step` and :func:`state_at` (a state at step ``t``: the counters that
+    schedules and bias corrections read), :func:`run_steps`, :func:`clone_tree`.
 
 Example, a transform that scales the gradients, tested for purity, for
 commuting with :func:`functrain.clip`, and for compiling to one graph::
@@ -54,14 +63,18 @@ commuting with :func:`functrain.clip`, and for compiling to one graph::
 """
 from __future__ import annotations
 
-from .strategies import (Problem, batches, mlp_loss, mlp_problems, pytrees, shapes, tensors,  # noqa: F401
-                         token_mean_loss, token_problems, token_sum_loss, SEEDS)
-from .checks import (assert_compiled_equals_eager, assert_order_independent, assert_pure,  # noqa: F401
-                     assert_same_state, clone_tree, run_steps)
+from .strategies import (Problem, batches, mlp_loss, mlp_problems, nd_loss, nd_params, nd_problems,  # noqa: F401
+                         pytrees, shapes, tensors, token_mean_loss, token_problems, token_sum_loss, SEEDS)
+from .checks import (LAW_EPS, assert_close_normwise, assert_compiled_equals_eager,  # noqa: F401
+                     assert_order_independent, assert_pure, assert_same_state, clone_tree, law_dtype, run_steps,
+                     state_at, with_step)
+from .probe import PROBE_FIELDS, Probe, probe  # noqa: F401
+from .parallel import SHARD_MODES, assert_data_parallel_equals_one_process  # noqa: F401
 
 __all__ = [
-    "shapes", "tensors", "pytrees", "batches", "mlp_problems", "token_problems", "Problem",
-    "mlp_loss", "token_sum_loss", "token_mean_loss",
+    "shapes", "tensors", "pytrees", "batches", "mlp_problems", "token_problems", "nd_params", "nd_problems",
+    "Problem", "mlp_loss", "token_sum_loss", "token_mean_loss", "nd_loss",
     "assert_same_state", "assert_pure", "assert_compiled_equals_eager", "assert_order_independent",
-    "run_steps", "clone_tree",
+    "assert_close_normwise", "LAW_EPS", "law_dtype", "assert_data_parallel_equals_one_process", "SHARD_MODES",
+    "probe", "Probe", "PROBE_FIELDS", "with_step", "state_at", "run_steps", "clone_tree",
 ]

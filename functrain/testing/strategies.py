@@ -16,8 +16,8 @@ except ImportError as e:  # pragma: no cover - hypothesis is the "test" extra
 
 from ..core.flat import unflat
 
-__all__ = ["shapes", "tensors", "pytrees", "batches", "mlp_problems", "token_problems", "Problem",
-           "mlp_loss", "token_sum_loss", "token_mean_loss", "SEEDS"]
+__all__ = ["shapes", "tensors", "pytrees", "batches", "mlp_problems", "token_problems", "nd_params", "nd_problems",
+           "Problem", "mlp_loss", "token_sum_loss", "token_mean_loss", "nd_loss", "SEEDS"]
 
 SEEDS = st.integers(0, 2**31 - 1)
 
@@ -246,6 +246,134 @@ def mlp_problems(n: Any = None, *, min_width: int = 1, max_width: int = 8, max_h
 
     return draw_problem()
 
+
+
+def _nd_contribution(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """One parameter's term of :func:`nd_loss`, one value per row (see there)."""
+    if p.dim() == 0:
+        return torch.tanh(x * p)
+    if p.dim() == 1:
+        return torch.tanh(x @ p)
+    if p.dim() == 2:
+        return torch.tanh(x @ p).mean(-1)
+    if p.dim() == 3:
+        return torch.tanh(torch.einsum("ra,abc->rbc", x, p)).mean((1, 2))
+    if p.dim() == 4:
+        return torch.tanh(torch.nn.functional.conv2d(x, p)).mean((1, 2, 3))
+    raise ValueError(f"nd_loss: params of 0 to 4 dimensions; got one of shape {tuple(p.shape)}")
+
+
+def nd_loss(params: dict, buffers: dict, batch: dict) -> torch.Tensor:
+    """The loss of :func:`nd_problems`: each parameter, whatever its number of dimensions, maps its own input
+    ``batch["x"][name]`` to one value per row through a tanh, and the MSE of their sum to ``batch["y"]``.
+
+    The term of a parameter ``p`` with input ``x``: a scalar, ``tanh(x * p)`` (``x``: ``(rows,)``); a vector,
+    ``tanh(x @ p)`` (``x``: ``(rows, a)``); a matrix ``(a, b)``, ``tanh(x @ p)`` averaged over ``b``; 3-D ``(a, b,
+    c)``, ``tanh(einsum("ra,abc->rbc", x, p))`` averaged; 4-D ``(out, in, kh, kw)``, a convolution filter:
+    ``tanh(conv2d(x, p))`` averaged, ``x`` an image batch ``(rows, in, h, w)``. Every parameter reaches the
+    loss, and its gradient depends on the data.
+
+    Args:
+        params: ``{name: tensor of 0 to 4 dimensions}``.
+        buffers: unused.
+        batch: ``{"x": {name: input}, "y": (rows,)}``.
+
+    Returns:
+        The mean-squared error, a scalar tensor.
+
+    Example:
+        >>> import torch, functrain.testing as ftt
+        >>> params = {"s": torch.tensor(0.0), "k": torch.zeros(1, 2, 2, 2)}
+        >>> batch = {"x": {"s": torch.ones(3), "k": torch.ones(3, 2, 3, 3)}, "y": torch.ones(3)}
+        >>> ftt.nd_loss(params, {}, batch)
+        tensor(1.)
+    """
+    x, y = batch["x"], batch["y"]
+    pred = sum(_nd_contribution(p, x[name]) for name, p in params.items())
+    return torch.nn.functional.mse_loss(pred, y.to(pred.dtype))
+
+
+def nd_params(*, min_ndim: int = 0, max_ndim: int = 4, min_params: int = 1, max_params: int = 4,
+              max_side: int = 3) -> st.SearchStrategy:
+    """Params ``{"p0": ..., "p1": ...}`` of ``min_ndim..max_ndim`` dimensions each (scalars, vectors,
+    matrices, 3-D, 4-D convolution filters), sides ``1..max_side``, values ``randn / sqrt(fan_in)``.
+
+    Args:
+        min_ndim, max_ndim: the fewest and most dimensions of a parameter, in ``[0, 4]`` (default 0 and 4).
+        min_params, max_params: how many parameters (default 1 to 4).
+        max_side: the largest size of a dimension (default 3).
+
+    Returns:
+        A hypothesis ``SearchStrategy`` of ``{name: float32 tensor}`` dicts.
+
+    Example:
+        >>> import functrain.testing as ftt; from hypothesis import find
+        >>> params = find(ftt.nd_params(min_params=2), lambda p: {t.dim() for t in p.values()} >= {0, 4})
+        >>> sorted(t.dim() for t in params.values())
+        [0, 4]
+    """
+    if not (0 <= min_ndim <= max_ndim <= 4):
+        raise ValueError(f"nd_params: need 0 <= min_ndim <= max_ndim <= 4; got min_ndim={min_ndim!r}, "
+                         f"max_ndim={max_ndim!r}")
+    if not (1 <= min_params <= max_params) or max_side < 1:
+        raise ValueError(f"nd_params: need 1 <= min_params <= max_params and max_side >= 1; got "
+                         f"min_params={min_params!r}, max_params={max_params!r}, max_side={max_side!r}")
+
+    @st.composite
+    def draw_params(draw):
+        shapes_ = draw(st.lists(shapes(min_ndim, max_ndim, 1, max_side), min_size=min_params, max_size=max_params))
+        gen = torch.Generator().manual_seed(draw(SEEDS))
+        params = {}
+        for i, shape in enumerate(shapes_):
+            fan_in = math.prod(shape[1:]) if len(shape) == 4 else (shape[0] if shape else 1)
+            params[f"p{i}"] = torch.randn(shape, generator=gen) / fan_in ** 0.5
+        return params
+
+    return draw_params()
+
+
+def _nd_input(p: torch.Tensor, rows: int, extra: int, gen: torch.Generator) -> torch.Tensor:
+    """An input of :func:`nd_loss` for ``p``: ``(rows,)``, ``(rows, a)``, or images ``extra`` larger than the filter."""
+    if p.dim() == 0:
+        return torch.randn(rows, generator=gen)
+    if p.dim() == 4:
+        return torch.randn(rows, p.shape[1], p.shape[2] + extra, p.shape[3] + extra, generator=gen)
+    return torch.randn(rows, p.shape[0], generator=gen)
+
+
+def nd_problems(n: Any = None, *, min_ndim: int = 0, max_ndim: int = 4, min_params: int = 1, max_params: int = 4,
+                max_side: int = 3, max_micro_rows: int = 4) -> st.SearchStrategy:
+    """A :class:`Problem` whose params have any number of dimensions from ``min_ndim`` to ``max_ndim``
+    (:func:`nd_params`): loss :func:`nd_loss`, a batch ``{"x": {name: input}, "y": targets}`` of ``n * m``
+    rows (4-D filters see images 0 to 2 pixels larger than themselves).
+
+    Args:
+        n: the micro-batches, an int or a strategy (default ``None``: ``1..4``).
+        min_ndim, max_ndim, min_params, max_params, max_side: as :func:`nd_params`.
+        max_micro_rows: the most rows per micro-batch (default 4).
+
+    Returns:
+        A hypothesis ``SearchStrategy`` of :class:`Problem`.
+
+    Example:
+        >>> import functrain.testing as ftt; from hypothesis import find
+        >>> problem = find(ftt.nd_problems(n=2, min_ndim=4), lambda problem: True)
+        >>> problem.params["p0"].dim(), problem.batch["x"]["p0"].shape[0], problem.n
+        (4, 2, 2)
+    """
+    n_st = st.integers(1, 4) if n is None else _strategy(n)
+    params_st = nd_params(min_ndim=min_ndim, max_ndim=max_ndim, min_params=min_params, max_params=max_params,
+                          max_side=max_side)
+
+    @st.composite
+    def draw_problem(draw):
+        params, k = draw(params_st), draw(n_st)
+        rows, extra = k * draw(st.integers(1, max_micro_rows)), draw(st.integers(0, 2))
+        gen = torch.Generator().manual_seed(draw(SEEDS))
+        x = {name: _nd_input(p, rows, extra, gen) for name, p in params.items()}
+        return Problem(params, {}, nd_loss, {"x": x, "y": torch.randn(rows, generator=gen)}, k)
+
+    return draw_problem()
 
 def _lm_token_losses(params: dict, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, mask = batch["tokens"], batch["mask"]

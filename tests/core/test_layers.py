@@ -5,8 +5,9 @@ Layers, bottom to top (a module may import from its own unit and the layers belo
     0 core         functrain/core/        the state, the stage pipeline, the transform protocol, grad, rng, checks
     1 compiler     functrain/compiler/    ft.compile: capture, backend, runtime, memory, caches
     2 transforms   functrain/transforms/, optim  functrain/optim/, distributed  functrain/distributed/,
-                   driver  functrain/driver.py (ft.run), testing  functrain/testing/
-    3 data         functrain/data/,       checkpoint  functrain/checkpoint/
+                   driver  functrain/driver.py (ft.run)
+    3 data         functrain/data/,       checkpoint  functrain/checkpoint/,
+                   testing  functrain/testing/ (its data-parallel checker launches ranks: above distributed)
     4 trainer      functrain/trainer/
 
 Units of one layer do not import each other (transforms, optim and distributed are independent, and so are
@@ -23,7 +24,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "functrain"
 TOP = {"functrain", "functrain.launch"}  # facades above every layer
-LEVELS = {"core": 0, "compiler": 1, "transforms": 2, "optim": 2, "distributed": 2, "driver": 2, "testing": 2,
+LEVELS = {"core": 0, "compiler": 1, "transforms": 2, "optim": 2, "distributed": 2, "driver": 2, "testing": 3,
           "data": 3, "checkpoint": 3, "trainer": 4}
 
 

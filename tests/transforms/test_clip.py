@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 
 import functrain as ft
 import functrain.testing as ftt
-from conftest import FAST, OPTIMIZERS, Probe, optimizers, shifted, vec
+from conftest import FAST, OPTIMIZERS, optimizers, shifted, vec
 
 
 @FAST
-@given(problem=ftt.mlp_problems(), frac=st.floats(0.05, 3.0))
+@given(problem=st.one_of(ftt.mlp_problems(), ftt.nd_problems()), frac=st.floats(0.05, 3.0))
 def test_clip_norm_direction_and_grad_norm(problem, frac):
     """With g the reference gradient (torch.func.grad on the whole batch): the clipped
     gradient has norm min(|g|, max_norm) and g's direction, metrics["grad_norm"] = |g|,
@@ -26,9 +26,9 @@ def test_clip_norm_direction_and_grad_norm(problem, frac):
     norm = float(vec(g).norm())
     assume(norm >= 0.1)
     max_norm = frac * norm
-    step = Probe()(ft.clip(max_norm)(ft.accumulate(problem.n)(ft.train_step(problem.loss_fn, ft.optim.sgd(0.1)))))
+    step, seen = ftt.probe(ft.clip(max_norm)(ft.accumulate(problem.n)(ft.train_step(problem.loss_fn, ft.optim.sgd(0.1)))))
     _, metrics = step(step.init(problem.params), problem.batch)
-    clipped = vec(metrics["probe"])
+    clipped = vec(seen.last["grads"])
     assert math.isclose(float(metrics["grad_norm"]), norm, rel_tol=1e-5)
     assert math.isclose(float(clipped.norm()), min(norm, max_norm), rel_tol=1e-5)
     cosine = float(clipped @ vec(g) / (clipped.norm() * vec(g).norm()))
@@ -39,7 +39,7 @@ def test_clip_norm_direction_and_grad_norm(problem, frac):
     torch_norm = torch.nn.utils.clip_grad_norm_(torch_params, max_norm)
     assert math.isclose(float(torch_norm), float(metrics["grad_norm"]), rel_tol=1e-5)
     # atol 1e-6 as in the accumulation law: accumulate(n) reorders the sums of O(1) terms
-    ftt.assert_same_state(optree.tree_leaves(metrics["probe"]), [p.grad for p in torch_params], rtol=1e-5, atol=1e-6)
+    ftt.assert_same_state(optree.tree_leaves(seen.last["grads"]), [p.grad for p in torch_params], rtol=1e-5, atol=1e-6)
 
 
 @FAST
@@ -62,14 +62,14 @@ def test_clip_value_clamps(problem, frac, with_clip):
     g = torch.func.grad(problem.loss_fn)(problem.params, {}, problem.batch)
     v = float(torch.tensor(frac * float(vec(g).abs().max()) + 1e-12))  # a float32 value: the bound is exact
     step = ft.train_step(problem.loss_fn, ft.optim.sgd(0.1))
-    step = Probe()(ft.clip_value(v)(ft.clip(0.5)(step) if with_clip else step))
-    _, metrics = step(step.init(problem.params), problem.batch)
+    step, seen = ftt.probe(ft.clip_value(v)(ft.clip(0.5)(step) if with_clip else step))
+    step(step.init(problem.params), problem.batch)
     if with_clip:
         coef = min(1.0, 0.5 / (float(vec(g).norm()) + 1e-6))
         g = ft.tree.tree_map(lambda x: x * coef, g)
     expected = ft.tree.tree_map(lambda x: x.clamp(-v, v), g)
-    assert float(vec(metrics["probe"]).abs().max()) <= v
-    ftt.assert_same_state(metrics["probe"], expected, rtol=1e-6, atol=1e-7)
+    assert float(vec(seen.last["grads"]).abs().max()) <= v
+    ftt.assert_same_state(seen.last["grads"], expected, rtol=1e-6, atol=1e-7)
 
 
 @FAST
@@ -86,10 +86,11 @@ def test_clip_and_ema_on_any_pytree(params, data, frac):
     def loss_fn(p, buffers, batch):
         return sum((x * c).sum() for x, c in zip(optree.tree_leaves(p), optree.tree_leaves(batch)))
 
-    step = Probe()(ft.ema(0.5)(ft.clip(frac * norm)(ft.train_step(loss_fn, ft.optim.sgd(1.0)))))
+    step, seen = ftt.probe(ft.ema(0.5)(ft.clip(frac * norm)(ft.train_step(loss_fn, ft.optim.sgd(1.0)))))
     state, metrics = ftt.assert_pure(step, step.init(params), coefs)
+    ftt.assert_same_state(seen.records[1], seen.records[0], what="the gradient of assert_pure's second call")
     coef = min(1.0, frac * norm / (norm + 1e-6))
-    ftt.assert_same_state(metrics["probe"], optree.tree_map(lambda c: (c.double() * coef).float(), coefs), rtol=1e-6)
+    ftt.assert_same_state(seen.last["grads"], optree.tree_map(lambda c: (c.double() * coef).float(), coefs), rtol=1e-6)
     assert math.isclose(float(metrics["grad_norm"]), norm, rel_tol=1e-6)
     assert optree.tree_structure(state.params) == optree.tree_structure(params)
     half = optree.tree_map(lambda p, n: ((p.double() + n.double()) / 2).float(), params, state.params)

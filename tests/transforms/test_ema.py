@@ -65,19 +65,21 @@ def _ramp(k, decay, start_step, power, inv_gamma, min_decay):
 
 @FAST
 @given(problem=ftt.mlp_problems(), decay=st.floats(0.5, 0.999), every=st.integers(1, 3), start_step=st.integers(0, 4),
-       power=st.floats(0.25, 2.0), inv_gamma=st.floats(0.5, 8.0), min_decay=st.floats(0.0, 1.0), steps=st.integers(1, 9))
-def test_ema_warmup_matches_hand_computed_ramp(problem, decay, every, start_step, power, inv_gamma, min_decay, steps):
+       power=st.floats(0.25, 2.0), inv_gamma=st.floats(0.5, 8.0), min_decay=st.floats(0.0, 1.0), steps=st.integers(1, 9),
+       t0=st.sampled_from([0, 0, 97, 2820]))
+def test_ema_warmup_matches_hand_computed_ramp(problem, decay, every, start_step, power, inv_gamma, min_decay, steps, t0):
     """With power=, the k-th blend (k > start_step, k % every == 0) uses
     d_k = clamp(1 - (1 + (k - start_step) / inv_gamma) ** -power, min_decay, decay), computed here in float64
     from the formula; copies and unchanged updates as without the ramp. rtol = atol = 1e-6 as above (the
-    decay reaches the fp32 lerp as a float32 weight: 6e-8 relative, well inside)."""
+    decay reaches the fp32 lerp as a float32 weight: 6e-8 relative, well inside). The run starts at update t0
+    (ftt.state_at, the EMA's own count moved too): late in the ramp, where it reaches decay."""
     min_decay *= decay
     ema = ft.ema(decay, every=every, start_step=start_step, power=power, inv_gamma=inv_gamma, min_decay=min_decay)
     step = ema(ft.train_step(problem.loss_fn, ft.optim.adamw(1e-2)))
-    state = step.init(problem.params)
+    state = ftt.state_at(step, problem.params, t0, slots={"ema": lambda slot, t: slot._replace(count=torch.tensor(t))})
     ref = ft.tree.tree_map(lambda p: p.double(), problem.params)
-    for k in range(1, steps + 1):
-        new, _ = step(state, shifted(problem.batch, k))
+    for k in range(t0 + 1, t0 + steps + 1):
+        new, _ = step(state, shifted(problem.batch, k - t0))
         if k <= start_step:
             ref = ft.tree.tree_map(lambda p: p.double(), new.params)
         elif k % every == 0:

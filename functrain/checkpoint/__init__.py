@@ -70,6 +70,7 @@ from __future__ import annotations
 # manager: CheckpointManager (numbered checkpoints, rotation, fallback) and Restored
 # per_rank: checkpoints of sharded states (one folder per rank, resharding load); save/load/load_extra
 #          below are its dispatchers, which hand unsharded states and folders to folder.save/load unchanged
+# agree: the ranks deciding together (which checkpoint to resume; rank 0 writes a replicated state)
 # lock: FolderLock (one writer per folder) and the in-use marks of a save's folders
 # safe_io: opens that never follow a link (O_NOFOLLOW, O_EXCL temporaries renamed into place): every writer of a
 #          results folder uses them; bounded: JSON/YAML parsed under a memory bound (and YAML as plain data only)
@@ -79,11 +80,11 @@ from . import bounded, folder, format, lock, manager, per_rank, safe_io, tensorf
 from ..core.registry import register_checkpoint_type
 from .export import export_state_dict, export_weights  # final weights as plain state_dict files
 from .folder import check_structure
-from .per_rank import load, load_extra, save  # sharded states: one folder per rank; others go to folder
+from .per_rank import load, load_extra  # sharded states: one folder per rank; others go to folder
 from .format import EXTRA, FORMAT, MARKER, TENSORS, TREE, VERSION, CheckpointError, CheckpointSpaceError, StructureMismatch
 from .lock import FolderLock, FolderLocked
 from .safe_io import LinkRefused
-from .manager import CheckpointManager, Restored
+from .manager import CheckpointManager, Restored, save  # save: per_rank.save; a replicated state by rank 0
 
 __all__ = [
     "save",

@@ -12,7 +12,7 @@ import torch
 
 from ..distributed.faults import PeerFailed
 from . import per_rank
-from .agree import Agreement
+from .agree import Agreement, check_timeout, replicated_rank, save_once
 from .folder import check_complete, check_structure, load, tidy, write_checkpoint
 from .format import CheckpointError, StructureMismatch
 from .lock import hold_dir
@@ -63,8 +63,16 @@ class CheckpointManager:
     folder under a checkpoint name. Only folders with a valid completion mark
     whose files have the sizes it lists count as checkpoints.
 
-    One process should save into a folder at a time (rank 0 under replicated
-    data parallelism). A sharded state (``ft.data_parallel(shard=...)``) is
+    In a process group of more than one process (``torch.distributed``
+    initialised), an unsharded state is *replicated* (data parallelism keeps it
+    the same on every rank) and rank 0 writes it: call ``save`` on rank 0 alone,
+    or on every rank (as Accelerate's ``save_state``). A rank's n-th save is
+    paired with rank 0's n-th (:func:`functrain.checkpoint.agree.save_once`):
+    into the same folder, that rank writes nothing, waits up to ``timeout``
+    seconds for rank 0's save and returns its path (another step raises
+    ``ValueError`` naming both); into another folder (each rank its own), it
+    writes its own. ``replicated=False`` writes on this rank without asking
+    rank 0. A sharded state (``ft.data_parallel(shard=...)``) is
     saved by every rank of its group calling ``save`` together: each writes its
     shard into the step's folder (:mod:`functrain.checkpoint.per_rank`), the
     folder appears complete with its ``SHARDED.json`` last, and then rank 0
@@ -76,13 +84,18 @@ class CheckpointManager:
         keep: how many checkpoints to keep, an int >= 1 (default 3), or ``None``: keep all.
         checksum: ``"crc32"`` (default) or ``"sha256"``, as in :func:`save`.
         fsync: as in :func:`save` (default ``True``).
+        replicated: ``True`` (default): in a process group, an unsharded state is the same on every rank
+            and rank 0 writes it; ``False``: this rank writes, without asking rank 0 (a folder of its own).
+        timeout: how long a rank other than 0 waits for rank 0's save, in seconds (default 1800).
 
     Attributes:
         folder: the folder's absolute path.
-        keep, checksum, fsync: the settings above.
+        keep, checksum, fsync, replicated, timeout: the settings above.
 
     Raises:
-        ValueError: ``keep`` is not an int >= 1 or ``None``, or an unknown ``checksum``.
+        ValueError: ``keep`` is not an int >= 1 or ``None``, an unknown ``checksum``, or a ``timeout``
+            that is not a finite number > 0.
+        TypeError: ``replicated`` is not a bool, or ``timeout`` not a number.
 
     Example::
 
@@ -102,12 +115,15 @@ class CheckpointManager:
     _ASIDE = re.compile(r"\.step_(\d+)\.s?old-[0-9a-f]{12}$")  # (sold: a sharded save's)
 
     def __init__(self, folder: str | os.PathLike, keep: int | None = 3, *, checksum: str = "crc32",
-                 fsync: bool = True):
+                 fsync: bool = True, replicated: bool = True, timeout: float = 1800.0):
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be an int >= 1 or None (keep all); got {keep!r}")
         check_checksum(checksum)
+        if not isinstance(replicated, bool):
+            raise TypeError(f"replicated must be True or False; got {replicated!r}")
+        self.timeout = check_timeout(timeout)
         self.folder = os.path.abspath(os.fspath(folder))
-        self.keep, self.checksum, self.fsync = keep, checksum, fsync
+        self.keep, self.checksum, self.fsync, self.replicated = keep, checksum, fsync, replicated
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.folder!r}, keep={self.keep})"
@@ -188,7 +204,9 @@ class CheckpointManager:
 
         Pruning never removes the newest checkpoint not marked ``finite=False``: after
         non-finite saves, the last good one stays (``keep + 1`` folders then). A sharded state
-        is saved by every rank calling this together; rank 0 alone prunes.
+        is saved by every rank calling this together; rank 0 alone prunes. In a process group,
+        an unsharded state is rank 0's to write (and prune): another rank that saves into the same
+        folder writes nothing and waits for rank 0's save of the same step (see the class).
 
         Args:
             step: the step number, an int >= 0 (or an int tensor, such as ``state.step``).
@@ -201,8 +219,11 @@ class CheckpointManager:
             The checkpoint's path.
 
         Raises:
-            ValueError: ``step`` is not an int >= 0.
+            ValueError: ``step`` is not an int >= 0; or (on a rank other than 0) rank 0 saved another
+                step at this point.
             TypeError: ``finite`` is not a bool or ``None``; and as :func:`save`.
+            functrain.distributed.PeerFailed: (on a rank other than 0) rank 0's save failed, or did not come
+                within ``timeout``.
         """
         if isinstance(step, torch.Tensor):
             step = int(step)
@@ -212,6 +233,12 @@ class CheckpointManager:
             raise TypeError(f"finite must be a bool or None; got {finite!r}")
         if per_rank.is_sharded(state):
             return self._save_sharded(step, state, extra, finite)
+        if self.replicated and replicated_rank() is not None:  # rank 0 writes; a rank that saves too waits
+            return save_once("manager", self.folder, step, lambda: self._write(step, state, extra, finite),
+                             self.timeout)
+        return self._write(step, state, extra, finite)
+
+    def _write(self, step: int, state: Any, extra: Any, finite: bool | None) -> str:
         os.makedirs(self.folder, exist_ok=True)
         self._tidy()
         path = write_checkpoint(self.path(step), state, extra, checksum=self.checksum, fsync=self.fsync,
@@ -430,3 +457,65 @@ class CheckpointManager:
             except CheckpointError:
                 raise e from None
             raise (early or StructureMismatch(path, [("<state>", str(e))])) from None
+
+
+def save(path: str | os.PathLike, state: Any, extra: Any = None, *, checksum: str = "crc32", fsync: bool = True,
+         marks: dict | None = None, replicated: bool = True, timeout: float = 1800.0) -> str:
+    """Save ``state`` (any pytree of tensors, e.g. a :class:`~functrain.TrainState`) as a checkpoint folder.
+
+    The folder appears at ``path`` complete or not at all; an existing checkpoint at ``path`` is
+    replaced (old one renamed aside, new one renamed in, old one removed). Everything that could make
+    the state unsavable raises before anything is written. A sharded state
+    (``ft.data_parallel(shard=...)``) is saved by every rank of its group calling ``save`` with the
+    same ``path`` together, each its own shard (:mod:`functrain.checkpoint.per_rank`).
+
+    In a process group of more than one process, an unsharded state is replicated and rank 0 writes
+    it: call ``save`` on rank 0 alone, or on every rank. A rank's n-th ``save`` is paired with rank
+    0's n-th: the same ``path``, and that rank writes nothing, waits up to ``timeout`` seconds for
+    rank 0's save and returns once it is complete; another path (each rank its own), and it writes
+    its own. ``replicated=False`` writes on this rank without asking rank 0.
+
+    Args:
+        path: the checkpoint folder to create (its parent is created if needed).
+        state: the pytree to save: tensors, Python scalars, strings and ``None`` in dicts, lists, tuples
+            and registered NamedTuples (:func:`register_checkpoint_type`).
+        extra: any JSON-serialisable value saved beside it (default ``None``), read back with
+            :func:`load_extra`.
+        checksum: ``"crc32"`` (default, fast) or ``"sha256"``: the checksum of the tensor file's blocks.
+        fsync: ``True`` (default) fsyncs every file and folder; ``False`` is faster and still atomic
+            against a killed process, but not against a power loss.
+        marks: a small JSON dict recorded in (each rank's) completion mark (default ``None``).
+        replicated: ``True`` (default): in a process group, an unsharded state is rank 0's to write;
+            ``False``: this rank writes it, without asking rank 0.
+        timeout: how long a rank other than 0 waits for rank 0's save, in seconds (default 1800).
+
+    Returns:
+        The checkpoint's absolute path, a str.
+
+    Raises:
+        FileExistsError: something other than a checkpoint is at ``path``.
+        LinkRefused: ``path`` (or a file functrain writes in it) is a symbolic link.
+        TypeError: a leaf or node type that cannot be saved, ``extra`` that is not JSON, or a
+            ``replicated`` that is not a bool.
+        ValueError: an unknown ``checksum``, a path without a name, or a bad ``timeout``.
+        CheckpointSpaceError: (an ``OSError``) the checkpoint does not fit (free space or the file-size
+            limit), naming the bytes needed and free; older checkpoints stay intact.
+        RuntimeError: a sharded state saved by one process rather than by all ranks of its group.
+        functrain.distributed.PeerFailed: (on a rank other than 0) rank 0's save of ``path`` failed, or
+            did not come within ``timeout``.
+
+    Example::
+
+        >>> import tempfile, torch, functrain as ft
+        >>> path = ft.save(tempfile.mkdtemp() + "/ckpt", {"w": torch.ones(2)}, extra={"epoch": 1})
+        >>> ft.load_extra(path)
+        {'epoch': 1}
+    """
+    if not isinstance(replicated, bool):
+        raise TypeError(f"replicated must be True or False; got {replicated!r}")
+    timeout = check_timeout(timeout)
+    if not (replicated and replicated_rank() is not None) or per_rank.is_sharded(state):
+        return per_rank.save(path, state, extra, checksum=checksum, fsync=fsync, marks=marks)
+    target = os.path.abspath(os.fspath(path))
+    return save_once("save", target, None,
+                     lambda: per_rank.save(target, state, extra, checksum=checksum, fsync=fsync, marks=marks), timeout)

@@ -82,7 +82,18 @@ class CountingBackend:
 def make_backend(options: Options, lock_timeout: float = 600.0) -> CountingBackend:
     """The counting backend for ``options`` (inductor made lazily; on the direct path without its per-call
     size asserts, which the runtime's signature check makes redundant; CUDA graphs there are functrain's);
-    ``lock_timeout``: see :class:`CountingBackend`."""
+    ``lock_timeout``: see :class:`CountingBackend`.
+
+    Random numbers, per graph: a graph whose inputs are all on the CPU compiles with inductor's
+    ``fallback_random=True`` (its random ops call torch's own kernels, in program order, on the generator
+    ``with_rng`` seeds), unless ``options.options`` sets ``fallback_random`` itself. On the CPU inductor's own
+    generator is slow (``torch.randn_like`` of 83k floats: ~8 ms against ~0.2 ms eagerly) and torch's kernels
+    are fast, and the compiled step then draws the eager step's numbers bit for bit (docs/randomness.md). A
+    graph with an input on another device (CUDA) keeps inductor's generator, which is fast there and fuses
+    with the ops around it. The choice is made from the inputs the backend is called with, so a compile
+    worker (:mod:`functrain.compiler.worker`, which rebuilds this backend from the same ``Options`` and
+    compiles fake inputs of the same devices) makes the same one, and the configuration both compile under,
+    which keys inductor's caches, is the same."""
     backend, mode, extra = options.backend, options.mode, options.options
     direct = options.path == "direct"
     if backend in (None, "inductor"):
@@ -93,6 +104,16 @@ def make_backend(options: Options, lock_timeout: float = 600.0) -> CountingBacke
         if wrapper is None:  # pragma: no cover - older torch: count through the registry's inductor
             from torch._dynamo.backends.registry import lookup_backend
             return CountingBackend(lookup_backend("inductor"), shared=True, lock_timeout=lock_timeout)
+        if "fallback_random" not in (extra or {}):
+            class RandomPerDevice(wrapper):  # type: ignore[misc, valid-type]
+                """Inductor with ``fallback_random=True`` for a graph whose inputs are all on the CPU."""
+
+                def __call__(self, model_: Any, inputs_: Any, *, config_patches: Any = None) -> Any:
+                    if not any(torch.is_tensor(t) and t.device.type != "cpu" for t in inputs_):
+                        config_patches = {"fallback_random": True, **(config_patches or {})}
+                    return super().__call__(model_, inputs_, config_patches=config_patches)
+
+            wrapper = RandomPerDevice
         return CountingBackend(functools.partial(wrapper, mode, extra, options.dynamic), shared=True,
                                lock_timeout=lock_timeout)
     if isinstance(backend, str):

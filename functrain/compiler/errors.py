@@ -30,7 +30,8 @@ class GraphBreakError(RuntimeError):
     step run eagerly succeeded (an error of the step itself is raised as it is). Its message
     names the cause (a host sync such as ``.item()``, a Python branch on a tensor value,
     untraceable code) and the user's line that does it, and the tracer's report; ``__cause__`` is the
-    tracer's error. Fix the loss function, or pass ``fullgraph=False`` to allow graph breaks (slower).
+    tracer's error. Fix the loss function (or the transform whose hook the line is in: the message names it,
+    ``fix the transform Name.hook``), or pass ``fullgraph=False`` to allow graph breaks (slower).
 
     Attributes:
         what: the operation found (``"item"``, ``"__bool__"``: a Python ``if`` on a tensor, ``"print"``,
@@ -98,10 +99,12 @@ def explain(step: Step, error: BaseException, state: Any, batch: Any, *, tracer:
             cause = f"{describe(found.what)}, at {found.where}"
         else:
             cause = _first_line(error)
+        hook = found.where.hook if found is not None else None
+        fix = "the loss function" if hook is None else f"the transform {hook}"
         e = GraphBreakError(
             f"the step cannot be compiled as one graph (fullgraph=True): {cause}. "
             f"A step must have no host sync (.item(), print, Python branches on tensor values, data-dependent "
-            f"shapes) and call only traceable code; fix the loss function, or pass fullgraph=False to ft.compile "
+            f"shapes) and call only traceable code; fix {fix}, or pass fullgraph=False to ft.compile "
             f"to allow graph breaks (slower). The tracer ({tracer}) said:\n{error}")
         if found is not None:
             e.what, e.where = found.what, found.where

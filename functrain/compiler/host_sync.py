@@ -13,7 +13,10 @@ naming the operation and the user's line, in the blocking and the background pat
   (``.item()``, ``.tolist()``, ``bool()`` of a tensor: a Python ``if`` on it, ``x[mask]``, ``nonzero``, a
   tensor formatted for printing) made from the user's code: its line is what the error names.
 
-"The user's code" is the innermost frame outside torch's and functrain's own packages.
+"The user's code" is the innermost frame outside torch's and functrain's own packages. When that line runs in a
+transform's hook (the hook's method, a function it calls, or a function defined in it: the wrapper ``wrap_loss``
+returns, a lambda given to ``tree_map``), :attr:`Where.hook` names the transform's class and the hook, so that the
+error says which transform to fix rather than the loss function.
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
+from ..core.transform import HOOKS, Transform
+
 __all__ = ["HostSync", "Where", "no_print", "data_dependent", "locate", "describe"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -33,12 +38,14 @@ _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class Where(NamedTuple):
-    """A line of the user's code: file, line number, function and the line's text."""
+    """A line of the user's code: file, line number, function and the line's text; ``hook``: ``"Name.hook"`` when
+    the line runs in the hook of a transform (class ``Name``), else ``None``."""
 
     file: str
     line: int
     function: str
     text: str
+    hook: str | None = None
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line} in {self.function}" + (f": `{self.text}`" if self.text else "")
@@ -68,9 +75,40 @@ def _users_frame(frame: Any) -> Where | None:
             if path.startswith(_OWN_DIR):
                 return None
             text = linecache.getline(filename, frame.f_lineno).strip()
-            return Where(filename, frame.f_lineno, frame.f_code.co_name, text[:200])
+            return Where(filename, frame.f_lineno, frame.f_code.co_name, text[:200], _hook_of(frame))
         frame = frame.f_back
     return None
+
+
+def _hook_of(frame: Any) -> str | None:
+    """``"Name.hook"`` when the user's line at ``frame`` runs in a hook of a transform of class ``Name``: its function
+    was defined in the hook (the code's qualified name is ``<class>.<hook>.<locals>...`` and that class is a
+    Transform), or the hook's method (``self`` a Transform) is on the stack above it. A wrapper returned by
+    ``wrap_loss`` that calls the loss function is not above the loss's line: that line stays the loss's."""
+    qualname = getattr(frame.f_code, "co_qualname", "")  # (Python >= 3.11)
+    for hook in HOOKS:
+        marker = f".{hook}.<locals>."
+        if marker in qualname:
+            owner = qualname.split(marker)[0]
+            module = frame.f_globals.get("__name__")
+            if any(c.__qualname__ == owner and c.__module__ == module for c in _subclasses(Transform)):
+                return f"{owner.rpartition('.')[2]}.{hook}"
+    while frame is not None:
+        if frame.f_code.co_name in HOOKS:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Transform):
+                return f"{type(owner).__name__}.{frame.f_code.co_name}"
+        frame = frame.f_back
+    return None
+
+
+def _subclasses(cls: type) -> list[type]:
+    out, todo = [], [cls]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            out.append(sub)
+            todo.append(sub)
+    return out
 
 
 @contextlib.contextmanager

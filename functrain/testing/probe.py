@@ -72,6 +72,7 @@ class Probe(Transform):
     stage: str = ""
     fields: tuple[str, ...] = ()
     outputs: bool = False
+    needs = "elementwise"  # it copies what it sees: under a sharded step, from "reduce" on, this rank's flat shard
 
     def __init__(self, name: str, order: int, fields: tuple[str, ...], outputs: bool):
         self.name, self.order, self.fields, self.outputs = name, order, fields, outputs
@@ -200,6 +201,10 @@ def probe(step: Step | None = None, stage: str = "transform", *, fields: Any = N
     (:data:`functrain.core.transform.STAGE_HOOKS`), at ``order`` among the stage's transforms (by default after
     all of them: in a wrapping stage, innermost). It keeps no slot and writes nothing, so the probed step's
     states and metrics are bitwise the step's own, and the probed step takes the step's states.
+
+    Under ``ft.data_parallel(shard="optimizer" | "params")`` a hook from the ``reduce`` stage on sees this rank's
+    flat shard of the gradients and params (``{dtype: 1-D tensor}``), and the probe records that (it declares
+    ``needs = "elementwise"``); ``ft.gather_state`` gives the whole state after the step.
 
     Eagerly (``outputs=False``, the default) each hook call appends host copies (detached CPU tensors) of what it
     sees to ``probe.records`` (``probe.last`` is the latest). A compiled step cannot hand host copies out while

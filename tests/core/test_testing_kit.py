@@ -146,6 +146,23 @@ def test_probe_compiled_records_through_outputs_and_refuses_host_copies_by_name(
         ft.compile(host, backend="aot_eager")(host.init(params), batches[0])
 
 
+def test_probe_in_a_sharded_step_records_this_ranks_flat_shard():
+    """Under data_parallel(shard=...) (one process here: a shard of everything) the transform stage sees the
+    gradient as one flat buffer per dtype: the probe records that, and the result is the unprobed step's."""
+    params, batches = fixed_problem()
+    plain, seen_plain = ftt.probe(ft.train_step(ftt.mlp_loss, ft.optim.sgd(0.1)), "transform")
+    plain(plain.init(params), batches[0])
+    for mode in ("optimizer", "params"):
+        step = ft.data_parallel(shard=mode)(ft.train_step(ftt.mlp_loss, ft.optim.sgd(0.1)))
+        probed, seen = ftt.probe(step, "transform")
+        got, _ = probed(probed.init(params), batches[0])
+        ref, _ = step(step.init(params), batches[0])
+        ftt.assert_same_state(got, ref, what=f"probed vs unprobed, shard={mode!r}")
+        (flat,) = seen.last["grads"].values()
+        whole = torch.cat([g.reshape(-1) for g in optree.tree_leaves(seen_plain.last["grads"])])
+        ftt.assert_same_state(flat[: whole.numel()], whole, what=f"the flat shard, shard={mode!r}")
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"stage": "normalise"}, "'normalise' has no hook"),
     ({"stage": "clip"}, "probe: stage must be one of ('loss', 'grad'"),

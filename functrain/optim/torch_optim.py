@@ -89,7 +89,8 @@ def _port(kind: str, where: str, group: dict, lr: Any) -> Optimizer:
     return opt
 
 
-def _handover(torch_opt: torch.optim.Optimizer, kind: str, cls: str, scheduler: Any) -> tuple[int, list, list]:
+def _handover(torch_opt: torch.optim.Optimizer, kind: str, cls: str, scheduler: Any,
+              stepped: int | None) -> tuple[int, list, list]:
     """``(count, per group and param {field: tensor}, per group scalars)`` of a stepped optimizer's state."""
     seeds, scalars, steps, holders, empty = [], [], set(), [], []
     for i, group in enumerate(torch_opt.param_groups):
@@ -118,11 +119,11 @@ def _handover(torch_opt: torch.optim.Optimizer, kind: str, cls: str, scheduler: 
         raise ValueError(f"{cls} has stepped and is in eval mode (its params hold the averaged x): call "
                          f"optimizer.train() before handing it over, so its params hold y, where its state continues")
     count = steps.pop() if steps else 0
-    if scheduler is not None:
+    if stepped is not None:  # how many times the scheduler has stepped (its last_epoch)
         if kind == "sgd":
-            count = int(scheduler.last_epoch)
-        elif count != scheduler.last_epoch:
-            raise ValueError(f"{type(scheduler).__name__} has stepped {scheduler.last_epoch} times (last_epoch) but "
+            count = stepped
+        elif count != stepped:
+            raise ValueError(f"{type(scheduler).__name__} has stepped {stepped} times (last_epoch) but "
                              f"{cls} {count} times: hand them over as they are after the same number of updates")
     elif kind == "sgd" and holders:
         count = 1  # SGD keeps no step count: its momentum buffers say it has stepped
@@ -277,7 +278,7 @@ def from_torch(torch_optimizer: torch.optim.Optimizer, params: Any = None, *, sc
         lrs = list(from_torch_scheduler(scheduler, num_steps=num_steps))
     subs = [_port(kind, f"{cls} param group {i}", g, lr)
             for i, (g, lr) in enumerate(zip(torch_optimizer.param_groups, lrs))]
-    handover = _handover(torch_optimizer, kind, cls, scheduler)
+    handover = _handover(torch_optimizer, kind, cls, scheduler, lrs[0].start if scheduler is not None else None)
     torch_groups = [list(g["params"]) for g in torch_optimizer.param_groups]
     named = named_params(params, "from_torch")
     names = None

@@ -138,7 +138,18 @@ def _end(scheduler: Any) -> tuple[int | None, bool]:
     if isinstance(scheduler, L.SequentialLR):
         end, constant = _end(scheduler._schedulers[-1])
         return (None, False) if end is None else (scheduler._milestones[-1] + end, constant)
+    if isinstance(scheduler, L.ChainedScheduler):
+        ends = [_end(s) for s in scheduler._schedulers]
+        if all(constant for _, constant in ends):
+            return max(end for end, _ in ends), True
     return None, False
+
+
+def _last_epoch(scheduler: Any) -> int:
+    """How many times ``scheduler`` has stepped (a ``ChainedScheduler``'s children step together)."""
+    if isinstance(scheduler, L.ChainedScheduler):
+        return _last_epoch(scheduler._schedulers[0])
+    return int(scheduler.last_epoch)
 
 
 def _lambda_values(scheduler: Any, start: int, length: int) -> list[list[float]]:
@@ -231,7 +242,7 @@ def from_torch_scheduler(scheduler: Any, num_steps: int | None = None) -> list[T
         if isinstance(g["lr"], torch.Tensor):
             raise TypeError(f"param group {i} of {type(torch_opt).__name__} has a tensor lr ({describe(g['lr'])}); "
                             "functrain translates float lrs: build it with lr=<float>")
-    start = int(scheduler.last_epoch)
+    start = _last_epoch(scheduler)
     end, constant = _end(scheduler)
     if constant:
         total, length = None, max(end - start, 1)

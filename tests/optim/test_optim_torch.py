@@ -172,6 +172,11 @@ SCHEDULERS = {
     "SequentialLR": (lambda o: L.SequentialLR(o, [L.LinearLR(o, 0.2, total_iters=4), L.CosineAnnealingLR(o, 8)],
                                               milestones=[4]), None),
     "CosineAnnealingWarmRestarts": (lambda o: L.CosineAnnealingWarmRestarts(o, T_0=4, T_mult=2), STEPS),
+    "CyclicLR": (lambda o: L.CyclicLR(o, 0.01, [0.1, 0.05], step_size_up=3, cycle_momentum=False), STEPS),
+    "ChainedScheduler": (lambda o: L.ChainedScheduler([L.ConstantLR(o, 0.5, total_iters=3), L.ExponentialLR(o, 0.9)]),
+                         STEPS),
+    "PolynomialLR": (lambda o: L.PolynomialLR(o, total_iters=6, power=2.0), None),
+    "MultiplicativeLR": (lambda o: L.MultiplicativeLR(o, lambda t: 0.97), STEPS),
     "hf_cosine": (lambda o: transformers.get_scheduler("cosine", o, num_warmup_steps=3, num_training_steps=STEPS),
                   None),
     "hf_linear": (lambda o: transformers.get_scheduler("linear", o, num_warmup_steps=4, num_training_steps=STEPS),
@@ -194,7 +199,8 @@ def test_scheduler_lrs_and_params_are_torchs(name):
     opt = ft.optim.from_torch(o_opt, ours, scheduler=sched, num_steps=num_steps)
     params, _ = ft_run(opt, ours, grads)
     assert bits_equal(params, expected)
-    assert o_opt.param_groups[0]["lr"] == torch_lrs[0][0] and sched.last_epoch == 0  # the scheduler is not stepped
+    assert o_opt.param_groups[0]["lr"] == torch_lrs[0][0]  # the scheduler is not stepped
+    assert sched.state_dict().get("last_epoch", 0) == 0
 
 
 def test_scheduler_horizons():
@@ -361,6 +367,28 @@ def test_the_escape_hatch_is_refused_where_it_cannot_hold():
         step.init(params, buffers, flat=True)
     with pytest.raises(ValueError, match=r"data_parallel\(shard='optimizer'\) updates flat per-dtype shards"):
         ft.data_parallel(shard="optimizer")(step)
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "params"])
+def test_a_sharded_step_takes_one_group_named_from_the_module(shard):
+    model = torch.nn.Linear(3, 2)
+    apply_fn, params, buffers = ft.functionalize(model)
+
+    def loss(p, b, x):
+        return apply_fn(p, b, x).square().mean()
+
+    lazy = ft.data_parallel(shard=shard)(ft.train_step(loss, torch.optim.AdamW(model.parameters(), lr=0.1)))
+    with pytest.raises(ValueError, match=r"AdamW translated: these params are flat .*named with "
+                                         r"ft\.optim\.from_torch\(torch_optimizer, model\)"):
+        lazy.init(params, buffers)
+    named = ft.optim.from_torch(torch.optim.AdamW(model.parameters(), lr=0.1), model)
+    sharded = ft.data_parallel(shard=shard)(ft.train_step(loss, named))
+    plain = ft.train_step(loss, ft.optim.adamw(0.1))
+    a, b = sharded.init(params, buffers), plain.init(params, buffers)
+    for _ in range(3):
+        a, _ = sharded(a, torch.ones(4, 3))
+        b, _ = plain(b, torch.ones(4, 3))
+    assert bits_equal(ft.gather_state(a).params, b.params)
 
 
 # ------------------------------------------------------------------------------------------ refusals

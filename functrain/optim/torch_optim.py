@@ -222,7 +222,7 @@ def from_torch(torch_optimizer: torch.optim.Optimizer, params: Any = None, *, sc
     (betas, eps, weight_decay, maximize, ``decoupled_weight_decay``) and
     ``schedulefree.AdamWScheduleFree`` become functional ports, one per param group with that
     group's hyper-parameters: bit for bit torch's updates in eager float32 (against torch's
-    for-loop and foreach implementations; ``fused=True`` kernels round differently). What a port
+    for-loop and foreach implementations; ``fused=True`` kernels may round differently). What a port
     does not hold is refused by name (``amsgrad=True``, a tensor lr). Any other optimizer class
     (or a subclass) runs its own ``step()``: :func:`functrain.optim.torch_step`. A stepped
     optimizer hands its state over; the optimizer, its params and the scheduler are not changed.

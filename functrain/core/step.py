@@ -185,8 +185,15 @@ class Step:
         self.transforms = tuple(transforms)
         ordered = sorted(self.transforms, key=lambda t: (t.order, t.name))  # never by wrapping order
         self._ordered = tuple(ordered)
-        # PIPELINE, resolved for this step's transforms: (built-in, the bound hooks that run there)
-        self._stages = tuple((s.run, tuple(getattr(t, s.hook) for t in _by_hook(ordered, s.hook)
+        # PIPELINE, resolved for this step's transforms: (built-in, the bound hooks that run there); a transform
+        # that shards the state adapts the others' hooks to what they declare they need (Transform.adapt_hook)
+        sharder = next((t for t in ordered if t.shards_state), None)
+
+        def bound(t: Transform, hook: str) -> Callable:
+            fn = getattr(t, hook)
+            return fn if sharder is None or t is sharder else sharder.adapt_hook(t, hook, fn)
+
+        self._stages = tuple((s.run, tuple(bound(t, s.hook) for t in _by_hook(ordered, s.hook)
                                            if _uses(t, s.hook)) if s.hook else ()) for s in PIPELINE)
         self._offsets = tuple(t.rng_offset for t in ordered if _uses(t, "rng_offset"))
         self._agree = tuple(t.agree for t in ordered if _uses(t, "agree"))

@@ -5,7 +5,7 @@ the stages of the step (see :mod:`functrain.core.step`, which runs them). The pr
 is closed: :class:`Transform` declares everything a transform may implement (one hook
 per stage, ``init``/``post_init``, ``rng_offset``, ``agree``) and every capability the core or
 ``data_parallel`` asks of it (``params_fields``, ``shards_state``, ``micro_batches``,
-``accessors``); the step calls nothing else and reads nothing else.
+``accessors``, ``needs``, ``adapt_hook``); the step calls nothing else and reads nothing else.
 :class:`StepContext` is what the hooks read and write while one step runs;
 :class:`InitContext` what ``post_init`` may read about the step being initialised.
 
@@ -22,7 +22,7 @@ import torch
 from . import tree as T
 from .state import TrainState, register_accessor
 
-__all__ = ["Transform", "StepContext", "InitContext", "STAGE_HOOKS", "HOOKS"]
+__all__ = ["Transform", "StepContext", "InitContext", "STAGE_HOOKS", "HOOKS", "NEEDS"]
 
 STAGE_HOOKS: tuple[tuple[str, str | None], ...] = (
     ("loss", "wrap_loss"),        # loss_fn -> (objective, out); mixed_precision casts and scales
@@ -40,6 +40,12 @@ transform implements to act there (``None``: the stage is built in only)."""
 
 HOOKS: tuple[str, ...] = tuple(h for _, h in STAGE_HOOKS if h)
 """The stage hooks a :class:`Transform` may implement, in stage order."""
+
+NEEDS: tuple[str, ...] = ("elementwise", "global", "leaves")
+"""What a transform may declare it needs of the gradients, params and updates its hooks see
+(:attr:`Transform.needs`): ``"elementwise"`` (each element on its own: any cut of a flat buffer gives the
+same result), ``"global"`` (also reductions over the whole tree, each summed with
+:meth:`StepContext.global_sum`), ``"leaves"`` (whole named leaves with their shapes)."""
 
 # Method names a transform might define expecting a call that never comes: refused when the class is made.
 _NOT_HOOKS = {"loss": "wrap_loss", "grad": "wrap_grad", "normalise": None, "update": "wrap_update",
@@ -174,6 +180,13 @@ class InitContext:
         return out
 
 
+def check_needs(value: Any, owner: str) -> None:
+    """Refuse a :attr:`Transform.needs` that is not ``None`` or one of :data:`NEEDS`, naming ``owner``."""
+    if value is not None and value not in NEEDS:
+        raise ValueError(f"{owner}.needs = {value!r}: a transform declares what its hooks need of the gradients "
+                         f"and params as one of {', '.join(map(repr, NEEDS))} (or leaves it None: undeclared)")
+
+
 def _replace_fields(slot: Any, fields: tuple[str, ...], fn: Callable[[Any], Any]) -> Any:
     if isinstance(slot, tuple) and hasattr(slot, "_fields"):  # a NamedTuple slot
         return slot._replace(**{f: fn(getattr(slot, f)) for f in fields})
@@ -208,6 +221,21 @@ class Transform:
       ``init_parts(params)`` (such a transform only) gives what the optimizer and the
       ``params_fields`` transforms initialise from: this rank's parts, so no rank builds
       the whole optimizer state or EMA.
+    * ``needs`` (class attribute): what its hooks need of the gradients, params and updates
+      they see, one of :data:`NEEDS`: ``"elementwise"`` (per-element ops: any cut of a flat
+      buffer gives the same result; a slot's ``params_fields`` included), ``"global"`` (also
+      reductions over the whole tree, each summed with :meth:`StepContext.global_sum`, as
+      ``clip``'s norm), ``"leaves"`` (whole named leaves with their shapes: a per-layer
+      scale, a per-row mean). ``None`` by default: undeclared. A sharded data-parallel step
+      hands most hooks one flat shard per dtype, so it refuses by name, when it is built, a
+      transform that declares nothing and implements such a hook, and gathers the whole
+      leaves for a ``"leaves"`` transform's ``check`` and ``transform`` hooks (refusing its
+      other such hooks); elsewhere ``needs`` changes nothing (docs/transforms.md, "What a
+      transform needs").
+    * ``adapt_hook(transform, hook, fn) -> fn`` (a ``shards_state`` transform only): how
+      another transform's bound ``hook`` runs in a step with this one: ``fn`` itself, a
+      wrapper, or a ``ValueError`` naming it. :class:`functrain.core.step.Step` asks it once
+      per hook when it is built.
     * ``micro_batches``: how many micro-batches one call's batch holds (``accumulate(n)``
       splits it into ``n``; 1 by default, and for a streaming accumulation, which takes one
       micro-batch per call). :attr:`functrain.core.step.Step.micro_batches` is the product
@@ -291,6 +319,7 @@ class Transform:
     accessors: ClassVar[dict[str, Callable[[Any], Any]]] = {}
     params_fields: ClassVar[tuple[str, ...]] = ()
     shards_state: ClassVar[bool] = False
+    needs: ClassVar[str | None] = None  # one of NEEDS; None: undeclared (refused where a sharded step cuts)
     micro_batches: int = 1
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -309,6 +338,7 @@ class Transform:
                 raise TypeError(f"{cls.__qualname__} declares accessors, so it needs a class-level slot name")
             for attr, fn in accessors.items():
                 register_accessor(attr, cls.name, fn, owner=f"{cls.__module__}.{cls.__qualname__}")
+        check_needs(cls.__dict__.get("needs"), cls.__qualname__)
 
     def init(self, params: Any, buffers: Any) -> Any:
         """The slot's initial state (``None``: the transform keeps no state and gets no slot)."""
@@ -325,6 +355,12 @@ class Transform:
         this rank's shard, never whole; its ``post_init`` turns them into its shard trees. Called once per
         ``step.init``, before any ``init``, for the transforms with ``shards_state`` only."""
         return params
+
+    def adapt_hook(self, transform: "Transform", hook: str, fn: Callable) -> Callable:
+        """A ``shards_state`` transform's say on how ``transform``'s bound ``hook`` (``fn``) runs in its step:
+        ``fn`` itself (the default), a wrapper that hands it what its :attr:`needs` declares, or a ``ValueError``
+        naming the transform, the hook and what to declare. The step asks once per hook, when it is built."""
+        return fn
 
     def rng_offset(self) -> int:
         """What this process adds to each step's random seed (data_parallel: its rank); 0 by default."""

@@ -83,6 +83,7 @@ class DataParallel(Transform):
 
     name = "data_parallel"
     order = 0
+    needs = "global"  # it sums over the ranks itself
 
     def __init__(self, group: Any = None):
         self.group = group

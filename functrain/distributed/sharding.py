@@ -23,6 +23,8 @@ order 1000, so it acts last within each stage)::
                through ctx.global_sum, so an overflow in one rank's shard skips the update on every rank
     transform  clip's global norm is sqrt(global_sum(|local shard|^2)) (the zero padding adds nothing),
                the same on every rank; clip_value is elementwise
+               (a transform declaring needs="leaves" gets the whole named gradient and params in its check and
+               transform hooks: gathered before, cut back after: see adapt_hook)
     update     the optimizer on the shard (an elementwise optimizer: sgd, adam, adamw)
     commit     the keep-or-drop select on the shard
     after      the EMA blends its shard; then (shard="optimizer") one all-gather rebuilds the whole params
@@ -33,7 +35,14 @@ computed by one rank and copied by the all-gather: the params are bitwise
 identical on every rank. A transform of one's own that reads a global property
 of the gradient (a norm, a count of non-finite values) sums its local value with
 ``ctx.global_sum(x)`` (``x`` itself when the gradient is whole); one that reads
-``ctx.params`` next to ``ctx.grads`` gets matching shard trees. All collectives
+``ctx.params`` next to ``ctx.grads`` gets matching shard trees. What each hook
+gets is decided when the step is built, from what the transform declares
+(``Transform.needs``, :meth:`ShardedDataParallel.adapt_hook`): ``"elementwise"``
+and ``"global"`` hooks run on the shard; a ``"leaves"`` transform's ``check`` and
+``transform`` hooks run on the whole named leaves (one all-gather of the
+gradient and one of the params per hook and step, the result cut back), its
+other hooks that would see a shard are refused; and a transform that declares
+nothing is refused by name for any hook that would see a shard. All collectives
 are functional (in the compiled graph, no host sync); gloo implements the
 reduce-scatter, so every backend runs the same collectives (except the
 all-gather, which gloo runs as a sum: see ``_all_gather``; gloo's cost below).
@@ -68,11 +77,24 @@ import torch.distributed as dist
 from ..core.flat import SLOT, FlatLayout, ShardState, find_shard_trees
 from ..core.state import TrainState
 from ..core.step import Step
-from ..core.transform import InitContext, StepContext, Transform
+from ..core.transform import InitContext, StepContext, Transform, check_needs
 
 __all__ = ["ShardedDataParallel", "gather_state"]
 
 MODES = ("optimizer", "params")
+
+# The hooks that see this rank's shard (of the gradients, the params or both) under each mode; wrap_loss never
+# does (its loss function is handed the whole named params; with blocks=, each block's inside the block), nor,
+# with shard="optimizer", wrap_grad (whole params in, whole gradients out)
+SEES_SHARD = {"optimizer": ("reduce", "check", "transform", "wrap_update", "commit", "after"),
+              "params": ("wrap_grad", "reduce", "check", "transform", "wrap_update", "commit", "after")}
+WHOLE_LEAVES = ("check", "transform")  # where a needs="leaves" hook is handed the gathered whole leaves
+_DECLARE = ('needs = "elementwise" (per-element ops: any cut of the flat buffer gives the same result), '
+            'needs = "global" (also reductions over the whole gradient, each summed over the ranks with '
+            'ctx.global_sum(x)) or needs = "leaves" (whole named leaves with their shapes: the sharded step gathers '
+            'them for the check and transform hooks, one all-gather of the gradient and one of the params per hook '
+            'and step). A hook that draws random numbers for them (gradient noise) keeps no one-process result under '
+            'any of these: each rank draws its own (seed + rank)')
 
 
 def _world_of(group: Any) -> int:
@@ -131,8 +153,10 @@ class ShardedDataParallel(Transform):
     :func:`gather_state` equals the one-process step on the whole batch (and
     the params are bitwise identical on every rank), with every other transform
     in the step keeping its own law (clip's norm and the finite checks are
-    summed over the shards). The gradient is reduce-scattered, so from the
-    ``reduce`` stage on each rank holds, and updates, 1/N of it. At rest rank
+    summed over the shards; a ``needs="leaves"`` transform's check and transform
+    hooks get the whole leaves) or refused by name when the step is built (a
+    transform that declares no ``needs``: :meth:`adapt_hook`). The gradient is
+    reduce-scattered, so from the ``reduce`` stage on each rank holds, and updates, 1/N of it. At rest rank
     r holds 1/N of the optimizer moments and of the EMA (``"optimizer"``), and
     of the params too (``"params"``); buffers, counters and the loss scale stay
     replicated.
@@ -146,6 +170,7 @@ class ShardedDataParallel(Transform):
 
     name = SLOT
     shards_state = True  # Step.apply runs a sharded state only in a step with such a transform
+    needs = "global"  # it reduces over the ranks itself
     order = 1000  # last in each stage: reduce-scatter after any other reduction, gather after the EMA
 
     def __init__(self, replicated: Transform, shard: str, blocks: torch.nn.Module | None = None):
@@ -186,6 +211,50 @@ class ShardedDataParallel(Transform):
     def agree(self, value: int) -> int:
         """The replicated data_parallel's :meth:`~functrain.Transform.agree` (a MIN over the group's ranks)."""
         return self.replicated.agree(value)
+
+    # -- the other transforms' hooks: as they are, on whole leaves, or refused by name ----------------------
+    def adapt_hook(self, transform: Transform, hook: str, fn: Callable) -> Callable:
+        """``transform``'s bound ``hook`` as it runs in this sharded step, from its declared ``needs``: ``fn``
+        where the hook sees no shard in this mode or the transform works on shards ("elementwise", "global");
+        on the whole named leaves for a "leaves" check or transform hook; else a ``ValueError`` naming the
+        transform, the hook, this mode and what to declare or do. Called when the step is built: before step 1."""
+        needs = transform.needs
+        check_needs(needs, type(transform).__qualname__)
+        if hook not in SEES_SHARD[self.shard] or needs in ("elementwise", "global"):
+            return fn
+        who = f"{transform!r} (class {type(transform).__qualname__})"
+        sees = (f"under {self!r} the {hook} hook sees this rank's flat shard of the gradients and params "
+                f"({{dtype: 1-D tensor}}: no leaf names, no shapes)")
+        if needs is None:
+            raise ValueError(f"{who} implements {hook} and declares no `needs`; {sees}, so the step cannot tell "
+                             f"whether it keeps its law there. Declare on the class what it needs: {_DECLARE}. Or "
+                             f"use data_parallel(shard='none'), which hands every hook whole leaves "
+                             f"(docs/transforms.md, \"What a transform needs\")")
+        if hook not in WHOLE_LEAVES:
+            raise ValueError(f"{who} declares needs = \"leaves\" and implements {hook}; {sees}, and the sharded "
+                             f"step gathers whole leaves only for the check and transform hooks. Do the per-leaf "
+                             f"work in a transform hook (on ctx.grads, before the optimizer), or use "
+                             f"data_parallel(shard='none') (docs/transforms.md, \"What a transform needs\")")
+        if transform.params_fields:
+            raise ValueError(f"{who} declares needs = \"leaves\" and params_fields {tuple(transform.params_fields)!r}: "
+                             f"under {self!r} its {hook} hook gets the whole leaves but its slot holds this rank's "
+                             f"1/N of those fields. Drop params_fields (the fields then stay whole, the same on "
+                             f"every rank) or use data_parallel(shard='none')")
+        return self._on_whole_leaves(fn)
+
+    def _on_whole_leaves(self, fn: Callable) -> Callable:
+        def on_whole_leaves(ctx: StepContext) -> None:
+            # the whole named gradient and params on every rank (the gathers are exact, so every rank computes
+            # the same), the hook on them, then this rank's shard of what it made
+            grads, params, shard_sum = ctx.grads, ctx.params, ctx.shard_sum
+            whole = self._gather(params, ctx)
+            ctx.grads, ctx.params, ctx.shard_sum = self._gather(grads, ctx), whole, None
+            fn(ctx)
+            ctx.grads = self.layout.shard_of(ctx.grads)
+            ctx.params = params if ctx.params is whole else self.layout.shard_of(ctx.params)
+            ctx.shard_sum = shard_sum
+
+        return on_whole_leaves
 
     # -- init: this rank's parts, then its shards ---------------------------------------------------------
     def init_parts(self, params: Any) -> Any:

@@ -52,6 +52,7 @@ class Accumulate(Transform):
 
     name = "accumulate"
     order = 0
+    needs = "elementwise"  # passes the params on, sums the gradients
 
     def __init__(self, n: int):
         self.n = check_int("accumulate: n", n, minimum=1)
@@ -91,6 +92,7 @@ class StreamingAccumulate(Transform):
     name = "accumulate"
     order = 0
     micro_batches = 1  # one micro-batch per call
+    needs = "elementwise"  # running sums, reset by a select
 
     def __init__(self, n: int):
         self.n = Accumulate(n).n  # same validation

@@ -31,6 +31,7 @@ class Clip(Transform):
 
     name = "clip"
     order = 10
+    needs = "global"  # the norm: sqrt(ctx.global_sum(|shard|^2)) when the gradient is a shard
 
     def __init__(self, max_norm: float):
         self.max_norm = _positive("clip: max_norm", max_norm)
@@ -52,6 +53,7 @@ class ClipValue(Transform):
 
     name = "clip_value"
     order = 20
+    needs = "elementwise"
 
     def __init__(self, value: float):
         self.value = _positive("clip_value: value", value)

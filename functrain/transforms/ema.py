@@ -55,6 +55,7 @@ class EMA(Transform):
     order = 0
     accessors = {"ema": lambda slot: slot.params}  # state.ema: the averaged params (None without ft.ema)
     params_fields = ("params",)  # shaped like the params: a sharded step holds 1/N of it per rank
+    needs = "elementwise"  # a blend per element (the count and the decisions are scalars)
 
     def __init__(self, decay: float, every: int = 1, start_step: int = 0, *, power: float | None = None,
                  inv_gamma: float = 1.0, min_decay: float = 0.0):

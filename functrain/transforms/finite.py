@@ -25,6 +25,7 @@ class SkipNonfinite(Transform):
 
     name = "skip_nonfinite"
     order = 10
+    needs = "global"  # ctx.skip_unless_finite sums every shard's "not finite" flag over the ranks
 
     def init(self, params, buffers):
         device = T.tree_leaves(params)[0].device

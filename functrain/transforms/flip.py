@@ -26,6 +26,7 @@ class RandomFlip(Transform):
 
     name = "random_flip"
     order = -10  # outermost in the loss stage: the loss (and mixed_precision's cast) sees the flipped batch
+    needs = "elementwise"  # (it reads neither the gradients nor the params)
 
     def __init__(self, p: float = 0.5, dim: int = -1, key: Any = None):
         self.p = check_real("random_flip: p", p, lo=0.0, hi=1.0)

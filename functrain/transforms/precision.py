@@ -86,6 +86,7 @@ class MixedPrecision(Transform):
 
     name = "mixed_precision"
     order = 0
+    needs = "global"  # casts and unscales per element; the overflow check sums over the ranks (skip_unless_finite)
     accessors = {"loss_scale": lambda slot: slot}  # state.loss_scale: the LossScaleState (None unless fp16)
 
     def __init__(self, policy: Any = "bf16", init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,

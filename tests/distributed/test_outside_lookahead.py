@@ -38,6 +38,7 @@ class SlowWeights(ft.Transform):
     name = NAME
     order = 50  # in "after": before the sharded data_parallel (1000) gathers the new params
     params_fields = ("slow",)  # shaped like the params: a sharded step holds 1/N of it per rank
+    needs = "elementwise"  # per element: a sharded step may run it on its shard
 
     def __init__(self, k: int, alpha: float):
         self.k, self.alpha = k, alpha

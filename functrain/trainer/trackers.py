@@ -1,66 +1,40 @@
 """Metric trackers: JSONL always; TensorBoard, W&B and MLflow when installed; or your own object.
 
-The protocol is two methods (:class:`Tracker`)::
+In your own loop, ``ft.trackers(names, folder, config=...)`` (:func:`trackers`) opens them as one
+:class:`Trackers`: ``log(metrics, step)`` and ``close()`` (or ``with``), on the main process only; the
+Trainer opens its own the same way (:func:`make_trackers`). docs/trackers.md says what each writes where
+(each package's environment variables win). One tracker is an object with ``log(step: int, metrics:
+dict[str, float])`` and optionally ``close()`` and ``where() -> str`` (a line for the summary).
 
-    log(step: int, metrics: dict[str, float]) -> None   # host floats, called on rank 0 only
-    close() -> None                                     # optional; called once at the end of training
+Failures never stop training: an exception when a tracker is created, in ``log`` or in ``close`` is
+reported once as a :class:`TrackerWarning` naming it and the error, and that tracker is switched off.
 
-Any object with a callable ``log`` is a tracker: pass it in the list of trackers
-next to the built-in names (``"jsonl"``, ``"tensorboard"``, ``"wandb"``,
-``"mlflow"``). Two optional methods are used when present: ``where() -> str``
-(a line for the end-of-run summary: where the records are) and nothing else.
+The config is logged once: W&B's run config, MLflow's params, TensorBoard's ``config`` text and
+HParams record (when the run starts, not again on resume); ``metrics.jsonl`` holds metrics only.
 
-Failures never stop training. :func:`make_trackers` wraps every tracker so that an
-exception when it is created, in ``log`` or in ``close`` is reported once as a
-:class:`TrackerWarning` naming the tracker and the error, and that tracker is
-switched off for the rest of the run; the other trackers and the training go on.
-
-Resume. W&B and MLflow keep their run id in ``<results>/trackers.json``; a run that
-resumes from a checkpoint (``resume_step > 0``) reopens the same W&B run
-(``wandb.init(id=..., resume="allow")``) and the same MLflow run, so its history is
-one run with continuous steps. The file also keeps the last step each tracker
-logged: after a kill, the steps between the checkpoint and the kill were already
-logged, and functrain's resume reproduces them bit-exactly, so they are not logged
-a second time (a warning says so). A fresh run (``resume_step == 0``) starts new
-tracker runs.
-
-Where the records go (each package's own environment variables win):
-
-* W&B: ``mode`` from ``WANDB_MODE`` (default ``"offline"``: ``wandb sync`` uploads
-  later), ``dir`` from ``WANDB_DIR`` (default the results folder), ``project`` from
-  ``WANDB_PROJECT`` (default ``"functrain"``); other ``WANDB_*`` settings as wandb reads them.
-* MLflow: the tracking URI from ``MLFLOW_TRACKING_URI`` (default
-  ``sqlite:///<results>/mlflow.db``, which current MLflow versions accept; the old
-  ``./mlruns`` file store is refused by MLflow 3 unless ``MLFLOW_ALLOW_FILE_STORE=true``),
-  the experiment from ``MLFLOW_EXPERIMENT_NAME`` / ``MLFLOW_EXPERIMENT_ID`` (default
-  ``"functrain"``). functrain uses an ``MlflowClient`` of its own: it never changes
-  mlflow's global tracking URI or active run.
-
-Example::
-
-    class Printer:
-        def log(self, step, metrics):
-            print(step, metrics)
-
-    trackers = make_trackers(["jsonl", "mlflow", Printer()], "results", config={"lr": 1e-3})
-    for t in trackers:
-        t.log(10, {"loss": 0.5})
-    for t in trackers:
-        t.close()
+Resume (``resume_step > 0``): W&B and MLflow keep their run id in ``<folder>/trackers.json`` and
+reopen the same run (``wandb.init(id=..., resume="allow")``), so the history is one run with
+continuous steps. The file also keeps the last step each logged: steps between the checkpoint and a
+kill were logged already and functrain's resume reproduces them bit-exactly, so they are not logged
+again (a warning says so). ``metrics.jsonl`` drops its records past the resume step and appends;
+TensorBoard purges its events past it. A fresh run (``resume_step == 0``) starts new runs.
 """
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import time
 import warnings
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
+
+import torch
 
 from ..checkpoint.bounded import loads_json
 from ..checkpoint.safe_io import LinkRefused, check_dir, open_append, open_read, replace_file
 
 __all__ = ["Tracker", "TrackerWarning", "JsonlTracker", "TensorBoardTracker", "WandbTracker", "MlflowTracker",
-           "TRACKERS", "check_trackers", "make_trackers"]
+           "TRACKERS", "check_trackers", "make_trackers", "Trackers", "trackers"]
 
 TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 RUNS_FILE = "trackers.json"
@@ -160,11 +134,9 @@ class _Resumable(Tracker):
 class JsonlTracker(Tracker):
     """One JSON object per line in ``folder/metrics.jsonl``: ``{"step": n, "loss": ..., ...}``.
 
-    Appends, so a resumed run continues the same file; lines for steps after the
-    resume point are dropped first, so the file never repeats a step (the kept
-    lines go into a new file renamed over the old one: it is never rewritten in
-    place). A symbolic link at ``metrics.jsonl`` is refused
-    (:class:`functrain.checkpoint.LinkRefused`): nothing is written through it.
+    Appends, so a resumed run continues the same file; lines for steps after the resume point are
+    dropped first, so the file never repeats a step (the kept lines go into a new file renamed over the
+    old one). A symbolic link at ``metrics.jsonl`` is refused (:class:`functrain.checkpoint.LinkRefused`).
     """
 
     def __init__(self, folder: str, resume_step: int = 0):
@@ -210,15 +182,25 @@ class TensorBoardTracker(Tracker):
     """Scalars to TensorBoard event files under ``folder/tensorboard``.
 
     On resume, events after ``resume_step`` left by a killed run are purged
-    (``SummaryWriter(purge_step=...)``), so the curves do not fold back.
+    (``SummaryWriter(purge_step=...)``), so the curves do not fold back. A fresh run records
+    ``config`` as a text table (tag ``config``) and as the HParams plugin's session.
     """
 
-    def __init__(self, folder: str, resume_step: int = 0):
+    def __init__(self, folder: str, resume_step: int = 0, config: dict | None = None):
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
         self.logdir = os.path.join(folder, "tensorboard")
         check_dir(self.logdir, "TensorBoard's event files")
         self.writer = SummaryWriter(self.logdir, purge_step=resume_step + 1 if resume_step > 0 else None)
+        if config and resume_step == 0:
+            from torch.utils.tensorboard.summary import hparams
+
+            values = {str(k): v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in config.items()}
+            for summary in hparams(values, {}):  # the HParams plugin's experiment, session start and end
+                self.writer.file_writer.add_summary(summary)
+            rows = "".join("| " + k + " | " + str(v).replace("|", "\\|") + " |\n" for k, v in values.items())
+            self.writer.add_text("config", "| name | value |\n|---|---|\n" + rows, 0)
+            self.writer.flush()
 
     def log(self, step: int, metrics: dict) -> None:
         for k, v in metrics.items():
@@ -233,12 +215,9 @@ class TensorBoardTracker(Tracker):
 
 
 def _wait_for_a_new_run_folder(root: str, run_id: str) -> None:
-    """Wait (< 1 s) if a session of ``run_id`` started in this very second.
-
-    wandb names a session's folder ``{offline-,}run-<YYYYmmdd_HHMMSS>-<id>``; a resumed session
-    started within the same second as the previous one would reuse that folder and replace its
-    records. Only a quick restart pays the wait.
-    """
+    """Wait (< 1 s) if a session of ``run_id`` started in this very second: wandb names a session's folder
+    ``{offline-,}run-<YYYYmmdd_HHMMSS>-<id>``, and a resumed session started within the same second as the
+    previous one would reuse that folder and replace its records. Only a quick restart pays the wait."""
     import datetime
     import glob
 
@@ -323,10 +302,9 @@ class MlflowTracker(_Resumable):
             experiment_id = self._experiment(folder if default_store else None)
             run = self.client.create_run(experiment_id, run_name=os.path.basename(os.path.abspath(folder)),
                                          tags={"mlflow.source.name": "functrain"})
-            self.run_id = run.info.run_id
         else:
-            self.run_id = run.info.run_id
-            self.client.update_run(self.run_id, status="RUNNING")
+            self.client.update_run(run.info.run_id, status="RUNNING")
+        self.run_id = run.info.run_id
         params = {k: str(v)[:6000] for k, v in (config or {}).items()}  # MLflow's limit on a param value
         old = run.data.params
         changed = sorted(k for k in params if k in old and old[k] != params[k])
@@ -457,30 +435,24 @@ class _Guarded(Tracker):
 
 def make_trackers(names: Iterable[Any], folder: str, config: dict | None = None,
                   resume_step: int = 0) -> list[Tracker]:
-    """Create the trackers in ``names`` (built-in names or your objects), each guarded against failure.
+    """The Trainer's trackers (it calls this on rank 0): those of a :class:`Trackers` opened on this process.
 
-    ``folder`` is the results folder, ``config`` the run's hyper-parameters (logged by
-    W&B and MLflow), ``resume_step`` the step training resumes from (0 for a fresh
-    run). A name that is not known raises ``ValueError`` at once; a tracker that
-    cannot be created (package missing, store refused, ...) is skipped with one
-    :class:`TrackerWarning` (but a symbolic link where a tracker writes its file raises
-    :class:`functrain.checkpoint.LinkRefused`); a tracker that fails later is switched off with one warning.
-    Every returned tracker has ``log``, ``close`` and ``where()`` (a line for the
-    summary, or ``None``).
-
-    Example::
-
-        trackers = make_trackers(("jsonl", "wandb"), "results", {"lr": 1e-3}, resume_step=0)
+    ``folder`` is the results folder, ``config`` the run's hyper-parameters, ``resume_step`` the step
+    training resumes from (0: a fresh run). Each returned tracker is guarded and has
+    ``log(step, metrics)``, ``close()`` and ``where()`` (a line for the summary, or ``None``).
     """
-    items = check_trackers(names)
-    out: list[Tracker] = []
+    return Trackers(names, folder, config=config, resume_step=resume_step, main=True).trackers
+
+
+def _open(items: tuple, folder: str, config: dict | None, resume_step: int) -> list[_Guarded]:
+    out: list[_Guarded] = []
     for item in items:
         label = _label(item)
         try:
             if item == "jsonl":
                 tracker: Any = JsonlTracker(folder, resume_step)
             elif item == "tensorboard":
-                tracker = TensorBoardTracker(folder, resume_step)
+                tracker = TensorBoardTracker(folder, resume_step, config)
             elif item == "wandb":
                 tracker = WandbTracker(folder, config, resume_step)
             elif item == "mlflow":
@@ -495,7 +467,134 @@ def make_trackers(names: Iterable[Any], folder: str, config: dict | None = None,
             extra = {"wandb": "trackers", "mlflow": "trackers", "tensorboard": "tensorboard"}.get(label)
             hint = f" (pip install 'functrain[{extra}]')" if isinstance(e, ImportError) and extra else ""
             warnings.warn(f"tracker {label!r} could not start and is skipped: {type(e).__name__}: {e}{hint}",
-                          TrackerWarning, stacklevel=2)
+                          TrackerWarning, stacklevel=4)
             continue
         out.append(_Guarded(tracker, label))
     return out
+
+
+# -- the public object: trackers in your own loop -----------------------------------------------
+def _is_main() -> bool:
+    """Rank 0 of the initialised process group; without one, ``RANK`` (a launcher's) is 0 or unset."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    rank = os.environ.get("RANK", "").strip()
+    return not rank.isdigit() or int(rank) == 0
+
+
+def _step(step: Any, name: str) -> int:
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
+        step = int(step)
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise ValueError(f"{name} must be an int >= 0; got {step!r}")
+    return int(step)
+
+
+def _check_metrics(metrics: Any, step: Any) -> None:
+    if not isinstance(metrics, Mapping):
+        swapped = " (the order is log(metrics, step))" if isinstance(step, Mapping) else ""
+        raise TypeError(f"Trackers.log: metrics must be a dict {{name: number}}; got {type(metrics).__name__}{swapped}")
+    for k, v in metrics.items():
+        if not isinstance(k, str):
+            raise TypeError(f"Trackers.log: metric names are strings; got {k!r}")
+        if not (isinstance(v, torch.Tensor) and v.numel() == 1 or isinstance(v, numbers.Real)):
+            raise TypeError(f"Trackers.log: metric {k!r} is a {type(v).__name__}; a metric is a number or a "
+                            f"one-element tensor")
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item()  # (a device tensor: one sync, on the main process only)
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+class Trackers:
+    """The trackers of a run in your own loop: ``log(metrics, step)``, ``close()``, or ``with``.
+
+    Made by :func:`trackers` (``ft.trackers``). The main process (rank 0 of an initialised process
+    group; without one, the process whose ``RANK`` is 0 or unset) opens the trackers in ``folder``
+    as the Trainer does, logs ``config`` once, and with ``resume_step`` (the step of the checkpoint
+    you resumed) continues the same runs (see the module). Every other process gets an object with
+    no trackers, whose ``log`` and ``close`` check their arguments and do nothing.
+
+    Args:
+        names: names (``"jsonl"``, ``"tensorboard"``, ``"wandb"``, ``"mlflow"``) and objects with
+            ``log(step, metrics)`` (default ``("jsonl",)``).
+        folder: where their files go (default ``"results"``).
+        config: the hyper-parameters, a dict with str keys (default ``None``: none).
+        resume_step: the step this run resumes from, an int >= 0 (default 0: a fresh run).
+        main: whether this process logs (default ``None``: decided as above).
+
+    Attributes:
+        trackers: the open (guarded) trackers; empty on a process that does not log.
+        main, folder, config, resume_step: as above.
+
+    Raises:
+        ValueError, TypeError: an unknown name, an object without ``log``, a bad ``config`` or ``resume_step``.
+
+    Example::
+
+        >>> import json, os, tempfile, functrain as ft
+        >>> folder = tempfile.mkdtemp()
+        >>> with ft.trackers(["jsonl"], folder, config={"lr": 0.1}) as run:
+        ...     for step in (1, 2):
+        ...         run.log({"loss": 1.0 / step}, step=step)
+        >>> [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+        [{'step': 1, 'loss': 1.0}, {'step': 2, 'loss': 0.5}]
+    """
+
+    def __init__(self, names: Any = ("jsonl",), folder: str | os.PathLike = "results", *,
+                 config: Mapping | None = None, resume_step: int = 0, main: bool | None = None):
+        items = check_trackers(names)
+        bad = [k for k in config if not isinstance(k, str)] if isinstance(config, Mapping) else [None]
+        if config is not None and bad:
+            raise TypeError(f"config must be a dict of hyper-parameters with str keys (or None); got "
+                            f"{type(config).__name__}{'' if bad == [None] else f' with key {bad[0]!r}'}")
+        if main is not None and not isinstance(main, bool):
+            raise TypeError(f"main must be True, False or None; got {main!r}")
+        self.folder = os.fspath(folder)
+        self.config = None if config is None else dict(config)
+        self.resume_step = _step(resume_step, "resume_step")
+        self.main = _is_main() if main is None else main
+        self.trackers: list[_Guarded] = _open(items, self.folder, self.config, self.resume_step) if self.main else []
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"Trackers({[t.label for t in self.trackers]}, {self.folder!r}, main={self.main})"
+
+    def log(self, metrics: Mapping, step: int) -> None:
+        """Log ``metrics`` (``{name: number or one-element tensor}``) at ``step`` (an int >= 0).
+
+        The order is ``accelerator.log(values, step)``'s. Tensors are read to the host on the main
+        process only. A bad argument raises on every process (TypeError, ValueError), as does a log
+        after ``close()``.
+        """
+        _check_metrics(metrics, step)
+        step = _step(step, "step")
+        if self._closed:
+            raise ValueError(f"Trackers.log at step {step} after close()")
+        if self.trackers:
+            record = {k: _number(v) for k, v in metrics.items()}
+            for t in self.trackers:
+                t.log(step, record)
+
+    def close(self) -> None:
+        """Finish every tracker's run (W&B, MLflow) and close its files; again: nothing happens."""
+        if not self._closed:
+            self._closed = True
+            for t in self.trackers:
+                t.close()
+
+    def __enter__(self) -> "Trackers":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def trackers(names: Any = ("jsonl",), folder: str | os.PathLike = "results", *, config: Mapping | None = None,
+             resume_step: int = 0) -> Trackers:
+    """Open trackers for your own loop (``ft.trackers``): a :class:`Trackers`, which says what the arguments are."""
+    return Trackers(names, folder, config=config, resume_step=resume_step)

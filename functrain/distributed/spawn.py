@@ -5,8 +5,10 @@ For scripts and clusters use ``python -m functrain.launch`` (torchrun underneath
 from __future__ import annotations
 
 import contextlib
+import io
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -25,6 +27,7 @@ class LaunchError(RuntimeError):
 
 
 _SAFE_PATH = "PYTHONSAFEPATH"
+_NO_MAIN_GUARD = 87  # a rank's exit status when its start re-ran an unguarded ft.launch call (see _refuse_in_start)
 
 
 @contextlib.contextmanager
@@ -73,6 +76,7 @@ def _worker(fn: Callable, args: tuple, rank: int, nprocs: int, port: int, backen
         try:
             value = fn(*args)
             done_at = time.time()  # before the group goes down: a peer still in a collective fails after this
+            value = _pack(value, rank)
         except BaseException as e:  # report before the group goes down, so this rank's error arrives first
             _report_failure(results, rank, e)
             raise SystemExit(1) from None
@@ -84,6 +88,52 @@ def _worker(fn: Callable, args: tuple, rank: int, nprocs: int, port: int, backen
         raise
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
         _report_failure(results, rank, e)
+
+
+def _pack(value: Any, rank: int) -> bytes:
+    """``value`` as plain bytes (``torch.save``): its tensors travel as their data, on the CPU. (Through the queue
+    as they are, torch would pass a tensor as a handle to this process's shared memory, which is gone by the time
+    the caller reads it once this process has exited: a ``FileNotFoundError`` there.)"""
+    import torch
+
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # noqa: BLE001 - named for the caller, the cause chained
+        raise TypeError(f"launch: the value fn returned on rank {rank} cannot be sent back to the caller "
+                        f"({type(e).__name__}: {e}); return picklable values (tensors come back on the CPU)") from e
+    return buffer.getvalue()
+
+
+def _unpack(data: bytes, rank: int) -> Any:
+    """What :func:`_pack` made of rank ``rank``'s value, its tensors on the CPU (pickles of this job's own ranks)."""
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - e.g. a class the rank's value holds that this process cannot import
+        raise LaunchError(f"launch: the value rank {rank} returned cannot be loaded in the calling process "
+                          f"({type(e).__name__}: {e})") from e
+
+
+def _refuse_in_start() -> None:
+    """Exit at once if this process is a rank being started, which re-runs the calling script's top level (an
+    ``ft.launch`` call without the ``if __name__ == "__main__":`` guard would otherwise start ranks of ranks):
+    say so on stderr, and exit with a status the caller recognises."""
+    if not getattr(mp.current_process(), "_inheriting", False):  # multiprocessing's own flag for a start
+        return
+    script = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the script"
+    sys.stderr.write(f"ft.launch: this rank, starting, ran the unguarded ft.launch call of {script} again "
+                     f"(no `if __name__ == \"__main__\":` guard); it exits and the caller says why\n")
+    sys.stderr.flush()
+    raise SystemExit(_NO_MAIN_GUARD)
+
+
+def _no_guard(script: str) -> str:
+    return (f"the script that calls ft.launch ({script}) must guard it with `if __name__ == \"__main__\":`, "
+            f"because ft.launch starts each rank by importing that script (multiprocessing's spawn), and each rank "
+            f"ran the unguarded call again. Put the ft.launch call, and whatever else should run once, under "
+            f"`if __name__ == \"__main__\":` (the function the ranks run stays at the top level)")
 
 
 def _report_failure(results: Any, rank: int, error: BaseException) -> None:
@@ -126,6 +176,11 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | No
 
         ft.launch(work, nprocs=2, args=(10,))   # [21, 21]
 
+    Each rank's return value comes back through ``torch.save`` into bytes: any picklable value, its tensors on
+    the CPU (not as handles to the rank's shared memory, which is gone once the rank exits). A script that calls
+    ``launch`` must guard the call with ``if __name__ == "__main__":``: each rank starts by importing the script
+    (multiprocessing's spawn), and a rank that meets the call again exits at once, :class:`LaunchError` saying why.
+
     Args:
         fn: the function each rank runs; it and ``args`` must be picklable (a module-level function).
         nprocs: the number of processes, an int >= 1 (default 2).
@@ -137,12 +192,13 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | No
         env: more environment variables for the ranks (default ``None``).
 
     Returns:
-        The list of ``fn``'s return values, by rank.
+        The list of ``fn``'s return values, by rank (tensors on the CPU).
 
     Raises:
         BadValue: ``nprocs``, ``timeout`` or ``dist_timeout`` out of range (before anything starts).
-        TypeError: ``fn`` is not callable.
-        LaunchError: a rank was killed, hung, left early, or the job passed ``timeout``.
+        TypeError: ``fn`` is not callable, or a rank's value cannot be pickled (the message names the rank).
+        LaunchError: a rank was killed, hung, left early, or the job passed ``timeout``; the script's call is
+            not guarded by ``if __name__ == "__main__":``.
         Exception: the first failing rank's own exception, re-raised here.
 
     Example::
@@ -153,6 +209,7 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | No
         ...
         functrain.core.validate.BadValue: launch: nprocs must be an int >= 1; got 0 (int)
     """
+    _refuse_in_start()
     check_int("launch: nprocs", nprocs, minimum=1)
     if not callable(fn):
         raise TypeError(f"launch: fn must be callable; got {describe(fn)}")
@@ -217,13 +274,16 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | No
             p.join(timeout=5.0)
         results.close()
     if ends is not None:
+        if any(e.how == "exit" and e.code == _NO_MAIN_GUARD for e in ends):
+            main = getattr(sys.modules.get("__main__"), "__file__", None) or "the script"
+            raise LaunchError(f"launch: the ranks exited while starting: {_no_guard(main)}")
         known = child_env.get("FUNCTRAIN_DIST_TIMEOUT", os.environ.get("FUNCTRAIN_DIST_TIMEOUT", "300"))
         try:
             known_timeout: float | None = float(known)
         except ValueError:
             known_timeout = None
         _raise(ends, errors, nprocs, known_timeout)
-    return [values[r] for r in range(nprocs)]
+    return [_unpack(values[r], r) for r in range(nprocs)]
 
 
 def _ends(procs: list, finished: dict, errors: dict) -> list[RankEnd]:

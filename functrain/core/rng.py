@@ -23,7 +23,11 @@ the number drawn while the step is traced would be a constant of the graph, so
 the call. Randomness that compiles is drawn with torch ops (``torch.rand``,
 ``torch.randint``, ``torch.randn_like``, ``torch.bernoulli``), which come from the seeded
 torch generators in both forms: a coin is ``torch.rand((), device=x.device) < p`` and a
-branch on it a ``torch.where``.
+branch on it a ``torch.where``. On the CPU the compiled step draws the eager step's very
+numbers (its graphs compile with inductor's ``fallback_random``:
+:func:`functrain.compiler.backend.make_backend`); on CUDA inductor's own generator draws
+others, reproducibly. A transform's draws come from the same generator, after the loss's
+(docs/randomness.md, "A transform's random numbers").
 
 Example::
 

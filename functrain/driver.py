@@ -12,8 +12,7 @@ from typing import Any, Callable, Iterable
 import optree
 import torch
 
-from .compiler.api import CompiledStep
-from .compiler.runtime import DirectCall
+from .compiler import CompiledStep, DynamoRunner, PhaseRates, Runner
 from .core.state import TrainState
 
 __all__ = ["run", "to_device", "PhaseRates"]
@@ -73,11 +72,14 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
     without it, one pass.
 
     ``run`` owns the states it passes from step to step, so with a compiled step
-    (``ft.compile``) it donates them by default (``donate=True``): each step writes
-    the new state into the previous one's buffers instead of allocating a new
-    state (see :meth:`functrain.CompiledStep.donating`). The ``state`` you pass in
-    is copied once first and is never written; the returned state is yours.
-    ``donate=False`` calls the step as given. Eager steps are always called as given.
+    (``ft.compile``) it donates them by default (``donate=True``): it runs the step on a
+    runner of its own (:meth:`functrain.CompiledStep.runner` with ``donate=True,
+    background=True``), and each step writes the new state into the previous one's
+    buffers instead of allocating a new state. The ``state`` you pass in is copied once
+    first and is never written; the returned state is yours. ``donate=False`` calls the
+    step as given. Eager steps are always called as given. A runner you made yourself
+    (``step=cstep.runner(...)``: to read its ``progress`` and ``rates`` afterwards, as
+    the Trainer does) is run as it is (its state copied once if it donates).
 
     A compiled step compiles in the background here (unless ``ft.compile(step,
     background=False)`` said otherwise; see :mod:`functrain.compiler.background`): the
@@ -149,31 +151,32 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
     if not isinstance(donate, bool):
         raise TypeError(f"run: donate must be a bool; got {type(donate).__name__}")
     device = torch.device(device) if device is not None else state.step.device
-    donating = getattr(step, "donating", None) if donate else None
-    if donating is not None:
-        # one copy of the caller's state, then every state is run's own and is donated to the next step
+    if donate and isinstance(step, CompiledStep):
+        step = step.runner(donate=True, background=True)  # run's own runner (it owns the states it passes on)
+        owned = True
+    else:
+        owned = donate and isinstance(step, (Runner, DynamoRunner)) and _donates(step)
+    if owned:  # one copy of the caller's state, then every state is run's own and is donated to the next step
         state = optree.tree_map(lambda x: x.clone() if torch.is_tensor(x) else x, state)
-        step = donating(background=True) if isinstance(step, CompiledStep) else donating()
+    runner = step if isinstance(step, (Runner, DynamoRunner)) else None
     batches = _batches(data, num_steps)
     count = num_steps if num_steps is not None else _len(data)
     total = None if count is None else start + count
     bar = _progress(total, start) if progress else None
-    rates = PhaseRates(step) if bar is not None and isinstance(step, DirectCall) else None
+    shown = [0.0]  # when the bar's description was last refreshed
     metrics: dict | None = None
     i = logged = start
     ctrl_c = _CtrlC.install()
     try:
         for i, batch in enumerate(batches, start=start + 1):
             state, metrics = step(state, to_device(batch, device))
-            if rates is not None:
-                rates.tick(i)
             if i % log_every == 0 or i == total:
                 _log(i, metrics, bar, on_log)
                 logged = i
             stop = on_step is not None and on_step(i, state, metrics)
             if bar is not None:
-                if rates is not None:
-                    rates.show(bar)
+                if runner is not None:
+                    _show(bar, runner, shown)
                 bar.update(1)
             if stop or (ctrl_c is not None and ctrl_c.pressed):
                 break
@@ -181,8 +184,8 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
             raise KeyboardInterrupt(f"Ctrl-C: ft.run stopped after step {i}")
         if metrics is not None and logged != i:
             _log(i, metrics, bar, on_log)
-        if isinstance(step, DirectCall):  # a normal end: a compile still running may finish for the next run
-            step.finish_after_exit()
+        if runner is not None:  # a normal end: a compile still running may finish for the next run
+            runner.finish_after_exit()
     finally:
         if ctrl_c is not None:
             ctrl_c.restore()
@@ -229,103 +232,22 @@ def _log(i: int, metrics: dict, bar: Any, on_log: Callable | None) -> None:
         on_log(i, host)
 
 
-class PhaseRates:
-    """Steps per second on each path of a compiled call (``"eager"`` while it compiles in the background,
-    ``"compiled"``), from host timers: a call that did compile work on the training thread (a blocking compile,
-    a background compile's trace, load or wait) counts on neither, so no rate or ETA comes from it.
+def _donates(runner: Any) -> bool:
+    """Whether ``runner`` writes each new state into its input's buffers (it needs a state of its own)."""
+    return runner.memory != "fresh" if isinstance(runner, Runner) else runner.call.donate
 
-    ``runner``: the :class:`~functrain.compiler.runtime.DirectCall` the loop calls (``CompiledStep.donating()``).
-    Call :meth:`tick` after every step with its index.
 
-    Attributes:
-        calls: ``{path: count}`` of every call; steps, seconds: ``{path: count}``, ``{path: seconds}`` of the
-            timed ones.
-        switched_at: the index of the first call that ran compiled after eager ones (``None`` before, or when no
-            call ran eagerly).
-        paused: whether the last call did compile work.
-
-    Example::
-
-        >>> import torch, functrain as ft
-        >>> from functrain.driver import PhaseRates
-        >>> step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1))
-        >>> cstep = ft.compile(step, backend="eager")
-        >>> run, rates = cstep.donating(), None
-        >>> rates = PhaseRates(run)
-        >>> state = ft.tree.tree_map(torch.clone, step.init({"w": torch.ones(2)}))
-        >>> for i in range(1, 4):
-        ...     state, _ = run(state, torch.ones(2))
-        ...     rates.tick(i)
-        >>> rates.steps["compiled"], rates.paused   # the first call compiled: not timed
-        (2, False)
-    """
-
-    def __init__(self, runner: DirectCall):
-        self.runner = runner
-        self.calls = {"eager": 0, "compiled": 0}
-        self.steps = {"eager": 0, "compiled": 0}
-        self.seconds = {"eager": 0.0, "compiled": 0.0}
-        self.switched_at: int | None = None
-        self.paused = False
-        self.path: str | None = None
-        self._pauses = runner.pauses
-        self._eager = 0 if runner.progress is None else runner.progress.eager_calls
-        self._t = time.perf_counter()
-        self._shown = 0.0
-        self._index: int | None = None
-
-    def tick(self, index: int) -> None:
-        """Account the call that just returned (step ``index``; a second tick of one index is ignored)."""
-        if index == self._index:
-            return
-        self._index = index
-        now = time.perf_counter()
-        dt, self._t = now - self._t, now
-        progress = self.runner.progress
-        eager = 0 if progress is None else progress.eager_calls
-        path = "eager" if eager != self._eager else "compiled"
-        self._eager = eager
-        if path == "compiled" and self.path == "eager" and self.switched_at is None:
-            self.switched_at = index
-        self.path = path
-        self.paused = self.runner.pauses != self._pauses
-        self._pauses = self.runner.pauses
-        self.calls[path] += 1
-        if not self.paused:
-            self.steps[path] += 1
-            self.seconds[path] += dt
-
-    def rate(self, path: str) -> float | None:
-        """Steps per second on ``path`` so far (``None`` before two timed calls on it)."""
-        n = self.steps[path]
-        return n / self.seconds[path] if n >= 2 and self.seconds[path] > 0 else None
-
-    def describe(self) -> str:
-        """``"compiling in the background · eager 85.1 it/s"``, then ``"compiled 301 it/s (eager 85.1 it/s)"``."""
-        progress = self.runner.progress
-        eager, compiled = self.rate("eager"), self.rate("compiled")
-        e = f"eager {eager:.3g} it/s" if eager is not None else "eager"
-        if progress is not None and progress.phase == "compiling" and self.path != "compiled":
-            return f"compiling in the background · {e}"
-        if progress is not None and progress.phase == "ready" and self.path != "compiled":
-            when = f"at step {progress.switch_at}" if progress.switch_at is not None else "with the other processes"
-            return f"compiled, switching {when} · {e}"
-        if progress is not None and progress.phase == "failed":
-            return f"{e} (the compile failed)"
-        if self.path == "compiled" and self.calls["eager"]:
-            c = f"compiled {compiled:.3g} it/s" if compiled is not None else "compiled"
-            return f"{c} ({e})"
-        return ""
-
-    def show(self, bar: Any) -> None:
-        """Leave a paused call out of the bar's rate and ETA; refresh its description (at most twice a second)."""
-        if self.paused:
-            bar.unpause()  # tqdm: the time since its last print is not counted
-        if self._t - self._shown >= 0.5 or self.paused:
-            self._shown = self._t
-            text = self.describe()
-            if text or bar.desc:
-                bar.set_description_str(text, refresh=False)
+def _show(bar: Any, runner: Any, shown: list) -> None:
+    """Leave a call that did compile work out of the bar's rate and ETA; refresh its description (at most twice
+    a second: ``shown[0]``, when it was last) from the runner's rate meter and progress."""
+    rates = runner.rates
+    if rates.paused:
+        bar.unpause()  # tqdm: the time since its last print is not counted
+    if rates.last - shown[0] >= 0.5 or rates.paused:
+        shown[0] = rates.last
+        text = rates.describe(runner.progress if runner.progress.background else None)
+        if text or bar.desc:
+            bar.set_description_str(text, refresh=False)
 
 
 def _batches(data: Iterable, num_steps: int | None) -> Iterable:

@@ -3,7 +3,9 @@
 :mod:`.api` is the entry (:func:`compile`, :class:`CompiledStep`); :mod:`.options` checks the
 choices once (one table of what combines); :mod:`.capture` traces the step over flat leaves;
 :mod:`.backend` compiles a capture (inductor by default) and holds the Dynamo path;
-:mod:`.runtime` is the per-call direct path; :mod:`.memory` is where the new state lives
+:mod:`.runtime` holds the runners (:class:`Runner`: the per-call direct path; :class:`DynamoRunner`) and the
+graphs they share; :mod:`.progress` is a runner's :class:`Progress` and rate meter; :mod:`.background` the
+component a runner asks while a graph compiles off its thread; :mod:`.memory` is where the new state lives
 (fresh, recycled buffers, donation); :mod:`.cudagraph` replays a donated step as a CUDA
 graph; :mod:`.cache` and :mod:`.package` keep compiled code between processes;
 :mod:`.errors` explains a failed capture; :mod:`.estimate` is ``ft.memory`` (what a step holds and
@@ -11,5 +13,8 @@ allocates, from its capture, before it runs).
 """
 from .api import CompiledStep, GraphBreakError, compile
 from .estimate import MemoryEstimate, memory
+from .progress import PhaseRates, Progress
+from .runtime import DynamoRunner, Runner
 
-__all__ = ["compile", "CompiledStep", "GraphBreakError", "memory", "MemoryEstimate"]
+__all__ = ["compile", "CompiledStep", "GraphBreakError", "memory", "MemoryEstimate", "Runner", "DynamoRunner",
+           "Progress", "PhaseRates"]

@@ -1,25 +1,31 @@
 """``ft.compile``: the whole step compiled as one graph, called like the step.
 
-:func:`compile` checks its choices once (:class:`~functrain.compiler.options.Options`) and
-builds a :class:`CompiledStep`, which holds one call path: the direct path
-(:class:`~functrain.compiler.runtime.DirectCall`: trace once per input signature, call the
-compiled code on flat leaves) or the Dynamo path (:class:`~functrain.compiler.backend.DynamoCall`).
-Donation, recycled buffers, CUDA graphs and packages are properties of that path's
-captures, never branches here.
+:func:`compile` checks its choices once (:class:`~functrain.compiler.options.Options`, and the
+worker's :class:`~functrain.compiler.settings.WorkerSettings`) and builds a :class:`CompiledStep`:
+immutable, it holds the step, those choices, the backend and the compiled graphs (one
+:class:`~functrain.compiler.runtime.Graphs` per memory kind, shared by its runners like a JIT's cache).
+A call runs on a **runner**, made by one explicit call, :meth:`CompiledStep.runner`, that says what the
+caller wants (donation, background compilation) and owned by that caller: the direct path
+(:class:`~functrain.compiler.runtime.Runner`: trace once per input signature, call the compiled code on
+flat leaves) or the Dynamo path (:class:`~functrain.compiler.runtime.DynamoRunner`). A plain call of the
+compiled step uses the step's own runner. Donation, recycled buffers, CUDA graphs and packages are
+properties of the captures, never branches here.
 """
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 from ..core.state import TrainState
 from ..core.step import Step
 from . import cache
-from .background import Background, Progress
-from .backend import CountingBackend, DynamoCall, make_backend
+from .background import BackgroundCompiler
+from .backend import CountingBackend, make_backend
 from .errors import GraphBreakError
 from .options import Options
-from .runtime import DirectCall
+from .progress import Progress
+from .runtime import DynamoRunner, Graphs, Runner
 from .settings import WorkerSettings
 
 __all__ = ["compile", "CompiledStep", "GraphBreakError"]
@@ -28,11 +34,15 @@ __all__ = ["compile", "CompiledStep", "GraphBreakError"]
 class CompiledStep:
     """A :class:`~functrain.Step` compiled whole by :func:`compile`; call it like the step.
 
+    Immutable: what it holds is set when it is made. A call runs on a runner (:meth:`runner`); a plain call
+    ``cstep(state, batch)`` on the step's own runner.
+
     Attributes:
         step:      the eager step it compiles.
         options:   the :class:`~functrain.compiler.options.Options` it was made with.
-        compiles:  how many graphs the backend has built for it (and its :meth:`donating` form) so far: a
-                   recompile shows up as an increase after the first call.
+        settings:  the compile worker's :class:`~functrain.compiler.settings.WorkerSettings` (read once).
+        compiles:  how many graphs the backend has built for it (for all its runners) so far: a recompile shows up
+                   as an increase after the first call.
         donate:    whether calls donate the input state's storage.
         cache_dir: the inductor cache folder in use when ``cache_dir=`` was given, else ``None``.
 
@@ -51,70 +61,124 @@ class CompiledStep:
         (True, 0, False)
     """
 
+    __slots__ = ("step", "options", "settings", "donate", "cache_dir", "_backend", "_packages", "_graphs", "_own",
+                 "_twin", "_runners", "__weakref__")
+
     def __init__(self, step: Step, options: Options | None = None, settings: WorkerSettings | None = None,
                  **kwargs: Any):
         if not isinstance(step, Step):
             raise TypeError(f"ft.compile takes a functrain Step (from ft.train_step); got {type(step).__name__}")
         options = Options(**kwargs) if options is None else options
-        self.step = step
-        self.options = options
-        self.settings = WorkerSettings.from_env() if settings is None else settings
-        self.donate = options.donate
+        settings = WorkerSettings.from_env() if settings is None else settings
+        set_ = object.__setattr__
+        set_(self, "step", step)
+        set_(self, "options", options)
+        set_(self, "settings", settings)
+        set_(self, "donate", options.donate)
         # checked before anything compiles or loads (None: inductor's own folder, the Trainer's default)
         folder = cache.use_cache_dir(options.cache_dir)
-        self.cache_dir = None if options.cache_dir is None else folder
-        self._backend: CountingBackend = make_backend(options, self.settings.lock_timeout)
-        self._packages = None
+        set_(self, "cache_dir", None if options.cache_dir is None else folder)
+        set_(self, "_backend", make_backend(options, settings.lock_timeout))
+        packages = None
         if options.package:
             from .package import Packages
-            self._packages = Packages(os.fspath(options.cache_dir), self.settings.lock_timeout)
-        self._fast: DirectCall | None = None  # the direct path (None on the Dynamo path)
-        self._dynamo: DynamoCall | None = None
-        self._owned: Any = None  # the Dynamo path's donating twin, made on first use (see donating())
-        self._forms: dict = {}  # (memory kind, background) -> DirectCall: the direct path's call forms
-        self._used: DirectCall | None = None  # the form handed out last (its progress is `progress`)
-        if options.path == "direct":
-            self._fast = self._direct("donate" if options.donate else "fresh", options.in_background(False))
-        else:
-            self._dynamo = DynamoCall(step, options, self._backend)
+            packages = Packages(os.fspath(options.cache_dir), settings.lock_timeout)
+        set_(self, "_packages", packages)
+        set_(self, "_graphs", {})  # memory kind -> Graphs (the compiled graphs, filled as runners compile)
+        set_(self, "_runners", weakref.WeakSet())  # every runner made: close() and finish_after_exit() reach them
+        # a donating runner of a step on the Dynamo path may take the direct path (CUDA graphs need donation): a
+        # compiled step of its own, made at the first such runner
+        set_(self, "_twin", [])
+        set_(self, "_own", self.runner(donate=self.donate, background=options.in_background(False)))
 
-    def _direct(self, memory: str, background: bool) -> DirectCall:
-        form = self._forms.get((memory, background))
-        if form is None:
-            form = DirectCall(self.step, self._backend, memory=memory, packages=self._packages,
-                              cuda_graphs=self.options.cuda_graphs, reuse_blocks=self.options.reuse_blocks)
-            if background:
-                Background(form, self.options, self.settings)  # installs itself as the form's fallback
-            self._forms[(memory, background)] = form
-        self._used = form
-        return form
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"CompiledStep is immutable: {name!r} cannot be set (ft.compile again to change it)")
+
+    # -- runners -------------------------------------------------------------------------------------
+    def runner(self, *, donate: bool = False, background: bool | None = None) -> Runner | DynamoRunner:
+        """A new runner of this step, owned by the caller: what ``ft.run`` and the Trainer call (``donate=True,
+        background=True``), what a benchmark times.
+
+        Args:
+            donate: the runner owns the states it is given and writes each new state into the input's buffers
+                (the input cannot be stepped again; the other leaves of the input state *are* the new state's).
+                On a step compiled with ``donate=True`` every runner donates so.
+            background: compile off the caller's thread, eager calls meanwhile, where ``ft.compile`` left it open
+                (``background=None``); ``None`` here: as the step was compiled (a direct call waits). A step
+                compiled with ``background=`` or ``switch_at=`` given keeps its choice. Never on the Dynamo path.
+
+        Example::
+
+            run = cstep.runner(donate=True, background=True)   # what ft.run does
+            state = ft.tree.tree_map(torch.clone, state)         # own it
+            for batch in loader:
+                state, metrics = run(state, batch)
+            run.progress.phase, run.rates.rate("compiled")
+        """
+        if donate and self.options.path != "direct" and not self.donate:
+            return self._donating_twin().runner(donate=True, background=background)
+        if self.options.path != "direct":
+            made: Any = DynamoRunner(self.step, self.options, self._backend)
+        else:
+            memory = ("donate" if self.donate else "owned") if donate else ("donate" if self.donate else "fresh")
+            bg = self.options.in_background(False if background is None else background)
+            graphs = self._graphs_of(memory)
+            made = Runner(graphs, BackgroundCompiler(self.step, self.options, self.settings, self._backend,
+                                                     self._packages, memory) if bg else None)
+        self._runners.add(made)
+        return made
+
+    def _donating_twin(self) -> "CompiledStep":
+        if not self._twin:
+            self._twin.append(CompiledStep(self.step, self.options.replace(donate=True), self.settings))
+        return self._twin[0]
+
+    def _graphs_of(self, memory: str) -> Graphs:
+        graphs = self._graphs.get(memory)
+        if graphs is None:
+            graphs = self._graphs[memory] = Graphs(
+                self.step, self._backend, memory=memory, packages=self._packages,
+                cuda_graphs=self.options.cuda_graphs, reuse_blocks=self.options.reuse_blocks)
+        return graphs
+
+    def donating(self, background: bool | None = None) -> Runner | DynamoRunner:
+        """A new donating runner: ``runner(donate=True, background=background)`` (the name ``ft.run`` used)."""
+        return self.runner(donate=True, background=background)
+
+    def direct(self, donate: bool) -> Graphs | None:
+        """The graphs of the direct path that a donating runner (``donate=True``: ``ft.run``'s) or a plain call
+        (``False``) uses, or ``None`` (the Dynamo path, or a donating step asked for an undonated call): where
+        :func:`functrain.memory` keeps its trace for the first call to compile."""
+        if self.options.path != "direct":
+            return self._donating_twin().direct(True) if donate and not self.donate else None
+        if donate:
+            return self._graphs_of("donate" if self.donate else "owned")
+        return None if self.donate else self._graphs_of("fresh")
 
     @property
     def background(self) -> bool:
-        """Whether direct calls of this step compile in the background (``ft.compile(background=True)`` or
-        ``switch_at=``); :meth:`donating` may choose otherwise for its caller."""
+        """Whether plain calls of this step compile in the background (``ft.compile(background=True)`` or
+        ``switch_at=``); :meth:`runner` may choose otherwise for its caller."""
         return self.options.in_background(False)
 
     @property
-    def progress(self) -> Progress | None:
-        """Where the compile of the call form handed out last stands (a
-        :class:`~functrain.compiler.background.Progress` when it compiles in the background, else ``None``)."""
-        return None if self._used is None else self._used.progress
+    def progress(self) -> Progress:
+        """Where the compile of this step's own runner (its plain calls) stands."""
+        return self._own.progress
 
     def close(self) -> None:
-        """Stop this step's background compiles that still run (their workers are killed); their signatures
-        then run eagerly."""
-        for form in self._forms.values():
-            if isinstance(form.fallback, Background):
-                form.fallback.close()
+        """Stop this step's background compiles that still run, in every runner made from it (their workers are
+        killed); their signatures then run eagerly."""
+        for r in list(self._runners):
+            r.close()
 
     def finish_after_exit(self, finish: bool = True) -> None:
-        """Choose whether this step's background compiles that still run when the process exits finish after it
-        (into the caches the next run loads) or are killed with it.
+        """Choose whether background compiles of this step's runners that still run when the process exits
+        finish after it (into the caches the next run loads) or are killed with it.
 
-        ``ft.run`` asks for it when its loop returns normally; the Trainer takes it back when SIGTERM stopped
-        the run. ``FUNCTRAIN_COMPILE_FINISH=0`` kills them at exit whatever was chosen. A worker that has no
-        graph yet is stopped now (it would only wait).
+        ``ft.run`` asks for it (for its runner) when its loop returns normally; the Trainer takes it back when a
+        signal stopped the run. ``FUNCTRAIN_COMPILE_FINISH=0`` kills them at exit whatever was chosen. A worker that
+        has no graph yet is stopped now (it would only wait).
 
         Args:
             finish: ``True``: let them finish after exit (one line on stderr says so); ``False``: kill them at
@@ -126,62 +190,20 @@ class CompiledStep:
             state = ft.run(cstep, state, loader, num_steps=10)   # (ft.run already called finish_after_exit())
             cstep.finish_after_exit(False)                        # this process's compiles end with it after all
         """
-        for form in self._forms.values():
-            form.finish_after_exit(finish)
+        for r in list(self._runners):
+            r.finish_after_exit(finish)
 
     @property
     def compiles(self) -> int:
-        twin = self._owned.compiles if isinstance(self._owned, CompiledStep) else 0  # the Dynamo path's twin
+        twin = self._twin[0].compiles if self._twin else 0  # (a Dynamo-path step's donating twin)
         return self._backend.count + twin
-
-    def donating(self, background: bool | None = None) -> Any:
-        """This step as a call that donates its input state: what :func:`functrain.run` uses.
-
-        For a caller that owns the state it passes from step to step and keeps no other
-        reference to it: the new state is written into the input state's buffers (no
-        allocation per step), and the input state cannot be stepped again (its step
-        counter is emptied, so a step on it raises). Unlike ``donate=True``, the other
-        leaves of the input state are not emptied: they *are* the new state's. Graphs it
-        compiles count in :attr:`compiles`.
-
-        ``background``: what the caller prefers where ``ft.compile`` left it open (``background=None``):
-        ``ft.run`` passes ``True`` (train eagerly until the compiled code is ready); ``None``: as the step
-        was compiled (a direct call waits). A step compiled with ``background=`` given keeps its choice.
-
-        Example::
-
-            state = ft.tree.tree_map(torch.clone, state)   # own it
-            run = cstep.donating()
-            for batch in loader:
-                state, metrics = run(state, batch)
-        """
-        if self._fast is not None:
-            bg = self.options.in_background(False if background is None else background)
-            return self._direct("donate" if self.donate else "owned", bg)
-        if self.donate:
-            return self
-        if self._owned is None:
-            self._owned = CompiledStep(self.step, self.options.replace(donate=True), self.settings)
-        return self._owned
-
-    def direct(self, donate: bool) -> DirectCall | None:
-        """The direct path's call that ``ft.run`` (``donate=True``) or a plain call (``False``) uses, or ``None``
-        (the Dynamo path, or a donating step asked for an undonated call): where :func:`functrain.memory` keeps
-        its capture for the first call to compile."""
-        if self._fast is None:
-            return None
-        if donate:
-            return self._fast if self.donate else self.donating()
-        return None if self.donate else self._fast
 
     def init(self, params: Any, buffers: Any = None, **kwargs: Any) -> TrainState:
         """Same as :meth:`Step.init`."""
         return self.step.init(params, buffers, **kwargs)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        if self._fast is not None:
-            return self._fast(state, batch)
-        return self._dynamo(state, batch)
+        return self._own(state, batch)
 
     def __repr__(self) -> str:
         return f"compile({self.step!r}, donate={self.donate})"

@@ -1,10 +1,13 @@
 """Background compilation: the eager step from the first call, the compiled step once it is ready.
 
 A compiled step equals its eager step by law, so a state made by one is a valid input
-to the other, and a run need not wait for a compile. :class:`Background` is the
-``fallback`` of a :class:`~functrain.compiler.runtime.DirectCall`: it runs every call whose
-graph is not compiled yet, so the per-call path itself is unchanged. For a new input
-signature it
+to the other, and a run need not wait for a compile. A :class:`BackgroundCompiler` is a
+component its :class:`~functrain.compiler.runtime.Runner` owns and asks, for every call whose
+graph is not compiled yet (:meth:`BackgroundCompiler.on_miss`); it answers with a decision the
+runner acts on: :class:`Eager` (the eager step's result: the graph is not compiled yet, or will
+not be) or :class:`Ready` (a traced capture and its compiled code: the runner installs it and
+calls it). It writes nothing of the runner's: it reports into its own :class:`Progress`, which
+the runner shows as its own. For a new input signature it
 
 1. runs the eager step (``step.host_call(step.apply, ...)``, the same host work as ``Step.__call__``);
 2. traces the graph on the training thread (``make_fx``, as a blocking compile would: the
@@ -58,127 +61,88 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Callable
-
-import optree
-import torch
+from typing import Any, Callable, NamedTuple
 
 from ..core.state import TrainState
-from .backend import compile_captured
 from .capture import Captured, importing as _importing, preload as _preload, wait_for_imports
 from .jobs import (FAILED, READY, RUNNING, TIMEOUT_ENV, FailedJob, InlineJob, Job, LoadedJob, SharedJob, ThreadJob,
                    WorkerJob, _first, leads_at_once)
+from .progress import Progress
 from .settings import WorkerSettings
 
-__all__ = ["Background", "Progress", "WORKER_ENV", "TIMEOUT_ENV", "RUNNING", "READY", "FAILED"]
+__all__ = ["BackgroundCompiler", "Eager", "Ready", "Progress", "WORKER_ENV", "TIMEOUT_ENV", "RUNNING", "READY",
+           "FAILED"]
 
 WORKER_ENV = "FUNCTRAIN_COMPILE_WORKER"
 
 
-class Progress:
-    """Where a background-compiled call path stands (host values, read by ``ft.run``'s bar and the Trainer).
+class Eager(NamedTuple):
+    """A decision: this call ran the eager step (the graph is not compiled yet, or will not be); ``new``,
+    ``metrics`` are its result; ``paused``: the call did compile work on the caller's thread (the trace)."""
+
+    new: Any
+    metrics: dict
+    paused: bool
+
+
+class Ready(NamedTuple):
+    """A decision: the graph's code is ready: the runner installs ``capture`` with ``fn`` (``None``: it compiles
+    it itself, now: a package, a graph that could not be sent) and calls it; ``paused``: this call did compile
+    work (the load, a wait)."""
+
+    capture: Captured
+    fn: Any
+    paused: bool
+
+
+class BackgroundCompiler:
+    """Compiles a runner's graphs off the caller's thread; answers each call whose graph is not compiled yet.
+
+    ``step``: the eager step; ``options``: the compiled step's :class:`~functrain.compiler.options.Options`
+    (``switch_at``, the inductor arguments); ``settings``: its
+    :class:`~functrain.compiler.settings.WorkerSettings`; ``backend``, ``packages``: the compiled step's; ``memory``:
+    the runner's memory kind (an eager call of a donating runner retires its input state).
 
     Attributes:
-        phase:       ``"eager"`` (nothing compiling yet), ``"compiling"``, ``"ready"`` (this process's compiled
-                     code is ready: the switch waits for ``switch_at`` or for the other processes), ``"compiled"``
-                     (a compiled graph runs) or ``"failed"`` (the compile failed: eager for good; ``reason``).
-        eager_calls: calls that ran the eager step.
-        compile_s:   seconds from the start of the first graph's trace to its code being loaded here.
-        worker_s:    of which the worker's own compile (``None`` without a worker).
-        worker_pid:  the running worker's process id, or ``None``.
-        source:      where the first graph's code came from: ``"worker"`` (this process's worker compiled it),
-                     ``"peer"`` (another process on this machine was compiling it: this one waited for it and
-                     loaded its code), ``"cache"`` (an earlier process had: loaded at the first trace),
-                     ``"thread"``, ``"here"``
-                     (compiled on the training thread: another backend, a package, or a failed load); ``None``
-                     before.
-        switch_at:   the step count at which the compiled code takes over (``None``: when it is ready).
-        workers:     compile workers this process gave a graph to (one machine compiles each graph once: a
-                     process that follows another's compile starts none).
-        traced:      whether the first graph has been traced (or its trace failed): until then ``ft.memory`` of
-                     this call path would trace it itself, waiting for the compiler's imports.
-        reason:      why the compile failed, or ``None``.
+        progress: where the compile stands (:class:`Progress`); the runner shows it as its own.
     """
 
-    __slots__ = ("phase", "eager_calls", "compile_s", "worker_s", "worker_pid", "reason", "switch_at", "source",
-                 "workers", "traced")
-
-    def __init__(self, switch_at: int | None = None) -> None:
-        self.switch_at = switch_at
-        self.phase = "eager"
-        self.eager_calls = 0
-        self.compile_s: float | None = None
-        self.worker_s: float | None = None
-        self.worker_pid: int | None = None
-        self.reason: str | None = None
-        self.source: str | None = None
-        self.workers = 0
-        self.traced = False
-
-    def __repr__(self) -> str:
-        return (f"Progress(phase={self.phase!r}, eager_calls={self.eager_calls}, compile_s={self.compile_s}, "
-                f"reason={self.reason!r})")
-
-
-def _unaliased(state: Any) -> Any:
-    """``state`` with no two tensor leaves sharing storage (a duplicate is cloned): what a donating graph, which
-    writes every leaf in place, needs of the state it takes over from the eager step."""
-    leaves, spec = optree.tree_flatten(state)
-    seen: set = set()
-    changed = False
-    for i, x in enumerate(leaves):
-        if torch.is_tensor(x) and x.numel():
-            ptr = (x.device, x.untyped_storage().data_ptr())
-            if ptr in seen:
-                leaves[i] = x.clone()
-                changed = True
-            else:
-                seen.add(ptr)
-    return optree.tree_unflatten(spec, leaves) if changed else state
-
-
-# -- the fallback of a DirectCall -------------------------------------------------------------------
-class Background:
-    """Runs the calls of ``direct`` (a :class:`~functrain.compiler.runtime.DirectCall`) whose graph is not
-    compiled yet, and compiles each such graph off the training thread (see the module docstring).
-
-    ``options``: the compiled step's :class:`~functrain.compiler.options.Options` (``switch_at``, the inductor
-    arguments); ``settings``: its :class:`~functrain.compiler.settings.WorkerSettings` (read and checked by
-    ``ft.compile``). Installs itself as ``direct.fallback`` and its :class:`Progress` as ``direct.progress``.
-    """
-
-    def __init__(self, direct: Any, options: Any, settings: WorkerSettings):
-        self.direct = direct
-        self.step = direct.step
+    def __init__(self, step: Any, options: Any, settings: WorkerSettings, backend: Any, packages: Any,
+                 memory: str):
+        self.step = step
+        self.backend, self.packages, self.memory = backend, packages, memory
         self.switch_at: int | None = options.switch_at
         self.inductor = {"mode": options.mode, "options": options.options, "donate": options.donate}
+        self.settings = settings
         self.jobs: dict = {}  # signature key -> (Captured, Job)
         self.failed: set = set()
         self.progress = Progress(options.switch_at)
         self._known: tuple | None = None  # (the step tensor the last eager call returned, its host count)
         self._spare: WorkerJob | None = None  # a worker started before the trace, waiting for its job
-        self.settings = settings
         self._worker = settings.worker
+        self._installed = 0  # graphs whose code this component handed to the runner
         if self._worker == "thread":
             warnings.warn(f"{WORKER_ENV}=thread: compiling in a thread of the training process, for comparison "
                           f"only: torch's compiler saves and restores the global random generator and patches "
                           f"nn.Module while it works, so eager steps that run meanwhile may draw other random "
-                          f"numbers than the state's key gives", RuntimeWarning, stacklevel=4)
-        direct.fallback = self
-        direct.progress = self.progress
+                          f"numbers than the state's key gives", RuntimeWarning, stacklevel=5)
         _preload()
 
-    # -- the call -------------------------------------------------------------------------------
-    def __call__(self, state: TrainState, batch: Any, s: Any, key: Any) -> tuple[TrainState, dict]:
+    # -- the decision -----------------------------------------------------------------------------
+    def on_miss(self, state: TrainState, batch: Any, s: Any, key: Any, graphs: Any) -> Eager | Ready:
+        """What the runner does with a call whose graph (signature ``key``) is not compiled: see the module
+        docstring. ``s``: the state without its RNG key; ``graphs``: the runner's
+        :class:`~functrain.compiler.runtime.Graphs` (it traces, and holds what ``ft.memory`` traced)."""
         if key in self.failed:
             return self._eager(state, batch)
         entry = self.jobs.get(key)
         at = self.switch_at
         # the trace starts once the compiler's modules are imported (a thread imports them: seconds the eager
         # steps do not wait for), so its call differs between processes: nothing collective may depend on it
-        start = None if entry is not None or _importing() else (lambda: self._start(s, state, batch, key))
+        start = None if entry is not None or _importing() else (lambda: self._start(s, state, batch, key, graphs))
         if entry is None:
             self._prepare()
+        paused = False
         if at is not None and self._steps(state) < at:  # before the switch step: eager, the compile goes on
             if entry is not None:
                 self._poll(entry[1])
@@ -190,19 +154,14 @@ class Background:
                 return self._eager(state, batch, start=start)
         else:  # at or past the switch step (a resumed run): compile now if need be, wait, agree once
             if entry is None:
-                self._start(s, state, batch, key)
+                self._start(s, state, batch, key, graphs)
                 entry = self.jobs[key]
-            if self._poll(entry[1]) == RUNNING:
-                self.direct.pauses += 1
+            paused = self._poll(entry[1]) == RUNNING
             status = self.step.agree(entry[1].wait())
         if status == READY:
-            cap, job = entry
-            self._install(key, cap, job)
-            if self.direct.memory != "fresh":
-                state = _unaliased(state)
-            return self.direct(state, batch)
+            return self._ready(key, *entry)
         self._give_up(key, entry[1] if entry is not None else None)  # some rank's compile failed
-        return self._eager(state, batch)
+        return self._eager(state, batch, paused=paused)
 
     def _poll(self, job: Job) -> int:
         status = job.poll()
@@ -212,21 +171,22 @@ class Background:
             self.progress.worker_pid = getattr(job, "pid", None)  # (a follower that took the compile over)
         return status
 
-    def _eager(self, state: TrainState, batch: Any, start: Callable[[], None] | None = None) -> tuple:
+    def _eager(self, state: TrainState, batch: Any, start: Callable[[], None] | None = None,
+               paused: bool = False) -> Eager:
         new, metrics = self.step.host_call(self.step.apply, state, batch)
         if start is not None:
-            start()  # traced on the input state, before a donating path retires it
-        if self.direct.memory != "fresh":
+            start()  # traced on the input state, before a donating runner retires it
+            paused = True
+        if self.memory != "fresh":
             # a donated state cannot be stepped again, eager or compiled: its step counter is emptied (the new
             # state never shares it: the step makes step + 1)
             state.step.set_()
-        self.progress.eager_calls += 1
         if self.switch_at is not None:
             known = self._known
             n = known[1] if known is not None and known[0] is state.step else None
             if n is not None:
                 self._known = (new.step, n + 1)
-        return new, metrics
+        return Eager(new, metrics, paused)
 
     def _steps(self, state: TrainState) -> int:
         """The state's step count on the host: known without a read when it is the state the last eager call
@@ -239,13 +199,12 @@ class Background:
         return n
 
     # -- compiling --------------------------------------------------------------------------------
-    def _start(self, s: Any, state: TrainState, batch: Any, key: Any) -> None:
+    def _start(self, s: Any, state: TrainState, batch: Any, key: Any, graphs: Any) -> None:
         """Trace the graph here, then start compiling it where the code can be made."""
-        self.direct.pauses += 1
         t0 = time.perf_counter()
         wait_for_imports()  # (the trace waits for them too; counted here, in the pause)
         try:
-            cap = self.direct.pending.pop(key, None) or self.direct.trace(s, state, batch)  # (ft.memory traced it)
+            cap = graphs.take_pending(key) or graphs.trace(s, state, batch)  # (ft.memory traced it)
         except Exception as e:  # noqa: BLE001 - GraphBreakError (or what the step raises): train on eagerly
             if self._spare is not None:
                 self._spare.close()
@@ -255,11 +214,11 @@ class Background:
             p = self.progress  # failed here, now (the ranks agree on it at the next call)
             p.traced, p.reason, p.worker_pid = True, job.reason, None
             running = any(j.status == RUNNING for _, j in self.jobs.values())
-            p.phase = "compiling" if running else ("compiled" if self.direct.captures else "failed")
+            p.phase = "compiling" if running else ("compiled" if self._installed else "failed")
             self._say(job.reason)  # now: the ranks agree on it at the next call
             job.said = True
             return
-        if self.direct.packages is None:
+        if self.packages is None:
             cap.inputs = None  # the first state's tensors: a worker needs only their metadata
         job = self._cached(cap) or self._job(cap)
         job.started = t0  # the compile time counts from the trace
@@ -269,8 +228,8 @@ class Background:
         self.progress.worker_pid = getattr(job, "pid", None)
 
     def _job(self, cap: Captured) -> Job:
-        backend = self.direct.backend
-        if self.direct.packages is not None:  # AOTInductor builds a package from the real inputs: at the switch
+        backend = self.backend
+        if self.packages is not None:  # AOTInductor builds a package from the real inputs: at the switch
             return InlineJob(cap, backend, now=False)
         if not backend.shared:  # a backend other than inductor: its code cannot travel between processes
             return InlineJob(cap, backend)
@@ -316,8 +275,8 @@ class Background:
         """The graph's code loaded from the caches if an earlier process compiled it (a second run, a resume, a
         rank that another rank's worker served): ready at once, no worker. ``None`` on a miss (which costs the
         cache keys' hashing: nothing is traced or compiled here)."""
-        backend = self.direct.backend
-        if not backend.shared or self.direct.packages is not None or self._worker != "process":
+        backend = self.backend
+        if not backend.shared or self.packages is not None or self._worker != "process":
             return None
         try:
             fn = backend.load(cap.gm, cap.metas)
@@ -331,40 +290,38 @@ class Background:
     def _prepare(self) -> None:
         """Before the eager calls that lead to a compile: the worker process starts (importing torch and
         inductor while this process runs the step and traces it)."""
-        if self._spare is None and self._worker == "process" and self.direct.backend.shared \
-                and self.direct.packages is None and leads_at_once():
+        if self._spare is None and self._worker == "process" and self.backend.shared \
+                and self.packages is None and leads_at_once():
             self._spare = WorkerJob(self.settings)
             self.progress.worker_pid = self._spare.pid
         if self.progress.phase == "eager":
             self.progress.phase = "compiling"
 
-    def _install(self, key: Any, cap: Captured, job: Job) -> None:
-        """The switch: the graph's code (loaded from the caches a worker filled) becomes the capture's."""
+    def _ready(self, key: Any, cap: Captured, job: Job) -> Ready:
+        """The switch: the graph's code (loaded from the caches a worker filled) for the runner to install."""
         del self.jobs[key]
-        self.direct.pauses += 1
-        d = self.direct
         t0 = time.perf_counter()
         fn = job.code()
-        if fn is None and d.packages is None and not isinstance(job, InlineJob):  # (inline: compiled just below)
+        if fn is None and self.packages is None and not isinstance(job, InlineJob):  # (inline: compiled by install)
             try:
-                fn = d.backend.load(cap.gm, cap.metas)
+                fn = self.backend.load(cap.gm, cap.metas)
             except Exception as e:  # noqa: BLE001 - a missing, corrupt or foreign entry: never used; rebuilt
                 warnings.warn(f"ft.compile: the background compile's code did not load here ({type(e).__name__}: "
                               f"{_first(e)}); compiling the step on the training thread (the steps wait)",
-                              RuntimeWarning, stacklevel=4)
+                              RuntimeWarning, stacklevel=5)
                 fn = None
         for note in job.notes:  # (a damaged cache entry the compile set aside and rebuilt)
-            warnings.warn(f"ft.compile: {note}", RuntimeWarning, stacklevel=4)
+            warnings.warn(f"ft.compile: {note}", RuntimeWarning, stacklevel=5)
         source = job.source if fn is not None else "here"
-        compile_captured(cap, d.backend, packages=d.packages, cuda_graphs=d.cuda_graphs, fn=fn)
-        d.captures[key] = cap
         p = self.progress
         if p.compile_s is None:  # the compile's own time: to its code being ready, plus loading it here
             p.compile_s = ((job.finished or t0) - job.started) + (time.perf_counter() - t0)
             p.worker_s = job.seconds if source == "worker" else None
             p.source = source
         p.worker_pid = None
+        self._installed += 1
         p.phase = "compiling" if self.jobs else "compiled"
+        return Ready(cap, fn, True)
 
     def _give_up(self, key: Any, job: Job | None) -> None:
         """The ranks agreed that a graph will not compile: eager for good for that signature, said once."""
@@ -379,7 +336,7 @@ class Background:
             "another process's compile of this step failed"
         p = self.progress
         p.reason, p.worker_pid = reason, None
-        p.phase = "compiling" if self.jobs else ("compiled" if self.direct.captures else "failed")
+        p.phase = "compiling" if self.jobs else ("compiled" if self._installed else "failed")
         if job is None or not job.said:
             self._say(reason)
 
@@ -417,4 +374,4 @@ class Background:
         p = self.progress
         p.worker_pid = None
         if p.phase in ("compiling", "ready"):
-            p.phase, p.reason = ("compiled" if self.direct.captures else "failed"), "stopped by close()"
+            p.phase, p.reason = ("compiled" if self._installed else "failed"), "stopped by close()"

@@ -353,7 +353,9 @@ def memory(step: Any, state: TrainState, batch: Any, *, donate: bool | None = No
     memory it warns, naming the numbers.
 
     Args:
-        step: a :class:`~functrain.Step` or :class:`~functrain.CompiledStep`.
+        step: a :class:`~functrain.Step`, a :class:`~functrain.CompiledStep`, or a runner of one
+            (:meth:`~functrain.CompiledStep.runner`: the trace it keeps, or the one its background compile made, is
+            the one estimated, and nothing is traced again).
         state: the state it will step (its shapes and devices are what count).
         batch: a batch of the size it will take.
         donate: whether the new state is written into the input's buffers (``ft.run`` donates; default: the
@@ -373,24 +375,29 @@ def memory(step: Any, state: TrainState, batch: Any, *, donate: bool | None = No
     """
     from .api import CompiledStep
     from .capture import CaptureError, trace
+    from .runtime import DynamoRunner, Runner
 
-    if isinstance(step, CompiledStep):
+    runner = step if isinstance(step, (Runner, DynamoRunner)) else None
+    if runner is not None:
+        donate = (runner.memory != "fresh" if isinstance(runner, Runner) else runner.call.donate) \
+            if donate is None else bool(donate)
+        inner = runner.step
+    elif isinstance(step, CompiledStep):
         donate = step.donate if donate is None else bool(donate)
         inner = step.step
     elif isinstance(step, Step):
         donate, inner = bool(donate), step
     else:
-        raise TypeError(f"ft.memory takes a functrain Step or CompiledStep; got {type(step).__name__}")
+        raise TypeError(f"ft.memory takes a functrain Step, CompiledStep or runner; got {type(step).__name__}")
     if not isinstance(state, TrainState):
         raise TypeError(f"ft.memory takes the TrainState the step will run on; got {type(state).__name__}")
     inner.check_state(state)
     leaves = [t for t in optree.tree_leaves(state.params) if isinstance(t, torch.Tensor)]
     device = leaves[0].device if leaves else torch.device("cpu")
     kind = "owned" if donate else "fresh"
-    direct = step.direct(donate) if isinstance(step, CompiledStep) else None
-    if direct is not None:
-        cap = direct.traced(state, batch)
-    else:
+    direct = step.direct(donate) if isinstance(step, CompiledStep) else runner
+    cap = direct.traced(state, batch) if direct is not None else None  # (a Dynamo runner keeps none)
+    if cap is None:
         from .errors import explain
 
         s = state._replace(rng=None)

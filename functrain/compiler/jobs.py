@@ -37,7 +37,7 @@ from .capture import Captured
 from .settings import WorkerSettings
 
 __all__ = ["Job", "FailedJob", "InlineJob", "LoadedJob", "ThreadJob", "WorkerJob", "SharedJob", "TIMEOUT_ENV",
-           "FINISH_ENV", "GRACE_ENV", "RUNNING", "READY", "FAILED", "leads_at_once", "worker_command"]
+           "FINISH_ENV", "GRACE_ENV", "RUNNING", "READY", "FAILED", "leads_at_once", "worker_command", "outlives"]
 
 TIMEOUT_ENV = "FUNCTRAIN_COMPILE_TIMEOUT"  # (named in messages; read by compiler.settings only)
 FINISH_ENV = "FUNCTRAIN_COMPILE_FINISH"
@@ -217,11 +217,18 @@ def _kill_tree(proc: subprocess.Popen, files: tuple = ()) -> None:
             pass
 
 
+def outlives(job: "WorkerJob") -> bool:
+    """The one rule for whether a compile may outlive its process: its worker still compiles, the run that started
+    it ended normally (the runner said so: :meth:`WorkerJob.finish_after_exit`), and the settings allow it
+    (``FUNCTRAIN_COMPILE_FINISH``)."""
+    return job.settings.finish and job.keep and job.status == RUNNING
+
+
 def _at_exit() -> None:
-    """At exit: a worker whose run ended normally finishes its compile (said once on stderr), unless its settings
-    say ``finish=False``; every other is killed with its compiler children."""
+    """At exit: a worker that :func:`outlives` its process finishes its compile (said once on stderr); every other
+    is killed with its compiler children."""
     for job in list(_LIVE):
-        if not (job.settings.finish and job.keep):
+        if not outlives(job):
             job.close()
         elif job.detach():
             print(f"functrain: the background compile goes on in process {job.pid} (nice +"

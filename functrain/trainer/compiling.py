@@ -12,22 +12,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..compiler.api import CompiledStep
-from ..driver import PhaseRates
+from ..compiler import Runner
 
 __all__ = ["watch_compile", "compile_log", "compile_notes"]
 
 
-def watch_compile(step: Any, r: Any) -> None:
-    """If ``ft.run`` will compile ``step`` in the background, time each of its paths in ``r`` (the loop's
-    ``RunState``: ``rates``, ``progress``), and its first step is no compile (``r.compiled`` is false)."""
-    if not isinstance(step, CompiledStep) or not step.options.in_background(True):
-        return
-    runner = step.donating(background=True)  # the very call form ft.run will use (made once, kept)
-    if getattr(runner, "progress", None) is None:
+def watch_compile(runner: Any, r: Any) -> None:
+    """If ``runner`` (what ``ft.run`` runs) compiles in the background, read its rate meter and progress into
+    ``r`` (the loop's ``RunState``: ``rates``, ``progress``); its first step is then no compile (``r.compiled`` is
+    false)."""
+    if not isinstance(runner, Runner) or runner.background is None:
         return
     r.compiled = False  # the first step runs eagerly: the background job times the compile
-    r.rates = PhaseRates(runner)
+    r.rates = runner.rates
     r.progress = runner.progress
 
 
@@ -46,13 +43,12 @@ def compile_log(r: Any, n: int, host: dict) -> None:
     """
     if r.rates is None:
         return
-    r.rates.tick(n)  # (ft.run logs a step before its on_step: account it now)
     p = r.progress
     if p.compile_s is not None and "compile_s" not in r.reported:
         host["compile_s"] = p.compile_s
         r.reported.add("compile_s")
     if r.rates.switched_at is not None and "switched_at" not in r.reported:
-        host["switched_at"] = r.rates.switched_at
+        host["switched_at"] = r.start + r.rates.switched_at  # (the runner counts its calls; the run, its steps)
         r.reported.add("switched_at")
     for path in ("eager", "compiled"):
         rate = r.rates.rate(path)
@@ -71,7 +67,8 @@ def compile_notes(r: Any) -> list[str]:
         return [f"the background compile failed, every step ran eagerly{speeds}: {str(p.reason)[:200]}"]
     if rates.switched_at is not None:
         took = f" in {p.compile_s:.1f} s" if p.compile_s is not None else ""
-        return [f"compiled in the background{took}; the compiled step took over at step {rates.switched_at}{speeds}"]
+        at = r.start + rates.switched_at
+        return [f"compiled in the background{took}; the compiled step took over at step {at}{speeds}"]
     if rates.steps["eager"] and not rates.steps["compiled"]:
         return [f"the background compile had not finished: every step ran eagerly{speeds}"]
     return [f"compiled{speeds}"] if speeds else []

@@ -19,7 +19,7 @@ from ..core import tree as T
 from ..checkpoint.export import export_weights
 from ..checkpoint import CheckpointError, CheckpointManager, FolderLock, FolderLocked, StructureMismatch, load_extra
 from ..checkpoint.per_rank import is_sharded
-from ..compiler.api import CompiledStep
+from ..compiler import Runner
 from ..compiler.api import compile as compile_step
 from ..data import shard
 from ..distributed import PeerFailed, gather_state
@@ -185,13 +185,11 @@ class Trainer:
         transforms = with_augmentation(dataset, transforms, step)
         self.step, compiled = build_step(loss, config, self.world, optimizer=optimizer, transforms=transforms,
                                          step=step, module=self.module)
-        if compiled is not None:
-            self.run_step = compiled
-        elif config.compile:
-            self.run_step = compile_step(self.step, background=config.compile_background,
-                                         switch_at=config.compile_switch_at)
-        else:
-            self.run_step = self.step
+        if compiled is None and config.compile:
+            compiled = compile_step(self.step, background=config.compile_background,
+                                    switch_at=config.compile_switch_at)
+        self.compiled = compiled  # the CompiledStep, or None; run_step: what ft.run runs (its runner, owned here)
+        self.run_step = compiled.runner(donate=True, background=True) if compiled is not None else self.step
         per_process = process_batch(config, self.world)  # TrainConfig.split_batches: the one batch-size rule
         self.loader = shard(dataset, batch_size=per_process * config.gradient_accumulate_every,
                             shuffle=True, seed=config.seed, drop_last=True, device=self.device)
@@ -370,7 +368,7 @@ class Trainer:
                 c.save(os.path.join(self.folder, "config.json"))
             start = int(state.step)  # the only read of the device counter: the loop's index mirrors it on the host
             trackers = make_trackers(self.tracker_items, self.folder, c.to_dict(), start) if self.rank == 0 else []
-            self._run = run_state = RunState(start, trackers, compiled=isinstance(self.run_step, CompiledStep))
+            self._run = run_state = RunState(start, trackers, compiled=self.compiled is not None)
             watch_compile(self.run_step, run_state)
             self._signals.install(run_state)  # SIGTERM, Ctrl-C: stop at the agreed step and save
             run_state.memory = MemoryLine(self.run_step, self.rank, run_state.progress)
@@ -379,7 +377,7 @@ class Trainer:
                         log_every=c.log_every, device=self.device, progress=self.rank == 0, on_log=self._on_log,
                         on_step=self._on_step, start=start)
             run_state.end_vote()  # the last step's vote, which every rank started: let it finish
-            if self._signalled and isinstance(self.run_step, CompiledStep):
+            if self._signalled and isinstance(self.run_step, Runner):
                 self.run_step.finish_after_exit(False)  # stopped by SIGTERM: a running compile dies with us
             if run_state.n != run_state.saved_at:  # stopped between saves (SIGTERM, should_stop)
                 self.save(state, run_state.n)
@@ -512,7 +510,6 @@ class Trainer:
     def _step_done(self, n: int, state: TrainState, metrics: dict) -> bool:
         c, r = self.config, self._run
         if r.rates is not None:
-            r.rates.tick(n)
             r.memory.after_step(state)
         r.n = n
         r.first_done(time.perf_counter())

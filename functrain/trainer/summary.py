@@ -21,10 +21,10 @@ def memory_line(run_step: Any, state: Any, batch: Any) -> str:
         >>> memory_line(step, step.init({"w": torch.zeros(1024)}), torch.ones(1024)).split(" (")[0]
         'memory per rank on cpu: state 4.03 KiB'
     """
-    from ..compiler.api import CompiledStep
+    from ..compiler import CompiledStep, DynamoRunner, Runner
     from ..compiler.estimate import MemoryEstimate, device_memory, memory, state_bytes
 
-    if isinstance(run_step, CompiledStep):
+    if isinstance(run_step, (CompiledStep, Runner, DynamoRunner)):
         return str(memory(run_step, state, batch, donate=True))  # ft.run donates
     device = state.step.device
     return str(MemoryEstimate(device=device, state=state_bytes(state), traced=False,

@@ -207,8 +207,8 @@ def short() -> dict:
     capture.wait_for_imports()
     cstep = ft.compile(step)
     state = step.init(params, buffers)
-    runner = cstep.donating(background=True)  # the call form ft.run uses (its progress is cstep.progress)
-    ft.run(cstep, state, batches, num_steps=3, progress=False)
+    runner = cstep.runner(donate=True, background=True)  # what ft.run makes; given, ft.run runs it
+    ft.run(runner, state, batches, num_steps=3, progress=False)
     p = runner.progress
     return {"phase": p.phase, "worker_pid": p.worker_pid, "eager_calls": p.eager_calls}
 
@@ -221,9 +221,9 @@ def again() -> dict:
     capture.wait_for_imports()
     cstep = ft.compile(step)
     state = step.init(params, buffers)
-    runner = cstep.donating(background=True)
+    runner = cstep.runner(donate=True, background=True)
     seen = []
-    ft.run(cstep, state, batches * 5, progress=False, on_step=lambda i, s, m: seen.append(runner.progress.phase))
+    ft.run(runner, state, batches * 5, progress=False, on_step=lambda i, s, m: seen.append(runner.progress.phase))
     p = runner.progress
     first = seen.index("compiled") + 1 if "compiled" in seen else None
     root = os.environ["TORCHINDUCTOR_CACHE_DIR"]

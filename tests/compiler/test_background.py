@@ -338,7 +338,7 @@ def test_the_donating_form_retires_eager_states_and_owns_the_state_at_the_switch
     step, params, buffers, batches, calls = _problem(dropout=0.0)
     cstep = ft.compile(step, backend="aot_eager")
     run = cstep.donating(background=True)  # what ft.run uses
-    assert cstep.progress is run.progress and run.progress is not None
+    assert cstep.progress is not run.progress and run.progress.phase == "eager"  # the runner's own
     ref = step.init(params, buffers)
     state = old = T.tree_map(torch.clone, ref)  # the caller's copy, owned by the loop
     state, _ = run(state, batches[0])  # eager (and traced)
@@ -351,7 +351,7 @@ def test_the_donating_form_retires_eager_states_and_owns_the_state_at_the_switch
     assert run.progress.phase == "compiled" and run.progress.eager_calls == 1
     assert T.tree_allclose(state, ref, rtol=1e-5, atol=1e-6)
     # ft.compile(step) called directly still waits for its compile (a benchmark's expectation)
-    assert not cstep.background and cstep._fast.fallback is None
+    assert not cstep.background and cstep._own.background is None
 
 
 def test_bad_choices_are_refused(monkeypatch):
@@ -382,28 +382,26 @@ def test_run_compiles_in_the_background_and_its_bar_says_so(capsys):
             time.sleep(0.03)
             yield batches[i % 4]
 
-    state = ft.run(cstep, step.init(params, buffers), slow(), num_steps=40, log_every=10)
-    assert int(state.step) == 40 and cstep.progress.phase == "compiled" and cstep.progress.eager_calls == 20
+    run = cstep.runner(donate=True, background=True)  # what ft.run makes; given, ft.run runs it
+    state = ft.run(run, step.init(params, buffers), slow(), num_steps=40, log_every=10)
+    assert int(state.step) == 40 and run.progress.phase == "compiled" and run.progress.eager_calls == 20
     err = capsys.readouterr().err
     assert "compiled, switching at step 20 · eager " in err, err[-2000:]
     assert "compiled " in err.split("switching at step 20")[-1] and "(eager " in err, err[-2000:]
 
 
 def test_the_bar_says_compiling_while_a_worker_compiles():
-    from functrain.driver import PhaseRates
-
     step, params, buffers, batches, calls = _problem(dropout=0.0)
     cstep = ft.compile(step)  # inductor: a worker process compiles it (seconds)
-    run = cstep.donating(background=True)  # ft.run's form
-    rates = PhaseRates(run)
+    run = cstep.runner(donate=True, background=True)  # ft.run's runner
+    rates = run.rates  # its one rate meter, recorded by the runner at every call
     state = T.tree_map(torch.clone, step.init(params, buffers))
     try:
         for i in range(1, 4):
             state, _ = run(state, batches[i % 4])
-            rates.tick(i)
         assert run.progress.phase in ("compiling", "ready") and rates.calls["eager"] == 3
-        assert rates.describe().startswith(("compiling in the background · eager", "compiled, switching")), \
-            rates.describe()
+        assert rates.describe(run.progress).startswith(("compiling in the background · eager",
+                                                        "compiled, switching")), rates.describe(run.progress)
     finally:
         cstep.close()
     assert run.progress.worker_pid is None or not _workers_of(os.getpid())

@@ -48,10 +48,10 @@ def _compare(step, run, params, buffers, batches, n, rtol, atol):
 def test_donated_reduce_overhead_step_equals_eager_over_20_steps_in_one_graph():
     step, params, buffers, batches = problem("cuda")
     cstep = ft.compile(step, mode="reduce-overhead", donate=True)
-    assert cstep._fast is not None, "mode='reduce-overhead' with donation should take the fast path"
+    assert isinstance(cstep._own, ft.compiler.Runner), "mode='reduce-overhead' with donation should take the fast path"
     _compare(step, cstep, params, buffers, batches, 20, rtol=1e-4, atol=1e-5)
     assert cstep.compiles == 1
-    graphed = cstep._fast.last.graphed
+    graphed = cstep._own.last.graphed
     assert graphed is not None and graphed.records == 1, "not replayed as one CUDA graph"
 
 
@@ -59,11 +59,11 @@ def test_donated_reduce_overhead_step_equals_eager_over_20_steps_in_one_graph():
 def test_owned_donation_reduce_overhead_as_ft_run_calls_it():
     step, params, buffers, batches = problem("cuda")
     cstep = ft.compile(step, mode="reduce-overhead")
-    assert cstep._fast is None  # undonated: inductor's CUDA graphs on the Dynamo path
+    assert isinstance(cstep._own, ft.compiler.DynamoRunner)  # undonated: inductor's CUDA graphs on the Dynamo path
     run = cstep.donating()
     _compare(step, run, params, buffers, batches, 20, rtol=1e-4, atol=1e-5)
     assert cstep.compiles == 1
-    assert run._fast.last.graphed is not None and run._fast.last.graphed.records == 1
+    assert run.last.graphed is not None and run.last.graphed.records == 1
 
 
 @cuda
@@ -71,7 +71,7 @@ def test_bf16_autocast_step_compiles_as_a_cuda_graph():
     step, params, buffers, batches = problem("cuda", autocast=True)
     cstep = ft.compile(step, mode="reduce-overhead", donate=True)
     _compare(step, cstep, params, buffers, batches, 6, rtol=2e-2, atol=2e-2)
-    assert cstep.compiles == 1 and cstep._fast.last.graphed is not None
+    assert cstep.compiles == 1 and cstep._own.last.graphed is not None
 
 
 def test_a_step_that_cannot_be_a_cuda_graph_says_why_and_is_right():
@@ -83,7 +83,7 @@ def test_a_step_that_cannot_be_a_cuda_graph_says_why_and_is_right():
     cstep = ft.compile(step, mode="reduce-overhead", donate=True)
     with pytest.warns(UserWarning, match="without CUDA graphs: CUDA graphs need CUDA tensors"):
         _compare(step, cstep, params, buffers, batches, 3, rtol=1e-5, atol=1e-6)
-    assert cstep.compiles == 1 and cstep._fast.last.graphed is None
+    assert cstep.compiles == 1 and cstep._own.last.graphed is None
 
 
 @cuda

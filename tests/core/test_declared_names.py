@@ -213,8 +213,8 @@ def test_the_declarations_the_trainer_and_sharding_read_exist():
     ("trainer/build.py", 'mode = present.shard if isinstance(present, ShardedDataParallel) else "none"',
      'mode = getattr(present, "shard", "none")', "getattr(present, 'shard')"),
     # a probe for a capability no protocol class declares
-    ("driver.py", "donating = getattr(step, \"donating\", None) if donate else None",
-     "donating = getattr(step, \"donating\", None) if donate else getattr(step, \"fast_path\", None)",
+    ("driver.py", "runner = step if isinstance(step, (Runner, DynamoRunner)) else None",
+     "runner = step if isinstance(step, (Runner, DynamoRunner)) else getattr(step, \"fast_path\", None)",
      "getattr(step, 'fast_path')"),
     # the schedule stashed on the optimizer's learning_rate closure, read back by schedules.horizon
     ("optim/base.py", "        return lr_value(lr, opt_state.count)\n\n    return learning_rate",

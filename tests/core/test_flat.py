@@ -183,7 +183,7 @@ def test_compiled_flat_step_graph_takes_one_input_per_dtype_per_tree(compiled):
     state = step.init(_plain_mlp(), flat=True)
     cstep(state, _batch())  # the signature the first test captured: no new compile
     assert cstep.compiles == 1
-    graph_inputs = len(cstep._fast.last.signature.tensor_pos)
+    graph_inputs = len(cstep._own.last.signature.tensor_pos)
     plain_state = step.init(_plain_mlp())._replace(rng=None)  # the host RNG key is not a graph input
     plain = [x for x in ft.tree.tree_leaves((plain_state, _batch())) if torch.is_tensor(x)]
     # params, exp_avg, exp_avg_sq, ema: one buffer each instead of 4 leaves each
@@ -322,7 +322,7 @@ def test_a_pure_loop_alternates_between_two_buffer_sets(big):
         ref, _ = step(ref, _big_batch(i))
         ptrs.append(state.params["w"].data_ptr())
     assert_same_state(state, ref, rtol=1e-6, atol=1e-6)
-    cap = cstep._fast.last
+    cap = cstep._own.last
     assert cap.recycled  # the large leaves (w and its two moments) are written into recycled buffers
     assert len(set(ptrs[2:])) == 2 and ptrs[2] == ptrs[4] and ptrs[3] == ptrs[5]
 
@@ -350,10 +350,10 @@ def test_recycling_skips_small_leaves_and_donation(big):
     step, params, _ = big
     small = ft.compile(ft.train_step(_loss, ft.optim.sgd(0.1)), backend="aot_eager")
     small(small.init(_plain_mlp()), _batch())
-    assert small._fast.last.recycle == ()
+    assert small._own.last.recycle == ()
     donating = ft.compile(step, donate=True, backend="aot_eager")
     donating(step.init(clone_tree(params)), _big_batch(0))
-    assert donating._fast.last.recycle == ()
+    assert donating._own.last.recycle == ()
 
 
 def test_one_layout_type_for_the_flat_state_and_the_shards():

@@ -69,7 +69,8 @@ class StepContext:
         boundary: ``None`` or a bool scalar: does this call end an update window?
                   (streaming accumulation sets it; loss scaling only adapts there)
         metrics:  the dict returned to the caller.
-        shard_sum: ``None``, or (while ``grads`` is one rank's shard) sums a tensor over shards: :meth:`global_sum`
+        shard_group: ``None``, or (while ``grads`` is one rank's shard) the process group whose ranks hold the
+                  shards: :meth:`global_sum` sums over it
 
     Args:
         state: the step's input state.
@@ -107,7 +108,7 @@ class StepContext:
         self.apply: torch.Tensor | None = None
         self.boundary: torch.Tensor | None = None
         self.metrics: dict = {}
-        self.shard_sum: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by sharded data_parallel
+        self.shard_group: Any = None  # set by sharded data_parallel (data: the group, not a callable)
         self._loss_fn: Callable | None = None   # the loss stage's result, differentiated by the grad stage
         self._counts_items = False              # the loss is a sum over aux["num_items"] items
         self._before_update: tuple = ()         # (params, opt_state) the commit stage falls back to
@@ -131,7 +132,11 @@ class StepContext:
     def global_sum(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` summed over the gradient's shards (an in-graph all-reduce while ``grads`` is one rank's shard, else
         ``x``): how a transform reads a global property of the gradient, e.g. ``ctx.global_sum(sq).sqrt()``."""
-        return x if self.shard_sum is None else self.shard_sum(x)
+        if self.shard_group is None:
+            return x
+        from torch.distributed import _functional_collectives as funcol  # (torch's; in the graph when traced)
+
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", self.shard_group))
 
     def skip_unless_finite(self) -> torch.Tensor:
         """Drop this step's update unless the loss and the gradients, as they are now, are finite.

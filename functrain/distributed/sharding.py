@@ -16,7 +16,7 @@ order 1000, so it acts last within each stage)::
                gradient is laid into its padded flat buffers (FlatLayout.flatten) and each buffer is
                reduce-scattered (one functional reduce-scatter per dtype, sum): from here on ctx.grads is
                this rank's summed shard {dtype: 1-D tensor}, ctx.params is cut alike (shard="optimizer";
-               with "params" it already is one), and ctx.shard_sum is an all-reduce over the group
+               with "params" it already is one), and ctx.shard_group is the group ctx.global_sum all-reduces over
     normalise  ÷ the global denominator, on the shard
     check      fp16's unscale on the shard; the finite check (StepContext.skip_unless_finite, used by
                fp16 loss scaling and skip_nonfinite) sums every rank's "my shard is not finite" flag
@@ -99,13 +99,6 @@ _DECLARE = ('needs = "elementwise" (per-element ops: any cut of the flat buffer 
 
 def _world_of(group: Any) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-
-
-def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """``x`` summed over the ranks (a functional all-reduce: in the graph when traced)."""
-    from torch.distributed import _functional_collectives as funcol
-
-    return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
 
 
 def _reduce_scatter(flat: torch.Tensor, group: Any) -> torch.Tensor:
@@ -246,13 +239,13 @@ class ShardedDataParallel(Transform):
         def on_whole_leaves(ctx: StepContext) -> None:
             # the whole named gradient and params on every rank (the gathers are exact, so every rank computes
             # the same), the hook on them, then this rank's shard of what it made
-            grads, params, shard_sum = ctx.grads, ctx.params, ctx.shard_sum
+            grads, params, shard_group = ctx.grads, ctx.params, ctx.shard_group
             whole = self._gather(params, ctx)
-            ctx.grads, ctx.params, ctx.shard_sum = self._gather(grads, ctx), whole, None
+            ctx.grads, ctx.params, ctx.shard_group = self._gather(grads, ctx), whole, None
             fn(ctx)
             ctx.grads = self.layout.shard_of(ctx.grads)
             ctx.params = params if ctx.params is whole else self.layout.shard_of(ctx.params)
-            ctx.shard_sum = shard_sum
+            ctx.shard_group = shard_group
 
         return on_whole_leaves
 
@@ -448,8 +441,7 @@ class ShardedDataParallel(Transform):
         else:
             ctx.grads = {k: _reduce_scatter(flat, self._group()) for k, flat in layout.flatten(ctx.grads).items()}
         if world > 1:
-            group = self._group()
-            ctx.shard_sum = lambda x: _all_reduce(x, group)
+            ctx.shard_group = self._group()
         if self.shard == "optimizer":
             ctx.params = layout.shard_of(ctx.params)
 

@@ -38,7 +38,7 @@ class Clip(Transform):
 
     def transform(self, ctx: StepContext) -> None:
         norm = T.global_norm(ctx.grads)
-        if ctx.shard_sum is not None:  # ctx.grads is this rank's shard: the norm is over every rank's shard
+        if ctx.shard_group is not None:  # ctx.grads is this rank's shard: the norm is over every rank's shard
             norm = ctx.global_sum(norm.square()).sqrt()  # (the shards' zero padding adds nothing)
         ctx.metrics["grad_norm"] = norm
         coef = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)

@@ -37,6 +37,7 @@ from .core.state import TrainState
 from .core.step import STAGES, Step, train_step
 from .core.transform import StepContext, Transform
 from .trainer import Callback, TrainConfig, Trainer
+from .trainer.batch_fit import BatchFit, fit_batch
 from .trainer.trackers import trackers
 from .transforms import EmaState, LossScaleState, Policy, accumulate, clip, clip_value, ema, mixed_precision, random_flip, skip_nonfinite
 
@@ -48,4 +49,5 @@ __all__ = [
     "accumulate", "clip", "clip_value", "ema", "EmaState", "skip_nonfinite", "random_flip", "mixed_precision", "Policy",
     "LossScaleState", "optim", "tree", "data_parallel", "local_sgd", "gather_state", "launch", "distributed", "TrainConfig", "shard", "ShardedLoader", "gather_for_eval", "data", "save", "load", "load_extra", "CheckpointManager",
     "CheckpointError", "Trainer", "Callback", "export_state_dict", "export_weights", "Restored", "register_checkpoint_type", "checkpoint", "trackers",
+    "fit_batch", "BatchFit",
 ]

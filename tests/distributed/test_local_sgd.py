@@ -1,6 +1,4 @@
 """local_sgd(k): 2 real gloo processes step alone and average their params every k steps."""
-import io
-
 import pytest
 import torch
 
@@ -40,7 +38,7 @@ def _gathered(tree):
     return out
 
 
-def _worker(backend):
+def _worker(backend, folder):
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -83,8 +81,8 @@ def _worker(backend):
     report["window_errs"], report["identical"] = errs, identical
     report["step"] = int(state.step)
 
-    # 3. resume mid-window (after 4 calls of k = 3, 2 of them after the last sync) equals the uninterrupted run,
-    #    through a saved state and a new step object
+    # 3. resume mid-window (after 4 calls of k = 3, 1 of them after the last sync) equals the uninterrupted run,
+    #    through a checkpoint per rank (the ranks' states differ: replicated=False) and a new step object
     step, params, buffers, _, shards = _problem(rank, ft.optim.adamw(1e-2))
     local = ft.local_sgd(3)(step)
     whole = local.init(params, buffers)
@@ -94,11 +92,10 @@ def _worker(backend):
     part = local.init(params, buffers)
     for shard in shards[:4]:
         part, _ = run(part, shard)
-    buf = io.BytesIO()
-    torch.save(part, buf)
-    buf.seek(0)
-    part = torch.load(buf, weights_only=False)
-    again = _run(ft.local_sgd(3)(step), backend)
+    path = ft.save(f"{folder}/rank{rank}", part, replicated=False)
+    resumed = ft.local_sgd(3)(step)
+    part = ft.load(path, resumed.init(params, buffers))
+    again = _run(resumed, backend)
     for shard in shards[4:]:
         part, _ = again(part, shard)
     report["resume_exact"] = T.tree_equal(part.params, whole.params) and T.tree_equal(part.opt_state,
@@ -121,13 +118,13 @@ def _check(report, exact):
         assert report["compiles"] == 1, f"{report['compiles']} graphs: the sync select recompiled"
 
 
-def test_local_sgd_laws_eager():
-    for report in ft.launch(_worker, nprocs=2, args=(None,), timeout=300, dist_timeout=120):
+def test_local_sgd_laws_eager(tmp_path):
+    for report in ft.launch(_worker, nprocs=2, args=(None, str(tmp_path)), timeout=300, dist_timeout=120):
         _check(report, exact=True)
 
 
-def test_local_sgd_laws_compiled():
-    for report in ft.launch(_worker, nprocs=2, args=("aot_eager",), timeout=500, dist_timeout=240):
+def test_local_sgd_laws_compiled(tmp_path):
+    for report in ft.launch(_worker, nprocs=2, args=("aot_eager", str(tmp_path)), timeout=500, dist_timeout=240):
         _check(report, exact=False)
 
 

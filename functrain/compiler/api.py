@@ -21,7 +21,7 @@ from ..core.state import TrainState
 from ..core.step import Step
 from . import cache
 from .background import BackgroundCompiler
-from .backend import CountingBackend, make_backend
+from .backend import make_backend
 from .errors import GraphBreakError
 from .options import Options
 from .progress import Progress

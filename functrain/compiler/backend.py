@@ -24,6 +24,9 @@ import optree
 import torch
 
 from . import cache
+from .codegen import refuse_codegen
+from .graph_lock import compile_lock, graph_key
+from .probe_memo import probe_memo
 from .capture import tensor_metas  # noqa: F401 - re-exported: what a graph is compiled for
 from .memory import release, write_inputs
 from .options import Options
@@ -58,17 +61,17 @@ class CountingBackend:
         if not self.shared:
             return self.backend(gm, example_inputs)
         if self.lock_held:
-            with cache.probe_memo():
+            with probe_memo():
                 return self.backend(gm, example_inputs)
-        key = cache.graph_key(gm, [t for t in example_inputs if torch.is_tensor(t)])
-        with cache.probe_memo(), cache.compile_lock(key, self.lock_timeout):
+        key = graph_key(gm, [t for t in example_inputs if torch.is_tensor(t)])
+        with probe_memo(), compile_lock(key, self.lock_timeout):
             return self.backend(gm, example_inputs)
 
     def load(self, gm: torch.fx.GraphModule, metas: tuple) -> Callable:
         """The code another process (a background worker) compiled for ``gm`` into the shared caches, loaded
-        here without generating any: raises :class:`~functrain.compiler.cache.NotCached` (or the caches' own
+        here without generating any: raises :class:`~functrain.compiler.codegen.NotCached` (or the caches' own
         error) where inductor would have to compile. No lock: the entry is there, or this fails at once."""
-        with cache.probe_memo(), cache.refuse_codegen():
+        with probe_memo(), refuse_codegen():
             fn = compile_graph(self.backend, gm, metas)
         self.count += 1
         return fn

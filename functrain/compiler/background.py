@@ -235,10 +235,10 @@ class BackgroundCompiler:
             return InlineJob(cap, backend)
         if self._worker == "thread":
             return ThreadJob(cap, backend, self.settings)
-        from . import cache
+        from .graph_lock import GraphLock, graph_key
         from .backend import fake_inputs
         from .worker import job_payload
-        lock = cache.GraphLock(cache.graph_key(cap.gm, fake_inputs(cap.metas)))
+        lock = GraphLock(graph_key(cap.gm, fake_inputs(cap.metas)))
         try:
             payload = job_payload(cap.gm, cap.metas, self.inductor, lock=lock.key if lock.usable else None,
                                   lock_timeout=self.settings.lock_timeout)

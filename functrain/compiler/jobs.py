@@ -164,7 +164,7 @@ class ThreadJob(Job):
     def __init__(self, cap: Captured, backend: Any, settings: WorkerSettings):
         super().__init__()
         self.fn: Callable | None = None
-        self.timeout = timeout = settings.timeout
+        self.timeout = settings.timeout
         nice = settings.nice
         gm, metas = cap.gm, cap.metas
 
@@ -385,7 +385,7 @@ class WorkerJob(Job):
 class SharedJob(Job):
     """One graph compiled once per machine: by a worker this process starts, or by another process's.
 
-    The graph's machine-wide lock (:class:`~functrain.compiler.cache.GraphLock`) says who compiles. This
+    The graph's machine-wide lock (:class:`~functrain.compiler.graph_lock.GraphLock`) says who compiles. This
     process *leads* by taking it: it holds the lock on the training thread while its worker (``start(key)``:
     a :class:`WorkerJob`, told that the lock is held for it) compiles, and releases it when the worker ends.
     Otherwise it *follows*: each :meth:`poll` (one per step) probes the lock; once the process that held it

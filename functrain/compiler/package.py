@@ -43,6 +43,8 @@ from typing import Any, Callable
 import torch
 
 from . import cache as compile_cache
+from .graph_lock import compile_lock
+from .probe_memo import machine, probe_memo
 from . import trust
 
 __all__ = ["Packages"]
@@ -81,7 +83,7 @@ class Packages:
         key = hashlib.sha256(material.encode()).hexdigest()[:40]
         fn = self._load(key, material)
         if fn is None:
-            with compile_cache.compile_lock("package-" + key, self.lock_timeout):
+            with compile_lock("package-" + key, self.lock_timeout):
                 fn = self._load(key, material, quiet=True)  # another rank may have built it meanwhile
                 if fn is None:
                     try:
@@ -135,7 +137,7 @@ class Packages:
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{key}-", suffix=".pt2")
         os.close(fd)
         try:
-            with compile_cache.probe_memo():
+            with probe_memo():
                 aoti_compile_and_package(program, package_path=tmp)
             digest = _sha256(tmp)
             os.replace(tmp, package)
@@ -199,7 +201,7 @@ def _material(gm: torch.fx.GraphModule, inputs: list) -> str:
         "graph": gm.code,
         "inputs": [[list(t.shape), list(t.stride()), str(t.dtype), str(t.device), t.requires_grad] for t in inputs],
         "device": [device.type, device.index],
-        "machine": compile_cache.machine(),
+        "machine": machine(),
         "functrain": _calling_convention(),
     }, sort_keys=True, default=str)
 

@@ -195,7 +195,7 @@ def _take_over(key: str) -> None:
     and no other process starts compiling the same graph meanwhile."""
     import threading
 
-    from .cache import GraphLock
+    from .graph_lock import GraphLock
 
     lock = GraphLock(key)
     if lock.usable:

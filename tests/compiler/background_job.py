@@ -157,14 +157,14 @@ def fault(mode: str) -> dict:
 
 def hold_the_lock(step, params, buffers, batch):
     """Take the per-graph compile lock of this step's graph (as another process compiling it would)."""
-    from functrain.compiler import cache
+    from functrain.compiler import cache, graph_lock
     from functrain.compiler.backend import fake_inputs
     from functrain.compiler.capture import trace
 
     state = step.init(params, buffers)
     cap = trace(step.apply, state._replace(rng=None), batch, "fresh")
-    key = cache.graph_key(cap.gm, fake_inputs(cap.metas))
-    folder = cache.check_private_folder(os.path.join(cache._inductor_dir(), "functrain-locks"))
+    key = graph_lock.graph_key(cap.gm, fake_inputs(cap.metas))
+    folder = cache.check_private_folder(os.path.join(cache.inductor_dir(), "functrain-locks"))
     fd = os.open(os.path.join(folder, key + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     return fd

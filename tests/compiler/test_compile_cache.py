@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from functrain.compiler import cache as compile_cache
+from functrain.compiler import graph_lock, probe_memo
 
 # what both child scripts start with: a tiny MLP step whose loss is scaled by argv[1]
 SETUP = r"""
@@ -138,12 +139,12 @@ def test_a_held_lock_is_waited_for_then_compiled_through_with_a_warning(tmp_path
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.warns(UserWarning, match="compiling it here too"):
-            with compile_cache.compile_lock("k", 0.3) as held:
+            with graph_lock.compile_lock("k", 0.3) as held:
                 assert held is False
     finally:
         holder.kill()
         holder.wait(10)
-    with compile_cache.compile_lock("k", 0.3) as held:  # released by the holder's exit: taken at once
+    with graph_lock.compile_lock("k", 0.3) as held:  # released by the holder's exit: taken at once
         assert held is True
 
 
@@ -171,18 +172,18 @@ def test_a_passed_probe_is_not_run_again_and_a_corrupt_memo_is_rebuilt(tmp_path,
     memo.write_text("{not json")
     isa = cvi.VecAVX2()
     with pytest.warns(UserWarning, match="unreadable probe memo"):
-        with compile_cache.probe_memo():
+        with probe_memo.probe_memo():
             assert cvi.VecISA.check_build(isa, cvi.VecISA._avx_code) is True
     assert calls == [str(isa)], "the probe did not run"
     assert cvi.VecISA.check_build is counted, "the memo was left in place after the compile"
     assert len(json.loads(memo.read_text())["passed"]) == 1
-    with compile_cache.probe_memo():
+    with probe_memo.probe_memo():
         assert cvi.VecISA.check_build(isa, cvi.VecISA._avx_code) is True
         assert cvi.VecISA.check_build(isa, cvi.VecISA._avx_code + "\n// other code") is True
     assert calls == [str(isa)] * 2, "a memoized probe ran again, or a different probe did not run"
     # a memo from another machine / compiler / torch build has other keys: it is probed again
     memo.write_text(json.dumps({"format": 1, "passed": ["0" * 64]}))
-    with compile_cache.probe_memo():
+    with probe_memo.probe_memo():
         assert cvi.VecISA.check_build(isa, cvi.VecISA._avx_code) is True
     assert len(calls) == 3
 
@@ -193,7 +194,7 @@ def test_a_failed_probe_is_not_remembered(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(cvi.VecISA, "check_build", lambda self, code: calls.append(1) is not None)
     for _ in range(2):
-        with compile_cache.probe_memo():
+        with probe_memo.probe_memo():
             assert cvi.VecISA.check_build(cvi.VecAVX2(), "int x;") is False
     assert len(calls) == 2
     assert not (tmp_path / "memo" / "vec_isa_probes.json").exists()

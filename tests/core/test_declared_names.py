@@ -36,7 +36,7 @@ STASHES = {
     ("core/module.py", "module"): "functionalize's apply_fn.module: a convenience for the user, never read by "
                                   "functrain",
     ("compiler/package.py", "loader"): "keeps the AOTInductor library alive as long as the call; never read",
-    ("compiler/cache.py", "_functrain_memo"): "marks torch's own patched function (a monkeypatch guard), not a "
+    ("compiler/probe_memo.py", "_functrain_memo"): "marks torch's own patched function (a monkeypatch guard), not a "
                                               "functrain object",
 }
 

@@ -111,3 +111,31 @@ def test_split_between_processes_refuses_bad_input():
         ftd.split_between_processes(torch.tensor(1.0))
     with pytest.raises(TypeError, match="pad must be a bool; got 1"):
         ftd.split_between_processes([1], pad=1)
+
+
+def _rank_1_skips_the_barrier(folder):
+    import time
+
+    import torch.distributed as dist
+
+    done = os.path.join(folder, "rank-0-done")
+    if dist.get_rank() == 0:
+        start = time.monotonic()
+        try:
+            ftd.wait_for_everyone()
+            outcome = "returned"
+        except Exception as e:  # gloo's timeout error
+            outcome = f"{type(e).__name__}: {e}"
+        open(done, "w").close()
+        return outcome, time.monotonic() - start
+    deadline = time.monotonic() + 60  # stay in the job (without calling the barrier) until rank 0 has its answer
+    while not os.path.exists(done):
+        assert time.monotonic() < deadline, "rank 0 never reported its barrier"
+        time.sleep(0.05)
+    return None
+
+
+def test_wait_for_everyone_fails_after_the_group_timeout_when_a_rank_never_arrives(tmp_path):
+    (outcome, waited), _ = ft.launch(_rank_1_skips_the_barrier, nprocs=2, args=(str(tmp_path),), timeout=120,
+                                     dist_timeout=3)
+    assert "timed out" in outcome.lower() and 2.5 < waited < 60, (outcome, waited)  # gloo: "Timed out waiting 3000ms"

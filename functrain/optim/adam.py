@@ -7,7 +7,7 @@ import optree
 import torch
 
 from ..core.registry import register_checkpoint_type
-from .base import (Optimizer, TreespecCache, check_betas, check_lr, check_real, double, flatten_params, flatten_update,
+from .base import (Optimizer, shared_docs, TreespecCache, check_betas, check_lr, check_real, double, flatten_params, flatten_update,
                    host_number, init_count, lr_value, make_learning_rate, per_step, sub_scaled_ratio)
 from .groups import Group, check_group_args, group_lr, make_groups, run_groups
 
@@ -106,6 +106,7 @@ def _decay_and_moments(group: Group, p: list, g: list, m: list, v: list, lr_t: A
     return decayed, m, v
 
 
+@shared_docs
 def adam(
     lr: float | Callable[[Any], Any],
     betas: tuple[float, float] = (0.9, 0.999),
@@ -121,28 +122,19 @@ def adam(
     see :mod:`functrain.optim.groups`.
 
     Args:
-        lr: the learning rate: a finite float >= 0, or a schedule ``callable(count) -> lr``
-            (:mod:`functrain.optim.schedules`) of the number of updates already taken.
+        {LR}
         betas: ``(beta1, beta2)``, the decay rates of the two moment estimates, each in [0, 1)
             (default ``(0.9, 0.999)``).
         eps: a float >= 0 added to the denominator (default ``1e-8``).
         weight_decay: the L2 factor >= 0 added to the gradient as ``weight_decay * p`` (default 0: none).
-        weight_decay_mask: which leaves get weight decay: ``None`` (default: every leaf), a
-            pytree of bools shaped like the params, or a predicate ``callable(name, param) -> bool``
-            such as :func:`functrain.optim.masks.no_decay_bias_and_norm` (:mod:`functrain.optim.groups`).
-            With ``weight_decay=0`` it has no effect, and a ``UserWarning`` says so.
-        lr_multipliers: a factor on the lr per leaf: ``None`` (default: 1.0 everywhere), a pytree
-            of floats >= 0 shaped like the params, or ``callable(name, param) -> float``; a leaf's
-            lr is ``lr * multiplier``.
+        {GROUPS}
 
     Returns:
         An :class:`~functrain.optim.Optimizer` whose ``init(params)`` returns :class:`AdamState` and whose
         ``update(grads, state, params)`` returns ``(new_params, new_state)``.
 
     Raises:
-        BadValue: (a ``TypeError`` and a ``ValueError``, from :mod:`functrain.core.validate`) for an
-            argument out of range or of the wrong type, naming it and what is allowed; a bad mask or
-            multiplier leaf is reported by ``init``, which sees the params.
+        {RAISES}
 
     Example::
 
@@ -158,6 +150,7 @@ def adam(
     return _adam(lr, betas, eps, weight_decay, False, weight_decay_mask, lr_multipliers, "adam")
 
 
+@shared_docs
 def adamw(
     lr: float | Callable[[Any], Any],
     betas: tuple[float, float] = (0.9, 0.999),
@@ -173,28 +166,19 @@ def adamw(
     param group with that lr. ``learning_rate(state)`` reports the base lr.
 
     Args:
-        lr: the learning rate: a finite float >= 0, or a schedule ``callable(count) -> lr``
-            (:mod:`functrain.optim.schedules`) of the number of updates already taken.
+        {LR}
         betas: ``(beta1, beta2)``, the decay rates of the two moment estimates, each in [0, 1)
             (default ``(0.9, 0.999)``).
         eps: a float >= 0 added to the denominator (default ``1e-8``).
         weight_decay: the decoupled decay factor >= 0 (default ``0.01``, torch.optim.AdamW's).
-        weight_decay_mask: which leaves get weight decay: ``None`` (default: every leaf), a
-            pytree of bools shaped like the params, or a predicate ``callable(name, param) -> bool``
-            such as :func:`functrain.optim.masks.no_decay_bias_and_norm` (:mod:`functrain.optim.groups`).
-            With ``weight_decay=0`` it has no effect, and a ``UserWarning`` says so.
-        lr_multipliers: a factor on the lr per leaf: ``None`` (default: 1.0 everywhere), a pytree
-            of floats >= 0 shaped like the params, or ``callable(name, param) -> float``; a leaf's
-            lr is ``lr * multiplier``.
+        {GROUPS}
 
     Returns:
         An :class:`~functrain.optim.Optimizer` whose ``init(params)`` returns :class:`AdamState` and whose
         ``update(grads, state, params)`` returns ``(new_params, new_state)``.
 
     Raises:
-        BadValue: (a ``TypeError`` and a ``ValueError``, from :mod:`functrain.core.validate`) for an
-            argument out of range or of the wrong type, naming it and what is allowed; a bad mask or
-            multiplier leaf is reported by ``init``, which sees the params.
+        {RAISES}
 
     Example::
 

@@ -200,3 +200,33 @@ def make_learning_rate(lr: float | Callable[[Any], Any]) -> Callable[[Any], Any]
         return lr_value(lr, opt_state.count)
 
     return learning_rate
+
+
+# -- the paragraphs every optimizer's docstring shares, written once -------------------------------------------
+_SHARED_DOCS = {
+    "{LR}": """        lr: the learning rate: a finite float >= 0, or a schedule ``callable(count) -> lr``
+            (:mod:`functrain.optim.schedules`) of the number of updates already taken.
+""",
+    "{GROUPS}": """        weight_decay_mask: which leaves get weight decay: ``None`` (default: every leaf), a
+            pytree of bools shaped like the params, or a predicate ``callable(name, param) -> bool``
+            such as :func:`functrain.optim.masks.no_decay_bias_and_norm` (:mod:`functrain.optim.groups`).
+            With ``weight_decay=0`` it has no effect, and a ``UserWarning`` says so.
+        lr_multipliers: a factor on the lr per leaf: ``None`` (default: 1.0 everywhere), a pytree
+            of floats >= 0 shaped like the params, or ``callable(name, param) -> float``; a leaf's
+            lr is ``lr * multiplier``.
+""",
+    "{RAISES}": """        BadValue: (a ``TypeError`` and a ``ValueError``, from :mod:`functrain.core.validate`) for an
+            argument out of range or of the wrong type, naming it and what is allowed; a bad mask or
+            multiplier leaf is reported by ``init``, which sees the params.
+""",
+}
+
+
+def shared_docs(fn: Callable) -> Callable:
+    """``fn`` with the paragraphs every optimizer's docstring shares filled in: a line ``{LR}``, ``{GROUPS}`` or
+    ``{RAISES}`` (indented as an argument) stands for the text in ``_SHARED_DOCS``, written once here."""
+    doc = fn.__doc__ or ""
+    for key, text in _SHARED_DOCS.items():
+        doc = doc.replace("        " + key + "\n", text)
+    fn.__doc__ = doc
+    return fn

@@ -7,7 +7,7 @@ import optree
 import torch
 
 from ..core.registry import register_checkpoint_type
-from .base import (Optimizer, TreespecCache, check_betas, check_lr, check_real, flatten_params, flatten_update,
+from .base import (Optimizer, shared_docs, TreespecCache, check_betas, check_lr, check_real, flatten_params, flatten_update,
                    host_number, init_count, lr_value, make_learning_rate, sub_scaled)
 from .groups import Group, check_group_args, group_lr, make_groups, run_groups
 
@@ -35,6 +35,7 @@ class LionState(NamedTuple):
     exp_avg: Any
 
 
+@shared_docs
 def lion(
     lr: float | Callable[[Any], Any],
     betas: tuple[float, float] = (0.9, 0.99),
@@ -58,27 +59,18 @@ def lion(
     ``torch.lerp`` (one rounding each).
 
     Args:
-        lr: the learning rate: a finite float >= 0, or a schedule ``callable(count) -> lr``
-            (:mod:`functrain.optim.schedules`) of the number of updates already taken.
+        {LR}
         betas: ``(beta1, beta2)``: the interpolation of the direction and the momentum's decay,
             each in [0, 1) (default ``(0.9, 0.99)``).
         weight_decay: the decoupled decay factor >= 0 (default 0: none).
-        weight_decay_mask: which leaves get weight decay: ``None`` (default: every leaf), a
-            pytree of bools shaped like the params, or a predicate ``callable(name, param) -> bool``
-            such as :func:`functrain.optim.masks.no_decay_bias_and_norm` (:mod:`functrain.optim.groups`).
-            With ``weight_decay=0`` it has no effect, and a ``UserWarning`` says so.
-        lr_multipliers: a factor on the lr per leaf: ``None`` (default: 1.0 everywhere), a pytree
-            of floats >= 0 shaped like the params, or ``callable(name, param) -> float``; a leaf's
-            lr is ``lr * multiplier``.
+        {GROUPS}
 
     Returns:
         An :class:`~functrain.optim.Optimizer` whose ``init(params)`` returns :class:`LionState` and whose
         ``update(grads, state, params)`` returns ``(new_params, new_state)``.
 
     Raises:
-        BadValue: (a ``TypeError`` and a ``ValueError``, from :mod:`functrain.core.validate`) for an
-            argument out of range or of the wrong type, naming it and what is allowed; a bad mask or
-            multiplier leaf is reported by ``init``, which sees the params.
+        {RAISES}
 
     Example::
 

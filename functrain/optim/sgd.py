@@ -7,7 +7,7 @@ import optree
 import torch
 
 from ..core.registry import register_checkpoint_type
-from .base import (Optimizer, TreespecCache, check_lr, check_real, flatten_params, flatten_update, host_number,
+from .base import (Optimizer, shared_docs, TreespecCache, check_lr, check_real, flatten_params, flatten_update, host_number,
                    init_count, lr_value, make_learning_rate, select, sub_scaled)
 from .groups import Group, check_group_args, group_lr, make_groups, run_groups
 
@@ -36,6 +36,7 @@ class SGDState(NamedTuple):
     momentum_buffer: Any
 
 
+@shared_docs
 def sgd(
     lr: float | Callable[[Any], Any],
     momentum: float = 0.0,
@@ -56,28 +57,19 @@ def sgd(
         p   = p - lr * d
 
     Args:
-        lr: the learning rate: a finite float >= 0, or a schedule ``callable(count) -> lr``
-            (:mod:`functrain.optim.schedules`) of the number of updates already taken.
+        {LR}
         momentum: the momentum factor, a float >= 0 (default 0: no momentum, no buffers).
         nesterov: a bool: Nesterov momentum (default ``False``); needs ``momentum > 0`` and ``dampening == 0``.
         weight_decay: the L2 factor >= 0 added to the gradient (default 0: none).
         dampening: a float in [0, 1] damping the gradient in the momentum buffer (default 0).
-        weight_decay_mask: which leaves get weight decay: ``None`` (default: every leaf), a
-            pytree of bools shaped like the params, or a predicate ``callable(name, param) -> bool``
-            such as :func:`functrain.optim.masks.no_decay_bias_and_norm` (:mod:`functrain.optim.groups`).
-            With ``weight_decay=0`` it has no effect, and a ``UserWarning`` says so.
-        lr_multipliers: a factor on the lr per leaf: ``None`` (default: 1.0 everywhere), a pytree
-            of floats >= 0 shaped like the params, or ``callable(name, param) -> float``; a leaf's
-            lr is ``lr * multiplier``.
+        {GROUPS}
 
     Returns:
         An :class:`~functrain.optim.Optimizer` whose ``init(params)`` returns :class:`SGDState` and whose
         ``update(grads, state, params)`` returns ``(new_params, new_state)``.
 
     Raises:
-        BadValue: (a ``TypeError`` and a ``ValueError``, from :mod:`functrain.core.validate`) for an
-            argument out of range or of the wrong type, naming it and what is allowed; a bad mask or
-            multiplier leaf is reported by ``init``, which sees the params.
+        {RAISES}
         TypeError: ``nesterov`` is not a bool.
         ValueError: ``nesterov=True`` without ``momentum > 0`` and ``dampening == 0``.
 

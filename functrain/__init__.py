@@ -51,3 +51,14 @@ __all__ = [
     "CheckpointError", "Trainer", "Callback", "export_state_dict", "export_weights", "Restored", "register_checkpoint_type", "checkpoint", "trackers",
     "fit_batch", "BatchFit",
 ]
+
+__all__ += ["benchmark"]
+
+
+def __getattr__(name: str):
+    """``ft.benchmark`` (:func:`functrain.bench.benchmark`), resolved on first use: ``import functrain`` does not
+    import :mod:`functrain.bench`."""
+    if name == "benchmark":
+        from .bench import benchmark
+        return benchmark
+    raise AttributeError(f"module 'functrain' has no attribute {name!r}")

@@ -146,6 +146,8 @@ class Runner:
         pauses: how many calls did compile work on the caller's thread (a capture; with a background compile, its
             trace, load or wait).
         last: the capture the last compiled call used.
+        recaptures: ``(old, new)`` :class:`~functrain.compiler.capture.Signature` of each capture made after another
+            (what changed: :func:`functrain.bench.signature_changes` names it).
     """
 
     def __init__(self, graphs: Graphs, background: BackgroundCompiler | None = None):
@@ -158,6 +160,7 @@ class Runner:
         self.pauses = 0
         self.last: Captured | None = None
         self.trusted: list | None = None  # the tensors of the state the last call returned
+        self.recaptures: list[tuple[Signature, Signature]] = []
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, dict]:
         rng = getattr(state, "rng", None)
@@ -173,7 +176,7 @@ class Runner:
             self.step.check_state(state)  # a bad input or a donated state raises its clear error here
             check_batch(batch)
             leaves, key = signature_key(s, batch)
-            cap = self.graphs.captures.get(key)
+            old, cap = cap, self.graphs.captures.get(key)
             if cap is None and self.background is not None:  # eager until this graph is compiled elsewhere
                 decision = self.background.on_miss(state, batch, s, key, self.graphs)
                 paused = decision.paused
@@ -194,6 +197,8 @@ class Runner:
                 if self.progress.phase == "eager":
                     self.progress.phase = "compiling"
                 cap = self.graphs.compiled(key, s, state, batch)
+                if old is not None:  # a new signature after another: record both (what changed)
+                    self.recaptures.append((old.signature, cap.signature))
                 if self.progress.compile_s is None:
                     self.progress.compile_s, self.progress.source = time.perf_counter() - t0, "here"
                 self.progress.traced = True

@@ -25,7 +25,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "functrain"
 TOP = {"functrain", "functrain.launch"}  # facades above every layer
 LEVELS = {"core": 0, "compiler": 1, "transforms": 2, "optim": 2, "distributed": 2, "driver": 2, "testing": 3,
-          "data": 3, "checkpoint": 3, "trainer": 4}
+          "data": 3, "checkpoint": 3, "bench": 3, "trainer": 4}
 
 
 def module_name(path: pathlib.Path) -> str:

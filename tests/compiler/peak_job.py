@@ -1,10 +1,12 @@
-"""Measure a compiled step's peak memory in this fresh process: a small transformer LM (SGD) or an MLP (AdamW and
-an EMA), with or without remat.
+"""Measure a compiled step's peak memory in this fresh process, with or without remat: a small transformer LM
+(SGD), an MLP stack (blocks Linear + ReLU, or with ``--hidden`` Linear + GELU + Linear), attention blocks (written
+out, or ``sdpa``: F.scaled_dot_product_attention) or a conv net (AdamW and an EMA unless ``--optim`` says).
 
-    python tests/compiler/peak_job.py --policy none,nothing_saveable [--model lm|mlp] [--layers 4] [--d 128]
-                                      [--seq 256] [--batch 8] [--backend inductor] [--device cpu|cuda]
+    python tests/compiler/peak_job.py --policy none,nothing_saveable [--model lm|mlp|attn|sdpa|conv] [--layers 4]
+                                      [--d 128] [--hidden 0] [--seq 256] [--batch 8] [--optim sgd|adamw|adamw+ema]
+                                      [--backend inductor] [--device cpu|cuda]
 
-Prints one JSON object: per policy, the RSS high-water mark of one donated compiled step above the RSS before it
+Prints one JSON list: per policy (with ``--cases``, one such list per case), the RSS high-water mark of one donated compiled step above the RSS before it
 (``peak``, bytes; on ``--device cuda`` ``torch.cuda.max_memory_allocated`` above the allocated bytes before it),
 after two warm-up steps (the first compiles) so the compiler's own memory is not counted; on the CPU also the next
 step's peak counted at torch's allocator (``alloc_peak``: torch.profiler's memory profile); and
@@ -43,6 +45,45 @@ class Block(torch.nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
+class Attention(torch.nn.Module):
+    """A pre-norm attention block (attention + MLP, residuals): ``sdpa`` uses the fused op, else it is written
+    out (scores, causal mask, softmax, weighted sum)."""
+
+    def __init__(self, d: int, heads: int, sdpa: bool):
+        super().__init__()
+        self.heads, self.sdpa = heads, sdpa
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        if self.sdpa:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            s = (q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            a = s.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class ConvNet(torch.nn.Module):
+    """A small conv net: blocks of conv 3x3 + BatchNorm + ReLU (+ max-pool), then pooling and a linear head."""
+
+    def __init__(self, width: int, layers: int, classes: int = 10):
+        super().__init__()
+        chans = [3] + [width * 2 ** (i // 2) for i in range(layers)]
+        self.blocks = torch.nn.Sequential(*[torch.nn.Sequential(
+            torch.nn.Conv2d(chans[i], chans[i + 1], 3, padding=1), torch.nn.BatchNorm2d(chans[i + 1]),
+            torch.nn.ReLU(), *([torch.nn.MaxPool2d(2)] if i % 2 else [])) for i in range(layers)])
+        self.head = torch.nn.Linear(chans[-1], classes)
+
+    def forward(self, x):
+        return self.head(self.blocks(x).mean((2, 3)))
+
+
 class LM(torch.nn.Module):
     def __init__(self, vocab: int, d: int, heads: int, layers: int, seq: int):
         super().__init__()
@@ -63,7 +104,8 @@ def status(field: str) -> int:
     raise RuntimeError(field)
 
 
-def measure(policy: str, args) -> dict:
+def build(policy: str, args) -> tuple:
+    """``(step, state, batch)`` of the case ``args`` names, its blocks marked with ``policy``."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     if args.model == "lm":
@@ -71,7 +113,23 @@ def measure(policy: str, args) -> dict:
         blocks = model.blocks
         batch = (torch.randint(0, args.vocab, (args.batch, args.seq), generator=g),
                  torch.randint(0, args.vocab, (args.batch, args.seq), generator=g))
-    else:  # an MLP of args.layers Linear(d, d) + ReLU blocks, trained with AdamW and an EMA
+    elif args.model in ("attn", "sdpa"):  # args.layers attention blocks on (batch, seq, d) inputs, MSE
+        model = torch.nn.Sequential(*[Attention(args.d, 4, args.model == "sdpa") for _ in range(args.layers)])
+        blocks = model
+        batch = (torch.randn(args.batch, args.seq, args.d, generator=g),
+                 torch.randn(args.batch, args.seq, args.d, generator=g))
+    elif args.model == "conv":  # a conv net of args.layers blocks, width args.d, on args.seq^2 RGB images
+        model = ConvNet(args.d, args.layers)
+        blocks = model.blocks
+        batch = (torch.randn(args.batch, 3, args.seq, args.seq, generator=g),
+                 torch.randint(0, 10, (args.batch,), generator=g))
+    elif args.hidden:  # args.layers blocks Linear(d, hidden) + GELU + Linear(hidden, d)
+        model = torch.nn.Sequential(*[torch.nn.Sequential(
+            torch.nn.Linear(args.d, args.hidden), torch.nn.GELU(), torch.nn.Linear(args.hidden, args.d))
+            for _ in range(args.layers)])
+        blocks = model
+        batch = (torch.randn(args.batch, args.d, generator=g), torch.randn(args.batch, args.d, generator=g))
+    else:  # an MLP of args.layers Linear(d, d) + ReLU blocks
         model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(args.d, args.d), torch.nn.ReLU())
                                       for _ in range(args.layers)])
         blocks = model
@@ -84,17 +142,21 @@ def measure(policy: str, args) -> dict:
     def loss_fn(p, b, batch):
         x, y = batch
         out = apply_fn(p, b, x)
-        if args.model == "mlp":
+        if y.is_floating_point():
             return F.mse_loss(out, y)
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
-    if args.model == "lm":
-        step = ft.train_step(loss_fn, ft.optim.sgd(0.1))
-    else:
-        step = ft.ema(0.99)(ft.train_step(loss_fn, ft.optim.adamw(1e-3, weight_decay=0.01)))
+    optim = args.optim or ("sgd" if args.model == "lm" else "adamw+ema")
+    step = ft.train_step(loss_fn, ft.optim.sgd(0.1) if optim == "sgd" else ft.optim.adamw(1e-3, weight_decay=0.01))
+    if optim.endswith("+ema"):
+        step = ft.ema(0.99)(step)
+    params, buffers, batch = ft.to_device((params, buffers, batch), torch.device(args.device))
+    return step, step.init(params, buffers), batch
+
+
+def measure(policy: str, args) -> dict:
+    step, state, batch = build(policy, args)
     device = torch.device(args.device)
-    params, buffers, batch = ft.to_device((params, buffers, batch), device)
-    state = step.init(params, buffers)
     cstep = ft.compile(step, donate=True, backend=args.backend)
     out = {"policy": policy}
     est = ft.memory(cstep, state, batch)  # before any step: the capture the first call then compiles
@@ -127,17 +189,28 @@ def measure(policy: str, args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--policy", default="none,nothing_saveable")
-    p.add_argument("--model", default="lm", choices=("lm", "mlp"))
+    p.add_argument("--model", default="lm", choices=("lm", "mlp", "attn", "sdpa", "conv"))
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=0)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--optim", choices=("sgd", "adamw", "adamw+ema"), help="default: sgd for the LM, else adamw+ema")
     p.add_argument("--backend", default="inductor")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--cases", help='several cases in this one process, as JSON {"name": ["--model", "conv", ...]}: '
+                                   'each list is parsed as the command line is; prints {"name": [per policy]}')
     args = p.parse_args()
     torch.set_num_threads(1)
-    print(json.dumps([measure(policy, args) for policy in args.policy.split(",")]))
+    if args.cases is None:
+        print(json.dumps([measure(policy, args) for policy in args.policy.split(",")]))
+        return
+    out = {}
+    for name, argv in json.loads(args.cases).items():
+        case = p.parse_args([str(a) for a in argv])
+        out[name] = [measure(policy, case) for policy in case.policy.split(",")]
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

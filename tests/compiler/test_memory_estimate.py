@@ -1,5 +1,5 @@
-"""ft.memory: the state's bytes by part, the compiled step's peak from its capture (within 20% of the peak RSS
-measured in a fresh process), computed without running a step (the first call compiles that very capture), and
+"""ft.memory: the state's bytes by part, the compiled step's peak from its capture (within 20% of the peak measured
+in a fresh process, on MLP stacks, attention blocks, a conv net and the LM), computed without running a step (the first call compiles that very capture), and
 a clear warning when the estimate exceeds the device's memory."""
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-def _job(*args) -> list[dict]:
+def _job(*args) -> Any:
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run([sys.executable, os.path.join(HERE, "peak_job.py"), *map(str, args)], env=env,
                          capture_output=True, text=True, timeout=1500)
@@ -28,18 +29,46 @@ def _job(*args) -> list[dict]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_estimate_is_within_20_percent_of_the_measured_peak():
-    """Two workloads, each in a fresh process, donated inductor steps: the transformer LM (4 layers, d 128,
-    sequence 256; without remat and with every block "nothing_saveable") and an MLP (4 x Linear(512, 512),
-    batch 1024, AdamW + EMA). ft.memory's step peak, computed before the first step, is within 20% of the
-    measured RSS high-water mark above rest (measured: 0.98-1.11) and of the next step's peak counted at torch's
-    allocator (measured within 4% on bench/remat.py's LMs), and the first call compiled that capture (one
-    compile, no second trace)."""
-    reports = _job("--model", "lm", "--policy", "none,nothing_saveable") + \
-        _job("--model", "mlp", "--layers", 4, "--d", 512, "--batch", 1024, "--policy", "none")
-    for r in reports:
+# The cases ft.memory's accuracy is stated for (docs/compiling.md, functrain/compiler/estimate.py), each measured
+# here in a fresh process (tests/compiler/peak_job.py), donated inductor steps, without remat and with every block
+# marked ft.remat (nothing_saveable, the default policy's full recomputation). Before the walk followed inductor's
+# kernels (decomposition, fusion), the estimate / allocator's peak was: MLP stack 1.10 and 0.78 (with remat: an
+# under-estimate), attention 1.04 / 0.95, SDPA 1.03 / 0.90, conv net 0.88 / 0.92, LM 1.03 / 0.97.
+CASES = {
+    # 4 blocks Linear(64, 512) + GELU + Linear(512, 64), batch 4096, AdamW + EMA
+    "mlp_stack": ("--model", "mlp", "--layers", 4, "--d", 64, "--hidden", 512, "--batch", 4096),
+    # 4 x (Linear(512, 512) + ReLU), batch 1024, AdamW + EMA: no remat only
+    "mlp": ("--model", "mlp", "--layers", 4, "--d", 512, "--batch", 1024, "--policy", "none"),
+    # 2 pre-norm blocks (attention written out: scores, causal mask, softmax; then an MLP), d 64, 4 heads,
+    # sequence 128, batch 16
+    "attention": ("--model", "attn", "--layers", 2, "--d", 64, "--seq", 128, "--batch", 16),
+    # the same blocks with F.scaled_dot_product_attention
+    "sdpa": ("--model", "sdpa", "--layers", 2, "--d", 64, "--seq", 128, "--batch", 16),
+    # 2 blocks conv 3x3 + BatchNorm + ReLU (the second max-pooled), width 16, 32x32 RGB images, batch 32
+    "conv": ("--model", "conv", "--layers", 2, "--d", 16, "--seq", 32, "--batch", 32),
+    # the transformer LM: 4 layers, d 128, sequence 256, batch 8, SGD
+    "lm": ("--model", "lm"),
+}
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    """Every case of CASES measured in one fresh process (one import of torch and inductor for all)."""
+    cases = {name: [*args, *(() if "--policy" in args else ("--policy", "none,nothing_saveable"))]
+             for name, args in CASES.items()}
+    return _job("--cases", json.dumps(cases))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_estimate_is_within_20_percent_of_the_measured_peak(measured, case):
+    """ft.memory's step peak, computed before the first step, against one donated inductor step measured in a
+    fresh process: within 20% of the RSS high-water mark above rest and of the step's peak counted at torch's
+    allocator, and at least 0.9 of the allocator's peak (an under-estimate is the worse error: a run it says fits
+    would run out of memory; measured 0.92-1.11); the first call compiled that capture (one compile, no second
+    trace)."""
+    for r in measured[case]:
         assert 0.8 <= r["estimate"] / r["peak"] <= 1.2, r
-        assert 0.8 <= r["estimate"] / r["alloc_peak"] <= 1.2, r
+        assert 0.9 <= r["estimate"] / r["alloc_peak"] <= 1.2, r
         assert r["compiles"] == 1, r
 
 
@@ -107,7 +136,7 @@ def test_an_estimate_over_the_devices_memory_warns_with_the_numbers():
 
 def test_bad_arguments_are_named():
     step, state, batch = _step()
-    with pytest.raises(TypeError, match="takes a functrain Step or CompiledStep; got function"):
+    with pytest.raises(TypeError, match="takes a functrain Step, CompiledStep or runner; got function"):
         ft.memory(lambda s, b: (s, {}), state, batch)
     with pytest.raises(TypeError, match="the TrainState the step will run on; got dict"):
         ft.memory(step, {"w": torch.ones(1)}, batch)

@@ -36,7 +36,6 @@ import copy
 import json
 import os
 import platform
-import random
 import shutil
 import statistics
 import sys
@@ -45,6 +44,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from steps import busy_s  # noqa: E402 - the same machine-load measure as bench/steps.py
+
+from functrain.bench.stats import bootstrap_ci  # noqa: E402
 
 TARGET_SPEEDUP = 1.3  # compiled functrain at least this much faster per step than DDP
 MAIN, BASE = "functrain_compiled", "torch_ddp"
@@ -67,15 +68,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def bootstrap_ci(xs: list[float], n: int = 4000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of the median (rounds resampled with replacement)."""
-    if len(xs) < 2:
-        return xs[0], xs[0]
-    rng = random.Random(seed)
-    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
-    return meds[int((1 - level) / 2 * n)], meds[min(n - 1, int((1 + level) / 2 * n))]
 
 
 def self_launch(argv: list[str]) -> int:

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 import torch  # noqa: E402
 
 import functrain as ft  # noqa: E402
-from bench.report import bootstrap_ci, median  # noqa: E402
+from functrain.bench.stats import bootstrap_ci, median  # noqa: E402
 
 
 class GradNoise(ft.Transform):

@@ -8,7 +8,7 @@
 Each (workload, policy) runs in a fresh process (``MALLOC_MMAP_THRESHOLD_=65536`` so freed blocks go back to the
 system and RSS follows the live tensors; one thread): the workload's functrain step (``bench/workloads.py``:
 AdamW, batch 16) with every block of the model marked ``ft.remat(model.blocks, policy)`` (``none``: unmarked),
-compiled with inductor and donated as ``ft.run`` donates (``ft.compile(step).donating()``). Reported:
+compiled with inductor and donated as ``ft.run`` donates (``ft.compile(step).runner(donate=True)``). Reported:
 
 * ``estimate``: ft.memory's step peak, before the first step (the first call compiles that capture);
 * ``peak``: the RSS high-water mark of one step above the RSS before it, after ``--warmup`` steps (the first
@@ -74,7 +74,7 @@ def worker(name: str, policy: str, warmup: int, steps: int) -> dict:
     state = step.init(params, buffers)
     cstep = ft.compile(step)
     est = ft.memory(cstep, state, wl.batches[0], donate=True)
-    run = cstep.donating()
+    run = cstep.runner(donate=True)
     out = {"workload": name, "policy": policy, "estimate": est.step_peak, "state": est.state_total,
            "peak_at": est.peak_at}
     t0 = time.perf_counter()
@@ -129,7 +129,7 @@ def paired_worker(name: str, policy: str, warmup: int, steps: int) -> dict:
 
         step = ft.train_step(loss_fn, ft.optim.adamw(lr=wl.lr))
         states[p] = step.init(params, buffers)
-        runs[p] = ft.compile(step).donating()
+        runs[p] = ft.compile(step).runner(donate=True)
     for i in range(warmup):
         for p in runs:
             states[p], _ = runs[p](states[p], wl.batches[i % len(wl.batches)])

@@ -1,9 +1,9 @@
-"""Statistics over rounds and the markdown report."""
+"""The markdown report of bench/steps.py (the statistics are the library's: functrain.bench.stats)."""
 from __future__ import annotations
 
-import random
-import statistics
 from typing import Any
+
+from functrain.bench.stats import bootstrap_ci, fmt_time, median, paired_ratios
 
 __all__ = ["median", "bootstrap_ci", "fmt_time", "summarise", "markdown", "sweep_table", "TARGETS"]
 
@@ -15,31 +15,6 @@ TARGETS = [
     ("W2", "functrain_compiled", "ratio", 1.0),
     ("W3", "functrain_compiled", "speedup", 1.5),
 ]
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
-def bootstrap_ci(xs: list[float], n: int = 4000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of the median (resampling rounds with replacement)."""
-    if len(xs) < 2:
-        return xs[0], xs[0]
-    rng = random.Random(seed)
-    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
-    lo = meds[int((1 - level) / 2 * n)]
-    hi = meds[min(n - 1, int((1 + level) / 2 * n))]
-    return lo, hi
-
-
-def fmt_time(s: float | None) -> str:
-    if s is None:
-        return "-"
-    if s >= 1.0:
-        return f"{s:.1f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.0f} µs"
 
 
 def fmt_sci(x: float | None) -> str:
@@ -60,11 +35,11 @@ def summarise(res: dict[str, Any], base: str = "torch_eager") -> None:
         if v.get("warmup_s") is not None:
             v["compile_est_s"] = max(0.0, v["warmup_s"] - res["warmup"] * v["median_s"])
         if b is not None and name != base:
-            ratios = [x / y for x, y in zip(t, b["round_s_per_update"])]
+            ratios = paired_ratios(t, b["round_s_per_update"])
             v["ratio"] = median(ratios)
             v["ratio_ci"] = bootstrap_ci(ratios)
             v["ratio_minmax"] = (min(ratios), max(ratios))
-            cr = [x / y for x, y in zip(v["round_cpu_s_per_update"], b["round_cpu_s_per_update"])]
+            cr = paired_ratios(v["round_cpu_s_per_update"], b["round_cpu_s_per_update"])
             v["cpu_ratio"], v["cpu_ratio_ci"] = median(cr), bootstrap_ci(cr)
         elif name == base:
             v["ratio"], v["ratio_ci"], v["ratio_minmax"] = 1.0, (1.0, 1.0), (1.0, 1.0)

@@ -146,7 +146,8 @@ def prewarm(names: list[str], device) -> float:
 def run_workload(key: str, names: list[str], args: argparse.Namespace, device) -> dict[str, Any]:
     import torch
 
-    from bench import syncs, variants, workloads
+    from bench import variants, workloads
+    from functrain.bench.syncs import SyncCounter
 
     # Dynamo keeps per-code-object state (compiled entries, and sizes seen, which turn a later
     # compile of the same function with new shapes dynamic): start each workload from a clean slate
@@ -185,7 +186,7 @@ def run_workload(key: str, names: list[str], args: argparse.Namespace, device) -
             v.step((warmup - 1) % n)
             sync_desc = "0 (fullgraph graph)"
         else:
-            with syncs.SyncCounter(host=v.host_tensors()) as counter:
+            with SyncCounter(host=v.host_tensors()) as counter:
                 v.step((warmup - 1) % n)
             sync_desc = counter.describe()
         sync()

@@ -34,7 +34,7 @@ The strongest PyTorch a user would write instead (``STRONG``, run on every workl
 
 Diagnostic variants, continued:
 
-* ``ft_compiled_owned``   ``ft.compile(step).donating()``: ``ft.run``'s owned donation.
+* ``ft_compiled_owned``   ``ft.compile(step).runner(donate=True)``: ``ft.run``'s owned donation.
 * ``ft_compiled_dynamo``  ``ft.compile(step, capture="dynamo")``: the Dynamo frame on every
                           call (the call path before the flat capture).
 * ``ft_dynamo_donate``    the same with ``donate=True``.
@@ -273,13 +273,13 @@ class FunctrainCompiled(FunctrainEager):
 
 
 class FunctrainOwned(FunctrainCompiled):
-    """``ft.compile(step).donating()``: the owned donation ``ft.run`` uses (in-place state updates)."""
+    """``ft.compile(step).runner(donate=True)``: the owned donation ``ft.run`` uses (in-place state updates)."""
     name = "ft_compiled_owned"
 
     def __init__(self, wl: Workload):
         super().__init__(wl, name=self.name)
         self.compiled_step = self.fn
-        self.call = self.fn.donating()
+        self.call = self.fn.runner(donate=True)
 
     def step(self, i: int) -> None:
         self.state, _ = self.call(self.state, self.wl.batches[i])

@@ -1,4 +1,4 @@
-"""``ft.run``: the minimal training loop around a (compiled) step."""
+"""``ft.run``: the minimal training loop around a (compiled) step; :func:`run_steps`, the same loop as an iterator."""
 from __future__ import annotations
 
 import itertools
@@ -6,7 +6,6 @@ import math
 import os
 import signal
 import threading
-import time
 from typing import Any, Callable, Iterable
 
 import optree
@@ -15,7 +14,7 @@ import torch
 from .compiler import CompiledStep, DynamoRunner, PhaseRates, Runner
 from .core.state import TrainState
 
-__all__ = ["run", "to_device", "PhaseRates"]
+__all__ = ["run", "run_steps", "Steps", "to_device", "PhaseRates"]
 
 
 def to_device(batch: Any, device: torch.device | str) -> Any:
@@ -87,7 +86,8 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
     it is ready. The progress bar says so and shows the eager rate, then the compiled
     one; no step that waited for compile work counts in its rate or ETA.
 
-    Hooks (what :class:`functrain.Trainer` is built on):
+    Hooks (:func:`run_steps` is the same loop as an iterator, with no hooks: what
+    :class:`functrain.Trainer` is built on):
 
     * ``start``: the index of the step before the first one run here (a
       resumed run passes its step count): steps are numbered ``start + 1``,
@@ -137,61 +137,193 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
         >>> int(state.step), [round(v, 3) for v in state.params["w"].tolist()]   # 1 - 2 ** -10
         (10, [0.999, 0.999])
     """
+    _check(num_steps, log_every, start, donate, state, on_log=on_log, on_step=on_step)
+    with run_steps(step, state, data, num_steps, log_every=log_every, device=device, progress=progress,
+                   donate=donate, start=start) as steps:
+        for i, new, metrics, host in steps:
+            if host is not None and on_log is not None:
+                on_log(i, host)
+            if on_step is not None and on_step(i, new, metrics):
+                break
+        if steps.interrupted:  # (the state is not returned: run saves nothing)
+            raise KeyboardInterrupt(f"Ctrl-C: ft.run stopped after step {steps.index}")
+        if not steps.logged:  # a stop (or the end of data of unknown length) between log steps
+            host = steps.log()
+            if on_log is not None:
+                on_log(steps.index, host)
+        if steps.runner is not None:  # a normal end: a compile still running may finish for the next run
+            steps.runner.finish_after_exit()
+    return steps.state
+
+
+def run_steps(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: TrainState, data: Iterable,
+              num_steps: int | None = None, *, log_every: int = 50, device: torch.device | str | None = None,
+              progress: bool = True, donate: bool = True, start: int = 0) -> "Steps":
+    """:func:`run`'s loop as an iterator: ``for index, state, metrics, host in steps`` (a :class:`Steps`).
+
+    The same loop as ``ft.run`` (it is a thin loop over this one): batches moved to ``device``, the donation
+    of the states it owns (the ``state`` you pass is copied once and never written), the host read of the
+    metrics every ``log_every`` steps and at the last (``host``: the metrics as Python numbers; ``None`` on
+    the other steps, which make no device-to-host sync), the progress bar, and Ctrl-C: the step in flight
+    finishes, then the iteration ends with :attr:`Steps.interrupted` set (``ft.run`` then raises
+    ``KeyboardInterrupt``; a second Ctrl-C raises at once), only where Python's own Ctrl-C handler is in place.
+
+    Each item is ``(index, state, metrics, host)``: the step's number (``start + 1``, ``start + 2``, ...), the
+    new state (valid until the next step when steps donate: keep no reference to it), the step's metrics on
+    the device, and ``host``. Leaving the loop early (``break``) is a stop: :meth:`Steps.log` then reads that
+    step's metrics if it was not a log step. Use it in a ``with`` block, which closes the bar and puts back
+    Python's Ctrl-C handler however the loop ends (an exhausted or failing loop closes them itself).
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> from functrain.driver import run_steps
+        >>> step = ft.train_step(lambda p, b, x: (p["w"] - x).pow(2).mean(), ft.optim.sgd(0.5))
+        >>> data = iter([torch.ones(2)] * 10)   # an iterator: its length is unknown
+        >>> with run_steps(step, step.init({"w": torch.zeros(2)}), data, log_every=4, progress=False) as steps:
+        ...     for i, state, metrics, host in steps:
+        ...         if host is not None:
+        ...             print(i, round(host["loss"], 4))
+        4 0.0156
+        8 0.0001
+        >>> steps.logged, int(steps.state.step)   # step 10, the last, was not a log step: not read yet
+        (False, 10)
+    """
+    _check(num_steps, log_every, start, donate, state)
+    return Steps(step, state, data, num_steps, log_every, device, progress, donate, start)
+
+
+def _check(num_steps: Any, log_every: Any, start: Any, donate: Any, state: Any, **hooks: Any) -> None:
+    """The arguments of :func:`run` / :func:`run_steps` (``hooks``: run's ``on_log`` and ``on_step``)."""
     if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0):
         raise ValueError(f"run: num_steps must be an int >= 0 or None; got {num_steps!r}")
     if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
         raise ValueError(f"run: log_every must be an int >= 1; got {log_every!r}")
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
         raise ValueError(f"run: start must be an int >= 0 (the steps already taken); got {start!r}")
-    for name, hook in (("on_log", on_log), ("on_step", on_step)):
+    for name, hook in hooks.items():
         if hook is not None and not callable(hook):
             raise TypeError(f"run: {name} must be callable or None; got {type(hook).__name__}")
     if not isinstance(state, TrainState):
         raise TypeError(f"run: state must be a functrain TrainState (from step.init); got {type(state).__name__}")
     if not isinstance(donate, bool):
         raise TypeError(f"run: donate must be a bool; got {type(donate).__name__}")
-    device = torch.device(device) if device is not None else state.step.device
-    if donate and isinstance(step, CompiledStep):
-        step = step.runner(donate=True, background=True)  # run's own runner (it owns the states it passes on)
-        owned = True
-    else:
-        owned = donate and isinstance(step, (Runner, DynamoRunner)) and _donates(step)
-    if owned:  # one copy of the caller's state, then every state is run's own and is donated to the next step
-        state = optree.tree_map(lambda x: x.clone() if torch.is_tensor(x) else x, state)
-    runner = step if isinstance(step, (Runner, DynamoRunner)) else None
-    batches = _batches(data, num_steps)
-    count = num_steps if num_steps is not None else _len(data)
-    total = None if count is None else start + count
-    bar = _progress(total, start) if progress else None
-    shown = [0.0]  # when the bar's description was last refreshed
-    metrics: dict | None = None
-    i = logged = start
-    ctrl_c = _CtrlC.install()
-    try:
-        for i, batch in enumerate(batches, start=start + 1):
-            state, metrics = step(state, to_device(batch, device))
-            if i % log_every == 0 or i == total:
-                _log(i, metrics, bar, on_log)
-                logged = i
-            stop = on_step is not None and on_step(i, state, metrics)
-            if bar is not None:
-                if runner is not None:
-                    _show(bar, runner, shown)
-                bar.update(1)
-            if stop or (ctrl_c is not None and ctrl_c.pressed):
-                break
-        if ctrl_c is not None and ctrl_c.pressed:  # (the state is not returned: run saves nothing)
-            raise KeyboardInterrupt(f"Ctrl-C: ft.run stopped after step {i}")
-        if metrics is not None and logged != i:
-            _log(i, metrics, bar, on_log)
-        if runner is not None:  # a normal end: a compile still running may finish for the next run
-            runner.finish_after_exit()
-    finally:
-        if ctrl_c is not None:
-            ctrl_c.restore()
-        if bar is not None:
+
+
+class Steps:
+    """The loop of :func:`run_steps` (and of :func:`run`): iterate it for ``(index, state, metrics, host)``.
+
+    Attributes:
+        index: the number of the last step run (``start`` before the first).
+        state: the last step's state (the copy of the initial state before the first).
+        logged: whether the last step's metrics were read to the host (a log step, or :meth:`log`).
+        interrupted: Ctrl-C ended the iteration (after the step in flight).
+        runner: the :class:`~functrain.compiler.Runner` (or ``DynamoRunner``) it runs, else ``None``.
+    """
+
+    def __init__(self, step: Any, state: TrainState, data: Iterable, num_steps: int | None, log_every: int,
+                 device: Any, progress: bool, donate: bool, start: int):
+        self.device = torch.device(device) if device is not None else state.step.device
+        if donate and isinstance(step, CompiledStep):
+            step = step.runner(donate=True, background=True)  # the loop's own runner (it owns the states)
+            owned = True
+        else:
+            owned = donate and isinstance(step, (Runner, DynamoRunner)) and _donates(step)
+        if owned:  # one copy of the caller's state, then every state is the loop's own, donated to the next step
+            state = optree.tree_map(lambda x: x.clone() if torch.is_tensor(x) else x, state)
+        self.step, self.state, self.data, self.log_every = step, state, data, log_every
+        self.runner = step if isinstance(step, (Runner, DynamoRunner)) else None
+        count = num_steps if num_steps is not None else _len(data)
+        self.total = None if count is None else start + count
+        self.num_steps, self.progress, self.start = num_steps, progress, start
+        self.index = self.counted = start  # the last step run; the last one the bar counted
+        self.logged = True  # (no step to read yet)
+        self.interrupted = False
+        self.metrics: dict | None = None
+        self.batches: Any = None
+        self.bar: Any = None
+        self.shown = [0.0]  # when the bar's description was last refreshed
+        self.ctrl_c: _CtrlC | None = None
+        self.opened = self.closed = False
+
+    def __enter__(self) -> "Steps":
+        self._open()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __iter__(self) -> "Steps":
+        return self
+
+    def __next__(self) -> tuple[int, TrainState, dict, dict | None]:
+        if self.closed:
+            raise StopIteration
+        self._open()
+        try:
+            self._count()
+            if self.ctrl_c is not None and self.ctrl_c.pressed:
+                self.interrupted = True
+                raise StopIteration
+            batch = next(self.batches)  # (StopIteration: the data or num_steps is done)
+            i = self.index + 1
+            self.state, self.metrics = self.step(self.state, to_device(batch, self.device))
+            self.index, self.logged = i, False
+            host = self.log() if i % self.log_every == 0 or i == self.total else None
+            return i, self.state, self.metrics, host
+        except StopIteration:
+            if not self.interrupted:  # the end (interrupted: the caller acts on it, then closes)
+                self.close()
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    def log(self) -> dict:
+        """Read the last step's metrics to the host (one pull of them all), show them on the bar, and return them
+        (``{name: number}``; a metric of several elements as a list): what a log step's ``host`` is."""
+        if self.metrics is None:
+            raise ValueError("Steps.log: no step has run yet")
+        host = _to_host(self.metrics)
+        if self.bar is not None:
+            self.bar.set_postfix({k: f"{v:.4g}" for k, v in host.items() if isinstance(v, float) and math.isfinite(v)},
+                                 refresh=False)
+        self.logged = True
+        return host
+
+    def close(self) -> None:
+        """Count the last step on the bar and close it; put back Python's Ctrl-C handler (again: nothing)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if not self.interrupted:
+                self._count()
+        finally:
+            if self.ctrl_c is not None:
+                self.ctrl_c.restore()
+            self._finish_bar()
+
+    def _open(self) -> None:
+        if self.opened:
+            return
+        self.opened = True
+        self.batches = iter(_batches(self.data, self.num_steps))
+        self.bar = _progress(self.total, self.start) if self.progress else None
+        self.ctrl_c = _CtrlC.install()
+
+    def _count(self) -> None:
+        """The bar after the last step (once): leave compile work out of its rate, count the step."""
+        if self.bar is not None and self.counted != self.index:
+            if self.runner is not None:
+                _show(self.bar, self.runner, self.shown)
+            self.bar.update(1)
+        self.counted = self.index
+
+    def _finish_bar(self) -> None:
+        if self.bar is not None:
+            bar, self.bar = self.bar, None
             bar.close()
-    return state
 
 
 class _CtrlC:
@@ -221,15 +353,6 @@ class _CtrlC:
     def restore(self) -> None:
         if signal.getsignal(signal.SIGINT) == self._handle:  # (not if someone installed another since)
             signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def _log(i: int, metrics: dict, bar: Any, on_log: Callable | None) -> None:
-    host = _to_host(metrics)
-    if bar is not None:
-        bar.set_postfix({k: f"{v:.4g}" for k, v in host.items() if isinstance(v, float) and math.isfinite(v)},
-                        refresh=False)
-    if on_log is not None:
-        on_log(i, host)
 
 
 def _donates(runner: Any) -> bool:

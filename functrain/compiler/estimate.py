@@ -28,14 +28,15 @@ conv net: 2 x (conv 3x3, BatchNorm, ReLU)          1.00 / 1.01    1.00 / 1.01
 transformer LM: 4 layers, d 128, T 256             1.01 / 1.05    1.11 / 1.12
 =================================================  =============  =============
 
-The test holds each within 0.9-1.2 of the allocator's peak and 0.8-1.2 of the RSS. The op-by-op walk this
-replaced read 0.78 on the MLP stack with remat (the recomputed GELU is fused with GELU's backward, so both are
-computed, and held, together), 0.90 on SDPA with remat and 0.83 on the conv net (its channels-last copies). An under-estimate is the
-worse error (a run said to fit runs out of memory): what the walk leaves out, inductor writing an output into a
-dying input's buffer and its reordering for peak memory, only lowers the real peak, so it errs high (the MLP
-stack's 1.10: inductor writes GELU's gradient into the matmul output it reads). Not measured: CUDA (the check in
-tests/compiler/test_cuda.py is written and skipped without a GPU) and ``reuse_blocks`` regions (the walk does not
-look inside them).
+The test holds each within 0.9-1.2 of the allocator's peak and 0.8-1.2 of the RSS. The op-by-op walk this replaced
+read 0.78 on the MLP stack with remat (the recomputed GELU is fused with GELU's backward, so both are computed, and
+held, together), 0.90 on SDPA with remat and 0.83 on the conv net (its channels-last copies). An under-estimate is
+the worse error (a run said to fit runs out of memory): what the walk leaves out, inductor writing an output into a
+dying input's buffer and its reordering for peak memory, only lowers the real peak, so it errs high (the MLP stack's
+1.10: inductor writes GELU's gradient into the matmul output it reads). On bench/remat.py's LMs (T4, T8, T4L) it is
+1.01 without remat, 1.12-1.14 with "nothing_saveable", 0.95-0.98 with "dots_saveable" (docs/compiling.md). Not
+measured: CUDA (the check in tests/compiler/test_cuda.py is written and skipped without a GPU) and ``reuse_blocks``
+regions (the walk does not look inside them).
 
 Allocation sizes are rounded as the device's allocator rounds them: 512 bytes on CUDA (the caching
 allocator's block size, what ``torch.cuda.max_memory_allocated`` counts), 4 KiB pages on CPU for blocks of

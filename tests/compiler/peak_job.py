@@ -6,15 +6,15 @@ out, or ``sdpa``: F.scaled_dot_product_attention) or a conv net (AdamW and an EM
                                       [--d 128] [--hidden 0] [--seq 256] [--batch 8] [--optim sgd|adamw|adamw+ema]
                                       [--backend inductor] [--device cpu|cuda]
 
-Prints one JSON list: per policy (with ``--cases``, one such list per case), the RSS high-water mark of one donated compiled step above the RSS before it
-(``peak``, bytes; on ``--device cuda`` ``torch.cuda.max_memory_allocated`` above the allocated bytes before it),
-after two warm-up steps (the first compiles) so the compiler's own memory is not counted; on the CPU also the next
-step's peak counted at torch's allocator (``alloc_peak``: torch.profiler's memory profile); and
-the updated params' checksum (``sum``) so the caller can check that the policies computed the same update;
-``estimate`` is ft.memory's step peak for the same step, computed before the first step (``compiles`` shows the
-first call compiled that capture rather than tracing again: 1).
-Run it with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed blocks go back to the system and RSS follows the live
-tensors (the caller sets it).
+Prints one JSON list: per policy (with ``--cases``, one such list per case), the RSS high-water mark of one donated
+compiled step above the RSS before it (``peak``, bytes; on ``--device cuda`` ``torch.cuda.max_memory_allocated``
+above the allocated bytes before it), after two warm-up steps (the first compiles) so the compiler's own memory is
+not counted; on the CPU also the next step's peak counted at torch's allocator (``alloc_peak``: torch.profiler's
+memory profile); and the updated params' checksum (``sum``) so the caller can check that the policies computed the
+same update; ``estimate`` is ft.memory's step peak for the same step, computed before the first step (``compiles``
+shows the first call compiled that capture rather than tracing again: 1). Run it with
+``MALLOC_MMAP_THRESHOLD_=65536`` so that freed blocks go back to the system and RSS follows the live tensors (the
+caller sets it).
 """
 from __future__ import annotations
 

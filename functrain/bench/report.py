@@ -45,10 +45,12 @@ class VariantResult:
             the host: :data:`functrain.bench.syncs.SYNC_OPS`), counted under a dispatch mode; ``None`` where not
             counted (the Dynamo path).
         syncs_by_op: ``{op: count per step}``.
-        memory_estimated: a compiled variant's :func:`functrain.memory` estimate: ``step_peak``, ``total`` and
-            ``text`` (its line); ``None`` for eager or when not asked.
-        memory_measured: the most bytes one call's tensors held at once, counted at torch's allocator
-            (:func:`functrain.compiler.estimate.allocated_peak`); ``None`` when not asked.
+        memory_estimated: a compiled variant's :func:`functrain.memory` estimate: ``allocated`` (what one call
+            allocates above what exists before it: ``step_peak + new_state``), ``step_peak``, ``new_state``,
+            ``total`` (with the state and the batch) and ``text`` (its line); ``None`` for eager or when not asked.
+        memory_measured: the most bytes the tensors one call creates hold at once, counted at torch's allocator
+            (:func:`functrain.compiler.estimate.allocated_peak`): what ``allocated`` estimates; ``None`` when not
+            asked.
     """
 
     name: str
@@ -103,7 +105,7 @@ class Report:
                f"compile cache: {m['cache']}", ""]
         phases = " + ".join(_PHASE_TITLES[p] for p in PHASES)
         out.append(f"| variant | call | per step: median [IQR] (min–max) | x eager: median [IQR] (min–max) "
-                   f"| compile s: total = {phases} | graphs | syncs/step | memory: estimated · measured |")
+                   f"| compile s: total = {phases} | graphs | syncs/step | a call allocates: estimated · measured |")
         out.append("|" + "---|" * 8)
         for v in self.variants.values():
             t = v.time
@@ -115,7 +117,7 @@ class Report:
             else:
                 ratio = "1" if v.name == "eager" else "-"
             syncs = "-" if v.syncs_per_step is None else f"{v.syncs_per_step:g}"
-            est = "-" if v.memory_estimated is None else fmt_bytes(v.memory_estimated["total"])
+            est = "-" if v.memory_estimated is None else fmt_bytes(v.memory_estimated["allocated"])
             graphs = "-" if v.graphs is None else str(v.graphs)
             out.append(f"| {v.name} | `{v.call}` | {per} | {ratio} | {_compile_cell(v.compile)} | {graphs} "
                        f"| {syncs} | {est} · {fmt_bytes(v.memory_measured)} |")

@@ -260,7 +260,8 @@ def _first_call(runner: Any, state: Any, batch: Any, res: VariantResult, memory:
         trace_s = time.perf_counter() - t0
     if memory:
         est = estimate_memory(runner, state, batch)
-        res.memory_estimated = {"step_peak": est.step_peak, "total": est.total, "text": str(est)}
+        res.memory_estimated = {"allocated": est.step_peak + est.new_state, "step_peak": est.step_peak,
+                                "new_state": est.new_state, "total": est.total, "text": str(est)}
     pauses = runner.pauses
     before = phases_.snapshot()
     t0 = time.perf_counter()

@@ -63,7 +63,9 @@ def test_the_report_has_every_field_and_leaves_the_state_alone():
         assert v.graphs == 1  # each its own graph: the donating call is not the plain call's
         assert set(v.compile["phases"]) == set(PHASES) and v.compile["phases"]["trace"] > 0
         assert v.compile["total"] >= sum(x for x in v.compile["phases"].values()) - 1e-9
-        assert v.memory_estimated["total"] > 0 and "memory per rank" in v.memory_estimated["text"]
+        est = v.memory_estimated
+        assert est["allocated"] == est["step_peak"] + est["new_state"] > 0 and est["total"] > est["allocated"]
+        assert "memory per rank" in est["text"] and (est["new_state"] == 0) == (name == "donating")
         assert len(v.ratio["per_round"]) == 3 and {"median", "q1", "q3", "min", "max", "ci95"} <= set(v.ratio)
         assert v.warm_compile is None  # (cold=False)
     data = json.loads(report.to_json())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -78,8 +79,8 @@ def benchmark(step: Step | CompiledStep, state: TrainState, batch: Any, *, steps
         batches: more batches; the calls cycle through ``[batch, *batches]``.
         compile_kwargs: ``ft.compile``'s arguments for a plain ``Step`` (``backend="aot_eager"``, ``mode=...``).
         cold: compile into an empty temporary ``cache_dir`` (it is left in place: the process's compiled code
-            lives there), then again from it. Needs a process whose inductor has not compiled into another folder
-            yet (inductor's cache folder is process-wide): ``python -m functrain.bench ... --cold`` is one.
+            lives there), then again from it. Needs a process that has not called ``ft.compile`` yet (the first one
+            fixes inductor's process-wide cache folder): ``python -m functrain.bench ... --cold`` is one.
         memory: estimate and measure each variant's memory (``False``: skip both, and the profiled call).
 
     Returns:
@@ -100,15 +101,18 @@ def benchmark(step: Step | CompiledStep, state: TrainState, batch: Any, *, steps
     inner = step.step if isinstance(step, CompiledStep) else step
     all_batches = [batch, *batches]
     notes: list[str] = []
-    folder = tempfile.mkdtemp(prefix="functrain-bench-cache-") if cold else None
+    compiled = any(n != "eager" for n in names)
+    folder = tempfile.mkdtemp(prefix="functrain-bench-cache-") if cold and compiled else None
     cstep = None
-    if any(n != "eager" for n in names):
+    if compiled:
         cstep = _compiled(step, compile_kwargs, folder)
-        if cold and not os.path.realpath(cstep.cache_dir or "").startswith(os.path.realpath(folder)):
+        if folder is not None and not os.path.realpath(cstep.cache_dir or "").startswith(os.path.realpath(folder)):
+            shutil.rmtree(folder, ignore_errors=True)
             raise RuntimeError(
                 f"ft.benchmark(cold=True): this process already compiles into {cstep.cache_dir!r} (inductor's cache "
-                f"folder is process-wide), so its compiles would not start from an empty cache; run it in a fresh "
-                f"process: python -m functrain.bench module:make_step --cold")
+                f"folder is process-wide, fixed by the first ft.compile), so its compiles would not start from an "
+                f"empty cache; run it in a fresh process that has not called ft.compile: python -m functrain.bench "
+                f"module:make_step --cold, with make_step returning the Step, not ft.compile of it")
     device = _device(state)
     sync = _synchronize(device)
 
@@ -126,7 +130,10 @@ def benchmark(step: Step | CompiledStep, state: TrainState, batch: Any, *, steps
         runner = runners[n] = cstep.runner(donate=n == "donating", background=False)
         calls[n] = runner
         states[n], results[n] = _first_call(runner, state, batch, results[n], memory)
-    if cold:
+        if results[n].compile is None:
+            notes.append(f"{n}: its first call compiled nothing: the graph was compiled already for another variant "
+                         f"(a step compiled with donate=True donates in every runner: one graph serves both)")
+    if folder is not None:
         for n in runners:
             results[n].warm_compile = _warm_compile(cstep, n, state, batch)
         notes.append(f"cold: the first compiles started from an empty cache_dir ({folder}); warm: each compiled "

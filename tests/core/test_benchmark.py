@@ -168,6 +168,24 @@ def test_a_compiled_step_is_compiled_afresh_and_waited_for():
     assert cstep.compiles == 0  # (the given step's own graphs were not touched)
 
 
+def test_a_donating_step_serves_both_compiled_variants_with_one_graph():
+    step, state, batch = tiny()
+    report = ft.benchmark(ft.compile(step, backend="aot_eager", donate=True), state, batch, steps=1, warmup=0,
+                          rounds=1, variants=["compiled", "donating"], memory=False)
+    assert report["compiled"].graphs == 1 and report["donating"].graphs == 0
+    assert report["donating"].compile is None and any(n.startswith("donating: its first call compiled nothing")
+                                                      for n in report.notes)
+
+
+def test_the_dynamo_path_is_timed_without_a_trace_apart_or_a_sync_count():
+    step, state, batch = tiny()
+    report = ft.benchmark(step, state, batch, steps=1, warmup=0, rounds=2, variants=["eager", "compiled"],
+                          compile_kwargs={"backend": "aot_eager", "capture": "dynamo"}, memory=False)
+    v = report["compiled"]
+    assert report.meta["path"] == "dynamo" and v.graphs == 1 and v.compile["phases"]["trace"] is None
+    assert v.syncs_per_step is None and len(v.ratio["per_round"]) == 2
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"steps": 0}, ValueError, r"ft.benchmark: steps must be an int >= 1; got 0"),
     ({"rounds": 1.5}, ValueError, r"ft.benchmark: rounds must be an int >= 1; got 1.5"),
@@ -187,6 +205,15 @@ def test_bad_arguments_are_named(kwargs, error, match):
     step, state, batch = tiny()
     with pytest.raises(error, match=match):
         ft.benchmark(step, state, batch, **kwargs)
+
+
+def test_cold_in_a_process_that_compiled_already_says_so():
+    step, state, batch = tiny()
+    ft.compile(step, **FAST)  # (fixes this process's inductor cache folder, if nothing did before)
+    with pytest.warns(UserWarning, match="already compiles into"), \
+            pytest.raises(RuntimeError, match=r"cold=True.*process-wide.*python -m functrain.bench module:make_step "
+                                              r"--cold"):
+        ft.benchmark(step, state, batch, cold=True, compile_kwargs=FAST)
 
 
 def test_bad_step_state_and_compile_kwargs_are_named():

@@ -18,6 +18,7 @@ import importlib.util
 import os
 import shutil
 import sys
+import tempfile
 from typing import Any, Callable
 
 __all__ = ["main", "load"]
@@ -122,11 +123,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     step, state, batch = made
     kwargs = {"compile_kwargs": {"backend": args.backend}} if args.backend is not None else {}
-    report = benchmark(step, state, batch, steps=args.steps, rounds=args.rounds, warmup=args.warmup,
-                       variants=variants, cold=args.cold, memory=not args.no_memory, **kwargs)
+    folder = tempfile.mkdtemp(prefix="functrain-bench-cache-") if args.cold else None
+    try:
+        report = benchmark(step, state, batch, steps=args.steps, rounds=args.rounds, warmup=args.warmup,
+                           variants=variants, cold=folder or False, memory=not args.no_memory, **kwargs)
+    finally:
+        if folder is not None:  # the cold cache this process made: nothing else uses it
+            shutil.rmtree(folder, ignore_errors=True)
     print(report.to_json() if args.json else report)
-    if report.meta["cold_dir"] is not None:  # the temporary cache this process made: nothing else uses it
-        shutil.rmtree(report.meta["cold_dir"], ignore_errors=True)
     return 0
 
 

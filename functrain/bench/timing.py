@@ -42,7 +42,7 @@ _SYNC_CALLS = 2  # calls each variant makes under the sync counter
 
 def benchmark(step: Step | CompiledStep, state: TrainState, batch: Any, *, steps: int = 20, warmup: int = 2,
               rounds: int = 5, variants: Sequence[str] = tuple(VARIANTS), batches: Sequence[Any] = (),
-              compile_kwargs: Mapping[str, Any] | None = None, cold: bool = False,
+              compile_kwargs: Mapping[str, Any] | None = None, cold: bool | str | os.PathLike = False,
               memory: bool = True) -> Report:
     """Time ``step`` eager, compiled (plain calls) and compiled as ``ft.run`` calls it (donating), interleaved.
 
@@ -78,9 +78,10 @@ def benchmark(step: Step | CompiledStep, state: TrainState, batch: Any, *, steps
         variants: which to time, in this order.
         batches: more batches; the calls cycle through ``[batch, *batches]``.
         compile_kwargs: ``ft.compile``'s arguments for a plain ``Step`` (``backend="aot_eager"``, ``mode=...``).
-        cold: compile into an empty temporary ``cache_dir`` (it is left in place: the process's compiled code
-            lives there), then again from it. Needs a process that has not called ``ft.compile`` yet (the first one
-            fixes inductor's process-wide cache folder): ``python -m functrain.bench ... --cold`` is one.
+        cold: ``True``: compile into an empty temporary ``cache_dir`` (left in place: the process's compiled code
+            lives there), then again from it; a folder: compile into that one, which must be empty (or not exist
+            yet). Needs a process that has not called ``ft.compile`` yet (the first one fixes inductor's
+            process-wide cache folder): ``python -m functrain.bench ... --cold`` is one (it removes its folder).
         memory: estimate and measure each variant's memory (``False``: skip both, and the profiled call).
 
     Returns:
@@ -102,12 +103,15 @@ def benchmark(step: Step | CompiledStep, state: TrainState, batch: Any, *, steps
     all_batches = [batch, *batches]
     notes: list[str] = []
     compiled = any(n != "eager" for n in names)
-    folder = tempfile.mkdtemp(prefix="functrain-bench-cache-") if cold and compiled else None
+    folder = None
+    if cold is not False and compiled:
+        folder = tempfile.mkdtemp(prefix="functrain-bench-cache-") if cold is True else os.fspath(cold)
     cstep = None
     if compiled:
         cstep = _compiled(step, compile_kwargs, folder)
         if folder is not None and not os.path.realpath(cstep.cache_dir or "").startswith(os.path.realpath(folder)):
-            shutil.rmtree(folder, ignore_errors=True)
+            if cold is True:
+                shutil.rmtree(folder, ignore_errors=True)
             raise RuntimeError(
                 f"ft.benchmark(cold=True): this process already compiles into {cstep.cache_dir!r} (inductor's cache "
                 f"folder is process-wide, fixed by the first ft.compile), so its compiles would not start from an "
@@ -185,7 +189,7 @@ def benchmark(step: Step | CompiledStep, state: TrainState, batch: Any, *, steps
     meta = {"steps": steps, "rounds": rounds, "warmup": extra, "batches": len(all_batches), "variants": list(names),
             "device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "backend": _backend_name(options), "path": options.path if options is not None else "-",
-            "cache": ("cold (an empty temporary cache_dir), then warm" if cold else
+            "cache": ("cold (an empty cache_dir), then warm" if folder is not None else
                       "as configured (see each compile's cache hits)"),
             "cache_dir": cstep.cache_dir if cstep is not None else None, "cold_dir": folder,
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "python": sys.version.split()[0]}
@@ -227,12 +231,16 @@ def _check(step: Any, state: Any, batch: Any, *, steps: Any, warmup: Any, rounds
             if compile_kwargs.get(key) not in (None, False):
                 raise BadValue(f"ft.benchmark: compile_kwargs[{key!r}]={compile_kwargs[key]!r}: the benchmark "
                                f"waits for each compile (no timed call mixes eager and compiled); drop it")
-        if cold and compile_kwargs.get("cache_dir") is not None:
-            raise BadValue("ft.benchmark: cold=True compiles into a temporary cache_dir of its own; drop "
+        if cold is not False and compile_kwargs.get("cache_dir") is not None:
+            raise BadValue("ft.benchmark: cold= compiles into a cache_dir of its own; drop "
                            "compile_kwargs['cache_dir']")
-    for name, value in (("cold", cold), ("memory", memory)):
-        if not isinstance(value, bool):
-            raise TypeError(f"ft.benchmark: {name} must be True or False; got {describe(value)}")
+    if not isinstance(memory, bool):
+        raise TypeError(f"ft.benchmark: memory must be True or False; got {describe(memory)}")
+    if not isinstance(cold, (bool, str, os.PathLike)):
+        raise TypeError(f"ft.benchmark: cold must be True, False or an empty folder; got {describe(cold)}")
+    if not isinstance(cold, bool) and os.path.exists(cold) and (not os.path.isdir(cold) or os.listdir(cold)):
+        raise BadValue(f"ft.benchmark: cold={os.fspath(cold)!r} must be an empty folder (or not exist yet): a cold "
+                       f"compile starts from an empty cache")
     return tuple(variants)
 
 

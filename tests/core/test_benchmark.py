@@ -199,7 +199,9 @@ def test_the_dynamo_path_is_timed_without_a_trace_apart_or_a_sync_count():
     ({"compile_kwargs": "aot_eager"}, TypeError, r"compile_kwargs must be a dict"),
     ({"compile_kwargs": {"background": True}}, ValueError, r"compile_kwargs\['background'\]=True"),
     ({"cold": True, "compile_kwargs": {"cache_dir": "x"}}, ValueError, r"drop compile_kwargs\['cache_dir'\]"),
-    ({"cold": 1}, TypeError, r"cold must be True or False; got 1"),
+    ({"cold": 1}, TypeError, r"cold must be True, False or an empty folder; got 1"),
+    ({"cold": __file__}, ValueError, r"cold='.*test_benchmark.py' must be an empty folder"),
+    ({"memory": None}, TypeError, r"memory must be True or False; got None"),
 ])
 def test_bad_arguments_are_named(kwargs, error, match):
     step, state, batch = tiny()

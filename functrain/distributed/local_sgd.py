@@ -3,12 +3,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..core import tree as T
 from ..core.eager import host_number, select, tracing
 from ..core.step import Step
 from ..core.transform import StepContext, Transform
 from ..core.validate import check_int
-from .data_parallel import DataParallel, _world, sum_over_ranks
+from .data_parallel import DataParallel, _world
 
 __all__ = ["local_sgd", "LocalSGD"]
 
@@ -70,13 +72,33 @@ class LocalSGD(DataParallel):
         sync = count % self.every == 0
         leaves, spec = T.tree_flatten(ctx.params)
 
-        def averaged() -> list:
-            return [x / world for x in T.tree_leaves(sum_over_ranks(ctx.params, self._group()))]
-
-        ctx.params = T.tree_unflatten(spec, select(sync, averaged, lambda: leaves))
+        ctx.params = T.tree_unflatten(spec, select(sync, lambda: mean_over_ranks(leaves, self._group(), world),
+                                                   lambda: leaves))
 
     def __repr__(self) -> str:
         return f"local_sgd({self.every})"
+
+
+def mean_over_ranks(leaves: list, group: Any, world: int) -> list:
+    """The mean of each leaf over the ranks of ``group``: one flat buffer per dtype, each element divided by ``world``
+    and the buffer all-reduced (sum) in the graph when traced.
+
+    Dividing before the all-reduce (the same bits as after for a power-of-two ``world``) makes the all-reduce's
+    buffer a new tensor: inductor otherwise let the concatenated buffer alias the first leaf, which the in-place
+    all-reduce then overwrote, so the params kept on a step without sync came out summed (torch 2.13).
+    """
+    from torch.distributed import _functional_collectives as funcol
+
+    out = list(leaves)
+    by_dtype: dict[Any, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        by_dtype.setdefault(leaf.dtype, []).append(i)
+    for idx in by_dtype.values():
+        flat = torch.cat([leaves[i].reshape(-1) for i in idx]) / world
+        flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", group))
+        for i, part in zip(idx, flat.split([leaves[i].numel() for i in idx])):
+            out[i] = part.view(leaves[i].shape)
+    return out
 
 
 def local_sgd(every: int, group: Any = None) -> LocalSGD:

@@ -73,6 +73,10 @@ def test_compressed_allreduce_within_the_dtype_rounding_compiled(compress):
     _check(ft.launch(_worker, nprocs=2, args=(compress, "aot_eager"), timeout=500, dist_timeout=240), compress)
 
 
+def test_compressed_allreduce_within_the_dtype_rounding_inductor():
+    _check(ft.launch(_worker, nprocs=2, args=("fp16", "inductor"), timeout=550, dist_timeout=400), "fp16")
+
+
 def test_compress_refuses_bad_values():
     with pytest.raises(ValueError, match=r"data_parallel: compress must be one of \(None, 'bf16', 'fp16'\); got 'int8'"):
         ft.data_parallel(compress="int8")

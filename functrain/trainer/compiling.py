@@ -1,74 +1,110 @@
-"""What the Trainer reports of a background compile: ``metrics.jsonl`` fields and the summary's line.
+"""The run's clock: where a ``train()`` call is (its first and last step) and what it reports of time and compiling
+(``metrics.jsonl`` fields and the summary's lines).
 
-``ft.run`` compiles the Trainer's step in the background (:mod:`functrain.compiler.background`):
-the first steps run eagerly, the compiled step takes over when it is ready. The loop
-(:mod:`functrain.trainer.loop`) calls these three functions from its hooks: the time of each
-path is measured with :class:`functrain.driver.PhaseRates` on the very call form ``ft.run``
-uses, and a log step's record says when the switch happened (``switched_at``), how long the
-compile took (``compile_s``, once) and the throughput on each path so far
-(``steps_per_s_eager``, ``steps_per_s_compiled``).
+The Trainer's step runs on a runner it owns (``trainer.run_step``, :meth:`functrain.CompiledStep.runner`). A
+blocking compile makes the first step the compile: its time is ``compile_s`` and the throughput counts from the
+step after it. A background compile (:mod:`functrain.compiler.background`) runs the first steps eagerly while the
+compiled step is built, and takes over when it is ready: the runner's own rate meter
+(:class:`~functrain.compiler.PhaseRates`, recorded by the runner at each call) and its
+:class:`~functrain.compiler.progress.Progress` say when the switch happened (``switched_at``), how long the
+compile took (``compile_s``, once) and the throughput on each path so far (``steps_per_s_eager``,
+``steps_per_s_compiled``).
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ..compiler import Runner
 
-__all__ = ["watch_compile", "compile_log", "compile_notes"]
+__all__ = ["RunClock"]
 
 
-def watch_compile(runner: Any, r: Any) -> None:
-    """If ``runner`` (what ``ft.run`` runs) compiles in the background, read its rate meter and progress into
-    ``r`` (the loop's ``RunState``: ``rates``, ``progress``); its first step is then no compile (``r.compiled`` is
-    false)."""
-    if not isinstance(runner, Runner) or runner.background is None:
-        return
-    r.compiled = False  # the first step runs eagerly: the background job times the compile
-    r.rates = runner.rates
-    r.progress = runner.progress
+class RunClock:
+    """One ``train()`` call's steps and times: :meth:`tick` after each step, :meth:`fields` at each log step,
+    :meth:`notes` and :meth:`wall_s` for the summary.
 
-
-def compile_log(r: Any, n: int, host: dict) -> None:
-    """Add a background compile's fields to log step ``n``'s record ``host``: ``compile_s`` and
-    ``switched_at`` once, when known; ``steps_per_s_eager`` / ``steps_per_s_compiled`` (so far) each time.
+    ``runner``: what the loop runs (``trainer.run_step``); ``compiled``: whether the step is compiled; ``start``:
+    the step the run resumes from (0: a fresh run).
 
     Example::
 
-        >>> class R:
-        ...     rates = None
+        >>> clock = RunClock(None, compiled=False, start=10)   # an eager step resumed at step 10
+        >>> clock.tick(11)
         >>> host = {"loss": 1.0}
-        >>> compile_log(R(), 10, host)   # not a background compile: nothing added
-        >>> host
-        {'loss': 1.0}
+        >>> clock.fields(11, host)
+        >>> sorted(host), clock.step, clock.notes()
+        (['loss', 'steps_per_s'], 11, [])
     """
-    if r.rates is None:
-        return
-    p = r.progress
-    if p.compile_s is not None and "compile_s" not in r.reported:
-        host["compile_s"] = p.compile_s
-        r.reported.add("compile_s")
-    if r.rates.switched_at is not None and "switched_at" not in r.reported:
-        host["switched_at"] = r.start + r.rates.switched_at  # (the runner counts its calls; the run, its steps)
-        r.reported.add("switched_at")
-    for path in ("eager", "compiled"):
-        rate = r.rates.rate(path)
-        if rate is not None:
-            host[f"steps_per_s_{path}"] = rate
 
+    def __init__(self, runner: Any, compiled: bool, start: int):
+        background = isinstance(runner, Runner) and runner.background is not None
+        self.start = self.step = start  # the step the run resumed from; the last finished step
+        self.t0 = time.perf_counter()
+        self.compiled = compiled and not background  # the first step is the compile (a blocking one)
+        self.rates = runner.rates if background else None  # a background compile: each path's throughput
+        self.progress = runner.progress if background else None  # ... and its phase
+        self.first_at: float | None = None  # when the first step returned (after compiling)
+        self.compile_s = 0.0  # a blocking compile: the first step's time
+        self.reported: set = set()  # the fields logged once that were logged
 
-def compile_notes(r: Any) -> list[str]:
-    """The summary's line about a background compile (``[]`` when there was none)."""
-    if r.rates is None:
-        return []
-    p, rates = r.progress, r.rates
-    speeds = ", ".join(f"{k} {v:.1f} steps/s" for k in ("eager", "compiled") if (v := rates.rate(k)))
-    speeds = f" ({speeds})" if speeds else ""
-    if p.phase == "failed":
-        return [f"the background compile failed, every step ran eagerly{speeds}: {str(p.reason)[:200]}"]
-    if rates.switched_at is not None:
-        took = f" in {p.compile_s:.1f} s" if p.compile_s is not None else ""
-        at = r.start + rates.switched_at
-        return [f"compiled in the background{took}; the compiled step took over at step {at}{speeds}"]
-    if rates.steps["eager"] and not rates.steps["compiled"]:
-        return [f"the background compile had not finished: every step ran eagerly{speeds}"]
-    return [f"compiled{speeds}"] if speeds else []
+    def tick(self, step: int) -> None:
+        """Step ``step`` has returned (its host values not read): note it, and when the first one did."""
+        self.step = step
+        if self.first_at is None:
+            self.first_at = time.perf_counter()
+            self.compile_s = self.first_at - self.t0
+
+    def fields(self, step: int, host: dict) -> None:
+        """Add to log step ``step``'s record ``host``: the throughput (``steps_per_s``: compiled, from the first step
+        after the compile), a blocking compile's ``compile_s`` (once), a background compile's ``compile_s`` and
+        ``switched_at`` (once, when known) and ``steps_per_s_eager`` / ``steps_per_s_compiled`` (so far)."""
+        now = time.perf_counter()
+        if self.rates is not None:
+            self._background(host)
+        if self.compiled and self.first_at is not None and "compile_s" not in self.reported:
+            host["compile_s"] = self.compile_s
+            self.reported.add("compile_s")
+        if self.compiled:  # the throughput from the first step after compilation
+            if self.first_at is not None and step > self.start + 1:
+                host["steps_per_s"] = (step - self.start - 1) / max(now - self.first_at, 1e-9)
+        else:
+            host["steps_per_s"] = (step - self.start) / max(now - self.t0, 1e-9)
+
+    def _background(self, host: dict) -> None:
+        p, rates = self.progress, self.rates
+        if p.compile_s is not None and "compile_s" not in self.reported:
+            host["compile_s"] = p.compile_s
+            self.reported.add("compile_s")
+        if rates.switched_at is not None and "switched_at" not in self.reported:
+            host["switched_at"] = self.start + rates.switched_at  # (the runner counts its calls; the run, its steps)
+            self.reported.add("switched_at")
+        for path in ("eager", "compiled"):
+            rate = rates.rate(path)
+            if rate is not None:
+                host[f"steps_per_s_{path}"] = rate
+
+    def wall_s(self) -> float:
+        """Seconds since the run started."""
+        return time.perf_counter() - self.t0
+
+    def compile_time_s(self) -> float | None:
+        """A blocking compile's time (the first step's), for the summary; ``None`` otherwise."""
+        return self.compile_s if self.compiled else None
+
+    def notes(self) -> list[str]:
+        """The summary's line about a background compile (``[]`` when there was none)."""
+        if self.rates is None:
+            return []
+        p, rates = self.progress, self.rates
+        speeds = ", ".join(f"{k} {v:.1f} steps/s" for k in ("eager", "compiled") if (v := rates.rate(k)))
+        speeds = f" ({speeds})" if speeds else ""
+        if p.phase == "failed":
+            return [f"the background compile failed, every step ran eagerly{speeds}: {str(p.reason)[:200]}"]
+        if rates.switched_at is not None:
+            took = f" in {p.compile_s:.1f} s" if p.compile_s is not None else ""
+            at = self.start + rates.switched_at
+            return [f"compiled in the background{took}; the compiled step took over at step {at}{speeds}"]
+        if rates.steps["eager"] and not rates.steps["compiled"]:
+            return [f"the background compile had not finished: every step ran eagerly{speeds}"]
+        return [f"compiled{speeds}"] if speeds else []

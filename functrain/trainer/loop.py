@@ -1,41 +1,43 @@
-"""``ft.Trainer``: the loop around the step, built from the public API only.
+"""``ft.Trainer``: the loop around the step, its components each on its own cadence.
 
-A config of hyper-parameters in, and out: checkpoints that resume bit-exactly,
-EMA sample grids, metrics (JSONL, TensorBoard, W&B, MLflow) and a loss curve.
+A config of hyper-parameters in, and out: checkpoints (a resume restores the state bit-exactly), EMA sample grids,
+metrics (JSONL, TensorBoard, W&B, MLflow) and a loss curve.
+
+Built on functrain's public API (the composed step and ``ft.compile``'s runner, ``ft.shard``, ``ft.gather_state``,
+``ft.checkpoint``) and on :func:`functrain.driver.run_steps`, ``ft.run``'s loop as an iterator; besides, it uses
+helpers a user's own loop has no need of: the collectives of :mod:`functrain.distributed.comm` and whether a state
+is sharded (:func:`functrain.checkpoint.per_rank.is_sharded`). Its components are in
+:mod:`~functrain.trainer.components`, :mod:`~functrain.trainer.stopping` and :mod:`~functrain.trainer.compiling`.
 """
 from __future__ import annotations
 
-import datetime
-import math
+import functools
 import os
-import time
 import warnings
 from typing import Any, Callable
 
 import torch
 
 from .. import distributed
-from ..core import tree as T
 from ..checkpoint.export import export_weights
-from ..checkpoint import CheckpointError, CheckpointManager, FolderLock, FolderLocked, StructureMismatch, load_extra
+from ..checkpoint import CheckpointError, CheckpointManager, FolderLock, StructureMismatch, load_extra
 from ..checkpoint.per_rank import is_sharded
-from ..compiler import Runner
 from ..compiler.api import compile as compile_step
 from ..data import shard
 from ..distributed import PeerFailed, gather_state
-from ..distributed.comm import check_same
-from ..driver import run
+from ..distributed.comm import any_rank, check_same
+from ..driver import run_steps
 from ..core.module import functionalize
 from ..core.state import TrainState
+from .components import Checkpointing, Evaluation, MetricsLog, MetricsPlot, Sampling, SkippedUpdates
+from .compiling import RunClock
 from .config import TrainConfig
 from .evaluator import Evaluator
 from .hooks import Hooks
-from .images import write_sample_grid
-from .plots import MetricHistory, write_run_plot
+from .plots import MetricHistory
+from .stopping import StopAgreement
 from .summary import FirstBatch, MemoryLine, run_summary
 from .build import build_step, checked_loss, model_loss
-from .compiling import compile_log, compile_notes, watch_compile
-from .run_state import RunState, StopSignals
 from .inputs import batch_line, ema_copy, load_weights, process_batch, resolve_dataset, with_augmentation
 from .trackers import check_trackers, make_trackers
 
@@ -68,16 +70,19 @@ class Trainer:
     default). After ``train()`` the module holds the final params and buffers (copied in place) and
     :meth:`ema_module` gives a copy holding the EMA.
 
-    ``train()`` runs :func:`functrain.run` to ``train_num_steps`` optimizer
-    updates (one loop, one progress bar) and acts through its hooks: every
-    ``log_every`` updates metrics go to the trackers; every
-    ``save_and_sample_every`` updates (and at the end) it writes a checkpoint
-    (state + data position + config + metric history) under
-    ``results_folder/checkpoints`` and, with ``sample_fn(ema_params,
-    num_samples) -> images in [0, 1]``, a ``sample-{step}.png`` grid; with
-    ``eval_dataset`` it evaluates (see :class:`~functrain.trainer.evaluator.Evaluator`)
-    every ``eval_every`` updates (0: at each save) and at the end. Running it
-    again resumes from the newest checkpoint, bit-exactly.
+    ``train()`` runs ``ft.run``'s loop (:func:`functrain.driver.run_steps`: one loop, one progress bar) to
+    ``train_num_steps`` optimizer updates and asks its components at each step, each on its own cadence:
+    every ``log_every`` updates (and the last) the metrics go to the history and the trackers; with
+    ``eval_dataset`` it evaluates (see :class:`~functrain.trainer.evaluator.Evaluator`) every ``eval_every``
+    updates (0: at each save) and at the end, in the same tracker record as the step's log; every
+    ``save_and_sample_every`` updates (and at the end) it writes a checkpoint (state + data position + config +
+    metric history) under ``results_folder/checkpoints`` and, with ``sample_fn(ema_params, num_samples) ->
+    images in [0, 1]``, a ``sample-{step}.png`` grid. Running it again resumes from the newest checkpoint and
+    restores its state bit-exactly; the continuation equals an uninterrupted run bit for bit when both run the
+    same path (eager or compiled) at each step: ``compile=False``, ``compile_background=False`` or
+    ``compile_switch_at=N``. With a background compile that switches when ready (the default) the resumed run's
+    first step runs eagerly again, so it equals the uninterrupted run to float rounding only (docs/trainer.md,
+    "Running it again").
 
     With a sharded state (``config.shard`` ``"optimizer"`` or ``"params"``) every
     rank writes its shard of each checkpoint (no gather), and the whole params
@@ -96,8 +101,9 @@ class Trainer:
     Under faults the Trainer keeps these promises (docs/faults.md says each in full): non-finite updates
     are skipped and counted, ``max_consecutive_nonfinite`` in a row save and stop; SIGTERM or Ctrl-C (or
     ``should_stop``) stops every rank at the same step, at most one step late (a vote every step, a CPU number
-    on a gloo group: no device sync), and saves within the launcher's ``--term-timeout`` (a 2nd Ctrl-C: at once,
-    saying what is lost: :class:`~functrain.trainer.run_state.StopSignals`); one run per
+    on a gloo group: no device sync: :class:`~functrain.trainer.stopping.StopAgreement`), and saves within the
+    launcher's ``--term-timeout`` (a 2nd Ctrl-C: at once, saying what is lost:
+    :class:`~functrain.trainer.stopping.StopSignals`); one run per
     results folder (:class:`~functrain.checkpoint.FolderLock`); saves waited for ``save_timeout`` seconds;
     resume skips damaged checkpoints naming each, and on several processes the ranks agree on one
     checkpoint whole on every rank, or all refuse; a symbolic link where the trainer writes is refused
@@ -145,6 +151,17 @@ class Trainer:
 
     PLOT_SECONDS = 10.0  # the metrics plot is redrawn at a save if the last one is older than this
 
+    # The components the loop asks, each on its own cadence and owning its state (made in __init__):
+    hooks: Hooks                     # the user's on_log / on_eval / on_save / should_stop
+    skips: SkippedUpdates            # every step: the skipped flags, read at log steps; too many in a row stop
+    log: MetricsLog                  # log steps: the history, the summary's values, one tracker record per step
+    evaluation: Evaluation | None    # every eval_every (0: each save) and the last step, never at a stop
+    checkpointing: Checkpointing     # every save_and_sample_every and the last step; a stop's after the loop
+    sampling: Sampling | None        # with each checkpoint (rank 0)
+    plot: MetricsPlot                # with each checkpoint, at most every PLOT_SECONDS but the last (rank 0)
+    stopping: StopAgreement          # every step: signals and should_stop, the ranks' vote
+    clock: RunClock | None           # the last train() call's steps, throughput and compile times
+
     def __init__(self, model_or_loss: Any, dataset: Any, config: TrainConfig,
                  sample_fn: Callable[[Any, int], torch.Tensor] | None = None, *, params: Any = None,
                  buffers: Any = None, optimizer: Any = None, transforms: Any = (), step: Any = None,
@@ -180,7 +197,6 @@ class Trainer:
             raise TypeError(f"Trainer trains an nn.Module or a loss_fn(params, buffers, batch); "
                             f"got {type(model_or_loss).__name__}")
         self.params, self.buffers = params, buffers
-        self.sample_fn = sample_fn
         dataset = resolve_dataset(dataset, model_or_loss)  # a folder of images, as the package's Trainer reads it
         transforms = with_augmentation(dataset, transforms, step)
         self.step, compiled = build_step(loss, config, self.world, optimizer=optimizer, transforms=transforms,
@@ -188,7 +204,7 @@ class Trainer:
         if compiled is None and config.compile:
             compiled = compile_step(self.step, background=config.compile_background,
                                     switch_at=config.compile_switch_at)
-        self.compiled = compiled  # the CompiledStep, or None; run_step: what ft.run runs (its runner, owned here)
+        self.compiled = compiled  # the CompiledStep, or None; run_step: what the loop runs (its runner, owned here)
         self.run_step = compiled.runner(donate=True, background=True) if compiled is not None else self.step
         per_process = process_batch(config, self.world)  # TrainConfig.split_batches: the one batch-size rule
         self.loader = shard(dataset, batch_size=per_process * config.gradient_accumulate_every,
@@ -197,28 +213,130 @@ class Trainer:
             f"the Trainer drops an incomplete last batch, so lower TrainConfig.train_batch_size (now "
             f"{config.train_batch_size}) or gradient_accumulate_every (now {config.gradient_accumulate_every}: a "
             f"rank's batch is their product), use fewer processes (now {self.world}) or add data"))
-        self.evaluator: Evaluator | None = None
+        last = config.train_num_steps
+        self.evaluation = None
         if eval_dataset is not None:
             eval_batch = per_process if config.eval_batch_size is None else \
                 process_batch(config, self.world, config.eval_batch_size, "eval_batch_size")
-            self.evaluator = Evaluator(loss, eval_dataset, eval_batch, device=self.device, module=self.module,
-                                       seed=config.seed)
+            self.evaluation = Evaluation(Evaluator(loss, eval_dataset, eval_batch, device=self.device,
+                                                   module=self.module, seed=config.seed),
+                                         every=config.eval_every or config.save_and_sample_every, last=last)
         self.folder = config.results_folder
         self.checkpoints = CheckpointManager(os.path.join(self.folder, "checkpoints"), keep=config.keep_checkpoints)
-        self.history = MetricHistory()  # every logged metric (and evaluation), kept in checkpoints
-        self.plot_path: str | None = None
-        self._plotted_at: float | None = None
-        self.weights: dict = {}
-        self.skipped_updates = 0  # non-finite updates skipped by this process's train() calls (read at log steps)
-        self._stop = self._signalled = False  # stop: a signal or should_stop; signalled: SIGTERM/Ctrl-C, no export
-        self._signals = StopSignals(self._on_sigterm, self.rank, self.checkpoints)
-        self._save_group: Any = None
-        self._stop_group: Any = None  # gloo: the per-step stop votes (CPU numbers, never a device sync)
-        self._run: RunState | None = None
+        self.skips = SkippedUpdates(config.max_consecutive_nonfinite, config.mixed_precision == "fp16", self.rank)
+        self.log = MetricsLog()
+        self.checkpointing = Checkpointing(self.checkpoints, config.save_and_sample_every, last, self.world,
+                                           config.save_timeout)
+        self.sampling = Sampling(sample_fn, config.num_samples, self.folder) if sample_fn is not None else None
+        self.plot = MetricsPlot(self.folder, self.PLOT_SECONDS)
+        self.stopping = StopAgreement(self.rank, self.world, self.checkpoints)
+        self.clock = None
+        self.weights: dict = {}  # the exported weights' paths (rank 0)
         self.state: TrainState | None = None  # what the last train() returned
         self._ema_module: torch.nn.Module | None = None
         if self.world > 1 and self.rank == 0:  # the batch rule, said once
             print(batch_line(config, self.world, per_process), flush=True)
+
+    @property
+    def skipped_updates(self) -> int:
+        """Non-finite updates skipped by this trainer's ``train()`` calls (as of the last log step)."""
+        return self.skips.total
+
+    @property
+    def history(self) -> MetricHistory:
+        """Every logged metric and evaluation of the run (a resumed run: from its start), kept in checkpoints."""
+        return self.log.history
+
+    @property
+    def plot_path(self) -> str | None:
+        """The metrics plot, once drawn."""
+        return self.plot.path
+
+    # -- the loop ------------------------------------------------------------------------------
+    def train(self) -> TrainState:
+        """Run (or resume) to ``train_num_steps`` updates and return the final state.
+
+        The loop, at each step: the skipped flags; at a log step the record (throughput, compile times, the
+        history, ``on_log``, ``should_stop``); the memory line once a background compile has traced; a run of
+        skipped updates saves and raises; the stop vote (a stop step is logged too); the evaluation (joining the
+        step's record); the one tracker record of the step; the checkpoint (with its sample grid and plot). After
+        it: a stop's save between checkpoints, the exported weights, the module's weights, the summary.
+        """
+        c = self.config
+        os.makedirs(self.folder, exist_ok=True)
+        lock = self._lock_folder()
+        done = False
+        try:
+            state = self.restore()
+            if self.rank == 0:
+                c.save(os.path.join(self.folder, "config.json"))
+            start = int(state.step)  # the only read of the device counter: the loop's index mirrors it on the host
+            self.clock = clock = RunClock(self.run_step, self.compiled is not None, start)
+            self.skips.begin()
+            self.log.open(make_trackers(self.tracker_items, self.folder, c.to_dict(), start) if self.rank == 0 else [])
+            self.checkpointing.begin(start)
+            self.stopping.begin(clock, self.checkpointing)  # SIGTERM, Ctrl-C: stop at the agreed step and save
+            memory = MemoryLine(self.run_step, self.rank, clock.progress)
+            data = FirstBatch(self.loader, functools.partial(memory.first, state))  # before step 1
+            with run_steps(self.run_step, state, data, num_steps=max(c.train_num_steps - start, 0),
+                           log_every=c.log_every, device=self.device, progress=self.rank == 0, start=start) as steps:
+                for n, state, metrics, host in steps:
+                    clock.tick(n)
+                    self.skips.add(n, metrics, host)
+                    record = self._log(n, host) if host is not None else {}
+                    memory.after_step(state)
+                    if self.skips.too_many:  # the state is the last finite one: keep the progress made, then raise
+                        self.log.send(n, record)
+                        self._save(state, n, final=True)
+                        raise self.skips.error(n, self.checkpoints.path(n))
+                    stop = self.stopping.agreed(n)
+                    if stop and host is None:  # the stop step is logged too (its metrics read now)
+                        record = self._log(n, steps.log())
+                    if self.evaluation is not None and self.evaluation.should_evaluate(n, stop):
+                        record.update(self._evaluate(state, n))  # one record per step: with the step's log
+                    # the record goes out before the step's checkpoint: after a kill between the two, the resume
+                    # starts after this step and would never log it again
+                    self.log.send(n, record)
+                    if self.checkpointing.should_save(n):
+                        self._save(state, n, final=stop or n >= c.train_num_steps)
+                    if stop:
+                        break
+            n, state = steps.index, steps.state
+            self.stopping.end_vote()  # the last step's vote, which every rank started: let it finish
+            if steps.runner is not None:  # stopped by SIGTERM: a running compile dies with us; else it may finish
+                steps.runner.finish_after_exit(not self.stopping.signalled)
+            if self.checkpointing.saved_at != n:  # stopped between saves (SIGTERM, should_stop)
+                self._save(state, n, final=True)
+            if self.stopping.signalled:
+                self.stopping.signals.saved(n)
+            if self.skips.too_many:  # counted by the stop step's log
+                raise self.skips.error(n, self.checkpoints.path(n))
+            self._export(state)
+            self._load_module(state)
+            done = True
+        finally:
+            self.stopping.restore()
+            self.log.close()
+            if lock is not None:
+                lock.release()
+        if done and self.rank == 0 and clock.step > clock.start:
+            print(self.summary(), flush=True)
+        return state
+
+    def _log(self, n: int, host: dict) -> dict:
+        """Log step ``n`` (``host``: its metrics read to the host): the skipped flags read, the run's times added,
+        the history, ``on_log`` and ``should_stop``; returns the step's tracker record (a copy: an evaluation may
+        join it)."""
+        self.skips.read(n, host)
+        self.clock.fields(n, host)
+        host["skipped_updates"] = self.skips.total
+        self.log.add(n, host)
+        record = dict(host)
+        self.hooks.call("on_log", n, host)
+        if self.hooks.stop(n, host):
+            self.stopping.request()
+        return record
+
 
     # -- state ---------------------------------------------------------------------------------
     def initial_state(self) -> TrainState:
@@ -235,17 +353,11 @@ class Trainer:
         ``save_timeout``). If checkpoints exist and none is whole, every rank raises the same error.
         """
         state = self.initial_state()
-        group = None
-        if self.world > 1:  # the ranks agree on one checkpoint, within save_timeout (every rank creates it)
-            if self._save_group is None:
-                self._save_group = torch.distributed.new_group(
-                    backend="gloo", timeout=datetime.timedelta(seconds=self.config.save_timeout))
-            group = self._save_group
         with warnings.catch_warnings():
             if self.rank != 0:  # rank 0 names every skipped checkpoint (with the rank that found it damaged)
                 warnings.simplefilter("ignore")
-            try:
-                restored = self.checkpoints.load_latest(template=state, group=group)
+            try:  # (several processes: the ranks agree on one checkpoint, within save_timeout)
+                restored = self.checkpoints.load_latest(template=state, group=self.checkpointing.group())
             except StructureMismatch as e:
                 raise ValueError(self._mismatch_message(e)) from None
         if restored is None:
@@ -262,9 +374,9 @@ class Trainer:
         state = restored.state
         self.loader.load_state_dict(extra["data"])
         if "history" in extra:
-            self.history = MetricHistory.from_json(extra["history"]).truncate(restored.step)
+            self.log.resume(MetricHistory.from_json(extra["history"]).truncate(restored.step))
         else:  # a checkpoint written before the history: its loss curve
-            self.history = MetricHistory({"loss": extra.get("losses", [])}).truncate(restored.step)
+            self.log.resume(MetricHistory({"loss": extra.get("losses", [])}).truncate(restored.step))
         if self.rank == 0:
             print(f"resumed from {restored.path} at step {restored.step}", flush=True)
         return state
@@ -281,12 +393,6 @@ class Trainer:
         return (f"cannot resume {e.path}: the training state's structure differs from this run's at {where}"
                 f"{cause}. Use a new results_folder, or the config it was saved with")
 
-    def _finite(self, state: TrainState) -> bool:
-        leaves = [t for t in T.tree_leaves((state.params, state.ema)) if torch.is_tensor(t)]
-        if not leaves:
-            return True
-        return bool(torch.stack([torch.isfinite(t).all() for t in leaves]).all())
-
     def save(self, state: TrainState, step: int | None = None) -> None:
         """Write a checkpoint and the sample grid (rank 0; every rank writes its shard of a sharded state).
 
@@ -294,120 +400,55 @@ class Trainer:
         wait for it on a gloo group bounded by ``config.save_timeout``, so a slow save or ``sample_fn``
         never trips the collective timeout.
         """
-        step = int(state.step) if step is None else step  # a sync, but only when saving
+        self._save(state, int(state.step) if step is None else step, final=True)  # (a sync, but only when saving)
+
+    def _save(self, state: TrainState, step: int, final: bool) -> None:
+        """:meth:`save`; ``final``: the run's last save (the end, a stop), whose plot is drawn whatever its age."""
         split = is_sharded(state)
         if self.rank == 0 or split:  # a sharded state: every rank writes its shard (a collective save)
-            extra = {"data": self.loader.state_dict(), "history": self.history.to_json(),
+            extra = {"data": self.loader.state_dict(), "history": self.log.history.to_json(),
                      "config": self.config.to_dict()}
-            finite = self._finite(state)
-            if split and self.world > 1:  # every shard finite: one flag for the whole state
-                t = torch.tensor([1.0 if finite else 0.0], device=self.device)
-                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
-                finite = bool(t.item())
-            path = self.checkpoints.save(step, state, extra=extra, finite=finite)
-            whole = gather_state(state) if split and self.sample_fn is not None else state  # (every rank)
+            path, finite = self.checkpointing.write(state, step, extra)
+            whole = gather_state(state) if split and self.sampling is not None else state  # (every rank)
         if self.rank == 0:
             if not finite:
-                good = self.checkpoints.newest_finite()
-                kept = f"rotation keeps {self.checkpoints.path(good)}, the newest finite one" if good is not None \
-                    else "there is no finite checkpoint"
-                warnings.warn(f"checkpoint {path} (step {step}) holds non-finite parameters or EMA; {kept}",
-                              RuntimeWarning, stacklevel=2)
-            if self.sample_fn is not None:
-                images = self.sample_fn(whole.ema, self.config.num_samples)
-                write_sample_grid(os.path.join(self.folder, f"sample-{step}.png"),
-                                  images.detach().float().cpu().numpy(), step=step, scale=4)
-            self._plot(force=step >= self.config.train_num_steps or self._stop or self._run is None)
+                self.checkpointing.warn_if_not_finite(path, step)
+            if self.sampling is not None:
+                self.sampling.write(whole.ema, step)
+            self.plot.draw(self.log.history, force=final)
             self.hooks.call("on_save", step, path)
-        if self.world > 1:
-            group = self._save_group
-            if group is None:
-                group = self._save_group = torch.distributed.new_group(
-                    backend="gloo", timeout=datetime.timedelta(seconds=self.config.save_timeout))
-            torch.distributed.barrier(group=group)
-        if self._run is not None:
-            self._run.saved_at = step
+        self.checkpointing.wait(step)
 
     def evaluate(self, state: TrainState, step: int | None = None) -> dict:
-        """Evaluate ``state`` on the eval set (every process takes part), log it and call ``on_eval``."""
-        if self.evaluator is None:
+        """Evaluate ``state`` on the eval set (every process takes part), log it and call ``on_eval``.
+
+        The metrics go to the history (and, while ``train()`` runs, to the trackers as a record of their own; the
+        loop's evaluations join their step's record instead); a ``should_stop`` that answers true stops the run.
+        """
+        if self.evaluation is None:
             raise ValueError("Trainer.evaluate needs Trainer(eval_dataset=...)")
         step = int(state.step) if step is None else step
-        metrics = self.evaluator(gather_state(state) if is_sharded(state) else state)  # whole params and EMA
-        self.history.add(step, metrics)
-        r = self._run
-        if r is not None:
-            r.last.update(metrics)
-            if r.unsent is not None and r.unsent[0] == step:  # one record per step: with the step's log
-                r.unsent[1].update(metrics)
-            else:
-                r.emit(step, metrics)
-        self.hooks.call("on_eval", step, metrics)
-        if self.hooks.stop(step, metrics):
-            self._stop = True
+        metrics = self._evaluate(state, step)
+        self.log.send(step, metrics)
         return metrics
 
-    # -- the loop ------------------------------------------------------------------------------
-    def train(self) -> TrainState:
-        """Run (or resume) to ``train_num_steps`` updates and return the final state."""
-        c = self.config
-        self._stop = self._signalled = False  # (a stopped trainer may be run again: it resumes)
-        os.makedirs(self.folder, exist_ok=True)
-        lock = self._lock_folder()
-        run_state = None
-        done = False
-        try:
-            if self.world > 1 and self._save_group is None:  # every rank creates them, in the same order
-                self._save_group = torch.distributed.new_group(
-                    backend="gloo", timeout=datetime.timedelta(seconds=c.save_timeout))
-            if self.world > 1 and self._stop_group is None:
-                self._stop_group = torch.distributed.new_group(backend="gloo",
-                                                               timeout=distributed.default_timeout())
-            state = self.restore()
-            if self.rank == 0:
-                c.save(os.path.join(self.folder, "config.json"))
-            start = int(state.step)  # the only read of the device counter: the loop's index mirrors it on the host
-            trackers = make_trackers(self.tracker_items, self.folder, c.to_dict(), start) if self.rank == 0 else []
-            self._run = run_state = RunState(start, trackers, compiled=self.compiled is not None)
-            watch_compile(self.run_step, run_state)
-            self._signals.install(run_state)  # SIGTERM, Ctrl-C: stop at the agreed step and save
-            run_state.memory = MemoryLine(self.run_step, self.rank, run_state.progress)
-            data = FirstBatch(self.loader, lambda batch: run_state.memory.first(state, batch))  # before step 1
-            state = run(self.run_step, state, data, num_steps=max(c.train_num_steps - start, 0),
-                        log_every=c.log_every, device=self.device, progress=self.rank == 0, on_log=self._on_log,
-                        on_step=self._on_step, start=start)
-            run_state.end_vote()  # the last step's vote, which every rank started: let it finish
-            if self._signalled and isinstance(self.run_step, Runner):
-                self.run_step.finish_after_exit(False)  # stopped by SIGTERM: a running compile dies with us
-            if run_state.n != run_state.saved_at:  # stopped between saves (SIGTERM, should_stop)
-                self.save(state, run_state.n)
-            if self._signalled:
-                self._signals.saved(run_state.n)
-            if run_state.in_a_row >= c.max_consecutive_nonfinite:  # counted by the stop step's log
-                self._nonfinite_stop(run_state.n, None)
-            self._export(state)
-            self._load_module(state)
-            done = True
-        finally:
-            self._run = None
-            self._signals.restore()
-            for t in run_state.trackers if run_state is not None else ():
-                t.close()
-            if lock is not None:
-                lock.release()
-        if done and self.rank == 0 and run_state.n > run_state.start:
-            print(self.summary(run_state), flush=True)
-        return state
+    def _evaluate(self, state: TrainState, step: int) -> dict:
+        """The evaluation of ``step``: into the history, ``on_eval``, ``should_stop``; the metrics."""
+        metrics = self.evaluation(state)  # whole params and EMA
+        self.log.add(step, metrics)
+        self.hooks.call("on_eval", step, metrics)
+        if self.hooks.stop(step, metrics):
+            self.stopping.request()
+        return metrics
 
+    # -- the end of a run ----------------------------------------------------------------------
     def _export(self, state: TrainState) -> None:
         """``model.safetensors`` / ``ema.safetensors`` by rank 0 (a sharded state is gathered on every rank
         first), unless stopped by SIGTERM: its grace period is for the checkpoint."""
-        signalled = self._signalled
+        signalled = self.stopping.signalled
         split = is_sharded(state)
         if split and self.world > 1:  # the gather is collective: every rank must agree on whether to export
-            t = torch.tensor([1.0 if signalled else 0.0], device=self.device)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            signalled = bool(t.item())
+            signalled = any_rank(signalled)
         if signalled:
             return
         whole = gather_state(state) if split else state
@@ -439,132 +480,20 @@ class Trainer:
         self._ema_module = ema_copy(self.module, self._ema_module, ema_params, state)
         return self._ema_module
 
-    def summary(self, r: "RunState") -> str:
-        """The end-of-run text: final metrics, time (compile apart), where the results are."""
+    def summary(self) -> str:
+        """The last ``train()``'s end-of-run text: final metrics, time (compile apart), where the results are."""
+        clock, n = self.clock, self.clock.step
         outputs = {"weights": self.weights.get("model"), "EMA weights": self.weights.get("ema"),
-                   "metrics plot": self.plot_path,  # (metrics.jsonl: the jsonl tracker's own line)
-                   "checkpoint": self.checkpoints.path(r.saved_at)}
-        head = "" if not self._signalled else (f"stopped by {self._signals.signal} at step {r.n} and saved it "
-                                               f"({self.checkpoints.path(r.n)}); resume by running again\n")
-        return head + run_summary(results_folder=self.folder, step=r.n, total_steps=self.config.train_num_steps,
-                                  final_metrics={k: v for k, v in r.last.items() if k in _SUMMARY},
-                                  wall_time_s=time.perf_counter() - r.t0,
-                                  compile_time_s=r.compile_s if r.compiled else None, steps_run=r.n - r.start,
-                                  outputs=outputs, trackers=r.trackers, notes=compile_notes(r))
-
-    def _plot(self, force: bool = False) -> None:
-        """Rewrite the metrics plot (rank 0, at every save): one panel per metric, the step on x.
-
-        Drawing takes about a second, so saves closer than ``PLOT_SECONDS`` apart share one plot;
-        the last save (the end, a stop) always draws.
-        """
-        now = time.monotonic()
-        if not force and self._plotted_at is not None and now - self._plotted_at < self.PLOT_SECONDS:
-            return
-        path = write_run_plot(self.folder, self.history)
-        if path is not None:  # (None: saved before the first log step, nothing to draw yet)
-            self.plot_path, self._plotted_at = path, time.monotonic()
-
-    # -- the hooks of ft.run (no host sync but at log, agreement, eval and save steps) ----------
-    def _on_log(self, n: int, host: dict) -> None:
-        r = self._run
-        r.logged_at = n
-        if "skipped" in host:  # the flags of the steps since the last read, and this one's
-            flags = r.pending if r.pending_until == n else r.pending + [torch.tensor(host["skipped"])]
-            r.pending, r.pending_until = [], n
-            r.in_a_row = self._count_skipped(n, flags, r.in_a_row)  # (a stop it calls for is made in _on_step)
-        now = time.perf_counter()
-        r.first_done(now)
-        compile_log(r, n, host)
-        if r.compiled and r.first_at is not None and "compile_s" not in r.reported:
-            host["compile_s"] = r.compile_s
-            r.reported.add("compile_s")
-        if r.compiled:  # the throughput from the first step after compilation
-            if r.first_at is not None and n > r.start + 1:
-                host["steps_per_s"] = (n - r.start - 1) / max(now - r.first_at, 1e-9)
-        else:
-            host["steps_per_s"] = (n - r.start) / max(now - r.t0, 1e-9)
-        host["skipped_updates"] = self.skipped_updates
-        self.history.add(n, host)
-        r.last.update(host)
-        if r.n == n:  # the log of a stop step comes after its _on_step: send it now
-            r.emit(n, host)
-        else:  # sent at the end of _on_step, with the step's evaluation if it has one
-            r.unsent = (n, dict(host))
-        if "skipped" not in host and not math.isfinite(host["loss"]) and self.rank == 0:
-            warnings.warn(f"step {n}: the loss is {host['loss']} and skip_nonfinite is off: the "
-                          f"parameters may now be non-finite", RuntimeWarning, stacklevel=2)
-        self.hooks.call("on_log", n, host)
-        if self.hooks.stop(n, host):
-            self._stop = True
-
-    def _on_step(self, n: int, state: TrainState, metrics: dict) -> bool:
-        try:
-            return self._step_done(n, state, metrics)
-        finally:
-            r = self._run
-            if r.unsent is not None:
-                r.emit(*r.unsent)
-                r.unsent = None
-
-    def _step_done(self, n: int, state: TrainState, metrics: dict) -> bool:
-        c, r = self.config, self._run
-        if r.rates is not None:
-            r.memory.after_step(state)
-        r.n = n
-        r.first_done(time.perf_counter())
-        if "skipped" in metrics and r.logged_at != n:
-            r.pending.append(metrics["skipped"])
-            r.pending_until = n
-            if len(r.pending) >= c.max_consecutive_nonfinite:
-                r.in_a_row = self._count_skipped(n, r.pending, r.in_a_row)
-                r.pending = []
-        if r.in_a_row >= c.max_consecutive_nonfinite:
-            self._nonfinite_stop(n, state)
-        stop = self._stop if self.world == 1 else r.vote(self._stop, self._stop_group)
-        if stop and self.rank == 0:
-            print(f"stopping at step {n} ({self._signals.signal or 'should_stop'}): saving", flush=True)
-        last = n >= c.train_num_steps
-        if self.evaluator is not None and not stop and (last or n % (c.eval_every or c.save_and_sample_every) == 0):
-            self.evaluate(state, n)
-        if n % c.save_and_sample_every == 0 or last:
-            if r.unsent is not None:
-                # this step's record (with its evaluation) goes out before its checkpoint: after a kill
-                # between the two, the resume starts after this step and would never log it again
-                r.emit(*r.unsent)
-                r.unsent = None
-            self.save(state, n)
-        return stop
-
-    def _count_skipped(self, n: int, flags: list[torch.Tensor], run: int) -> int:
-        """Read the pending `skipped` flags (one host sync), warn; the updates skipped in a row now."""
-        if not flags:
-            return run
-        values = torch.stack([f.reshape(()) for f in flags]).tolist()
-        k = int(sum(values))
-        if k == 0:
-            return 0
-        self.skipped_updates += k
-        for v in values:
-            run = run + 1 if v else 0
-        limit = self.config.max_consecutive_nonfinite
-        if self.rank == 0:
-            why = "fp16 loss-scale overflow or " if self.config.mixed_precision == "fp16" else ""
-            warnings.warn(f"step {n}: {k} of the last {len(values)} updates skipped ({why}non-finite loss or "
-                          f"gradient), {self.skipped_updates} in this run; {run} in a row now (the run stops at "
-                          f"{limit})", RuntimeWarning, stacklevel=3)
-        return run
-
-    def _nonfinite_stop(self, n: int, state: TrainState | None) -> None:
-        """Too many skipped updates in a row: save (the state is the last finite one) and raise."""
-        limit = self.config.max_consecutive_nonfinite
-        if state is not None:
-            self.save(state, n)  # keep the progress made since the last save
-        raise FloatingPointError(
-            f"{self._run.in_a_row} updates in a row up to step {n} had a non-finite loss or gradient and were "
-            f"skipped (TrainConfig.max_consecutive_nonfinite={limit}): the data or the hyper-parameters produce "
-            f"inf/NaN. The state (params and EMA unchanged since the last finite update) is saved in "
-            f"{self.checkpoints.path(n)}")
+                   "metrics plot": self.plot.path,  # (metrics.jsonl: the jsonl tracker's own line)
+                   "checkpoint": self.checkpoints.path(self.checkpointing.saved_at)}
+        head = "" if not self.stopping.signalled else (
+            f"stopped by {self.stopping.signals.signal} at step {n} and saved it ({self.checkpoints.path(n)}); "
+            f"resume by running again\n")
+        return head + run_summary(results_folder=self.folder, step=n, total_steps=self.config.train_num_steps,
+                                  final_metrics={k: v for k, v in self.log.last.items() if k in _SUMMARY},
+                                  wall_time_s=clock.wall_s(), compile_time_s=clock.compile_time_s(),
+                                  steps_run=n - clock.start, outputs=outputs, trackers=self.log.trackers,
+                                  notes=clock.notes())
 
     def _lock_folder(self) -> FolderLock | None:
         """Rank 0 locks the results folder for the run; every rank fails together if it cannot.
@@ -579,18 +508,12 @@ class Trainer:
                 lock = FolderLock(self.folder).acquire()
             except Exception as e:  # noqa: BLE001 - every failure is told to the other ranks, then raised
                 error = e
-        if self.world > 1:
-            t = torch.tensor([0.0 if error is None else 1.0], device=self.device)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            if t.item() and error is None and self.rank != 0:
-                raise PeerFailed(f"{os.path.abspath(self.folder)}: rank 0 could not lock the results folder (another "
-                                 f"run holds it, or see rank 0's error); rank {self.rank} stops with it")
+        if self.world > 1 and any_rank(error is not None) and error is None and self.rank != 0:
+            raise PeerFailed(f"{os.path.abspath(self.folder)}: rank 0 could not lock the results folder (another "
+                             f"run holds it, or see rank 0's error); rank {self.rank} stops with it")
         if error is not None:
             raise error
         return lock
-
-    def _on_sigterm(self) -> None:
-        self._stop = self._signalled = True  # SIGTERM or Ctrl-C: finish the current step, save, return
 
 
 # the metrics of the end-of-run summary line

@@ -97,6 +97,8 @@ def load(target: str) -> Callable[[], Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m functrain.bench module:make_step [options]``: benchmark the step ``make_step()`` returns and print
+    the report (``--json``: as JSON); the exit status (2: bad usage)."""
     args = parse_args(argv)
     from ..compiler.api import CompiledStep
     from ..core.state import TrainState

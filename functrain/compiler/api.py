@@ -195,6 +195,7 @@ class CompiledStep:
 
     @property
     def compiles(self) -> int:
+        """Graphs the backend has built for this step, for all its runners (a recompile shows as an increase)."""
         twin = self._twin[0].compiles if self._twin else 0  # (a Dynamo-path step's donating twin)
         return self._backend.count + twin
 

@@ -305,6 +305,7 @@ class DynamoRunner:
 
     @property
     def compiles(self) -> int:
+        """Graphs Dynamo's backend has built for this step (a recompile shows as an increase)."""
         return self.backend.count
 
     def __repr__(self) -> str:

@@ -159,6 +159,7 @@ class Evaluation:
         self.evaluator, self.every, self.last = evaluator, every, last
 
     def should_evaluate(self, step: int, stop: bool) -> bool:
+        """Whether step ``step`` evaluates: every ``every`` steps and at the last, never at a stop step."""
         return not stop and (step >= self.last or step % self.every == 0)
 
     def __call__(self, state: Any) -> dict:
@@ -177,9 +178,11 @@ class Checkpointing:
         self._group: Any = None
 
     def begin(self, start: int) -> None:
+        """A ``train()`` call starts at step ``start`` (what the restored checkpoint holds: saved already)."""
         self.saved_at = start
 
     def should_save(self, step: int) -> bool:
+        """Whether step ``step`` saves: every ``every`` steps and at the last."""
         return step % self.every == 0 or step >= self.last
 
     def group(self) -> Any:
@@ -226,6 +229,7 @@ class Sampling:
         self.sample_fn, self.num_samples, self.folder = sample_fn, num_samples, folder
 
     def write(self, ema: Any, step: int) -> None:
+        """Sample ``num_samples`` images from the EMA weights and write their grid as ``sample-{step}.png``."""
         images = self.sample_fn(ema, self.num_samples)
         write_sample_grid(os.path.join(self.folder, f"sample-{step}.png"), images.detach().float().cpu().numpy(),
                           step=step, scale=4)
@@ -244,6 +248,7 @@ class MetricsPlot:
         self.drawn_at: float | None = None
 
     def draw(self, history: MetricHistory, force: bool) -> None:
+        """Draw ``metrics.png`` from ``history``: at most once every ``seconds`` unless ``force`` (a final save)."""
         now = time.monotonic()
         if not force and self.drawn_at is not None and now - self.drawn_at < self.seconds:
             return

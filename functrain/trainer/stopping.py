@@ -114,11 +114,13 @@ class StopSignals:
         self._previous: dict = {}
 
     def install(self, clock: Any, saves: Any) -> None:
+        """Take SIGTERM and SIGINT for this ``train()`` (the previous handlers kept for :meth:`restore`)."""
         self.signal, self.clock, self.saves = None, clock, saves
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def restore(self) -> None:
+        """Put back the handlers :meth:`install` replaced."""
         for sig, handler in self._previous.items():
             if handler is not None:  # (None: a handler not set from Python, which cannot be put back)
                 signal.signal(sig, handler)

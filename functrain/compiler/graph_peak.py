@@ -183,7 +183,7 @@ class _Graph:
                     loads.add(a)
                 else:
                     loads |= self.loads[a]
-                    hv, cnt = hv or heavy[a], cnt + ops[a]
+                    hv, cnt = hv or heavy.get(a, False), cnt + ops.get(a, 0)  # (a constant: neither)
             readers = self.readers(n)
             reused = len(set(readers)) > 1 and (len(loads) > 4 or cnt > (50 if cpu else 30) or (hv and cpu))
             stored = (reused or len(loads) > (12 if cpu else 8) or cnt > 100

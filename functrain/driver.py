@@ -1,20 +1,27 @@
 """``ft.run``: the minimal training loop around a (compiled) step; :func:`run_steps`, the same loop as an iterator."""
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
+import logging
 import math
 import os
 import signal
+import sys
 import threading
 from typing import Any, Callable, Iterable
 
 import optree
 import torch
+import torch.distributed as dist
 
 from .compiler import CompiledStep, DynamoRunner, PhaseRates, Runner
+from .compiler.profiling import Profile, Profiler, profile_request
 from .core.state import TrainState
+from .core.step import Step
 
-__all__ = ["run", "run_steps", "Steps", "to_device", "PhaseRates"]
+__all__ = ["run", "run_steps", "Steps", "to_device", "PhaseRates", "Profile"]
 
 
 def to_device(batch: Any, device: torch.device | str) -> Any:
@@ -59,7 +66,7 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
         num_steps: int | None = None, *, log_every: int = 50, device: torch.device | str | None = None,
         progress: bool = True, on_log: Callable[[int, dict], None] | None = None,
         donate: bool = True, on_step: Callable[[int, TrainState, dict], bool | None] | None = None,
-        start: int = 0) -> TrainState:
+        start: int = 0, profile: str | os.PathLike | Profile | None = None) -> TrainState:
     """Run ``step`` over ``data`` and return the final state.
 
     Batches are moved to ``device`` (default: where the state lives). Metrics
@@ -139,11 +146,11 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
     """
     _check(num_steps, log_every, start, donate, state, on_log=on_log, on_step=on_step)
     with run_steps(step, state, data, num_steps, log_every=log_every, device=device, progress=progress,
-                   donate=donate, start=start) as steps:
+                   donate=donate, start=start, profile=profile) as steps:
         for i, new, metrics, host in steps:
             if host is not None and on_log is not None:
                 on_log(i, host)
-            if on_step is not None and on_step(i, new, metrics):
+            if on_step is not None and steps.stop_agreed(bool(on_step(i, new, metrics))):
                 break
         if steps.interrupted:  # (the state is not returned: run saves nothing)
             raise KeyboardInterrupt(f"Ctrl-C: ft.run stopped after step {steps.index}")
@@ -158,7 +165,8 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
 
 def run_steps(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: TrainState, data: Iterable,
               num_steps: int | None = None, *, log_every: int = 50, device: torch.device | str | None = None,
-              progress: bool = True, donate: bool = True, start: int = 0) -> "Steps":
+              progress: bool = True, donate: bool = True, start: int = 0,
+              profile: str | os.PathLike | Profile | None = None) -> "Steps":
     """:func:`run`'s loop as an iterator: ``for index, state, metrics, host in steps`` (a :class:`Steps`).
 
     The same loop as ``ft.run`` (it is a thin loop over this one): batches moved to ``device``, the donation
@@ -190,7 +198,7 @@ def run_steps(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state:
         (False, 10)
     """
     _check(num_steps, log_every, start, donate, state)
-    return Steps(step, state, data, num_steps, log_every, device, progress, donate, start)
+    return Steps(step, state, data, num_steps, log_every, device, progress, donate, start, profile_request(profile))
 
 
 def _check(num_steps: Any, log_every: Any, start: Any, donate: Any, state: Any, **hooks: Any) -> None:
@@ -219,10 +227,12 @@ class Steps:
         logged: whether the last step's metrics were read to the host (a log step, or :meth:`log`).
         interrupted: Ctrl-C ended the iteration (after the step in flight).
         runner: the :class:`~functrain.compiler.Runner` (or ``DynamoRunner``) it runs, else ``None``.
+        profiler: the :class:`~functrain.compiler.profiling.Profiler` of ``profile=`` (the main process), else
+            ``None``.
     """
 
     def __init__(self, step: Any, state: TrainState, data: Iterable, num_steps: int | None, log_every: int,
-                 device: Any, progress: bool, donate: bool, start: int):
+                 device: Any, progress: bool, donate: bool, start: int, profile: Profile | None = None):
         self.device = torch.device(device) if device is not None else state.step.device
         if donate and isinstance(step, CompiledStep):
             step = step.runner(donate=True, background=True)  # the loop's own runner (it owns the states)
@@ -233,8 +243,15 @@ class Steps:
             state = optree.tree_map(lambda x: x.clone() if torch.is_tensor(x) else x, state)
         self.step, self.state, self.data, self.log_every = step, state, data, log_every
         self.runner = step if isinstance(step, (Runner, DynamoRunner)) else None
+        inner = step.step if isinstance(step, (CompiledStep, Runner, DynamoRunner)) else step
+        self.spans: Step | None = inner if isinstance(inner, Step) else None  # its agree(): the ranks it spans
+        main = _main_process()
+        self.profiler = Profiler(profile, self.runner, inner) if profile is not None and main else None
+        progress = progress and main  # one bar per job: rank 0's
         count = num_steps if num_steps is not None else _len(data)
         self.total = None if count is None else start + count
+        if self.runner is not None:  # what a background compile's policy weighs the compile against
+            self.runner.expect(count)
         self.num_steps, self.progress, self.start = num_steps, progress, start
         self.index = self.counted = start  # the last step run; the last one the bar counted
         self.logged = True  # (no step to read yet)
@@ -244,6 +261,7 @@ class Steps:
         self.bar: Any = None
         self.shown = [0.0]  # when the bar's description was last refreshed
         self.ctrl_c: _CtrlC | None = None
+        self.console = contextlib.ExitStack()  # while the bar is up: printed lines go above it
         self.opened = self.closed = False
 
     def __enter__(self) -> "Steps":
@@ -267,7 +285,8 @@ class Steps:
                 raise StopIteration
             batch = next(self.batches)  # (StopIteration: the data or num_steps is done)
             i = self.index + 1
-            self.state, self.metrics = self.step(self.state, to_device(batch, self.device))
+            with self.profiler.step(i) if self.profiler is not None else contextlib.nullcontext():
+                self.state, self.metrics = self.step(self.state, to_device(batch, self.device))
             self.index, self.logged = i, False
             host = self.log() if i % self.log_every == 0 or i == self.total else None
             return i, self.state, self.metrics, host
@@ -291,6 +310,21 @@ class Steps:
         self.logged = True
         return host
 
+    def stop_agreed(self, wanted: bool) -> bool:
+        """Whether to stop after this step: ``wanted`` on any process the step spans (its ``data_parallel``
+        group: :meth:`functrain.core.step.Step.agree`, one host all-reduce of an int on gloo, no device sync),
+        so that every process stops at the same step; on one process (or a step that spans none) ``wanted``
+        itself, with no collective. Every process the step spans calls it once per step (``ft.run`` does when
+        it has ``on_step``). A process that died, or stopped calling it, makes the others raise
+        ``RuntimeError`` (within the group's timeout, ``FUNCTRAIN_DIST_TIMEOUT``) instead of waiting forever."""
+        if self.spans is None:
+            return bool(wanted)
+        try:
+            return self.spans.agree(0 if wanted else 1) == 0
+        except RuntimeError as e:
+            raise RuntimeError(f"ft.run: the processes could not agree whether to stop after step {self.index} "
+                               f"(another process died, or does not call ft.run with on_step): {e}") from e
+
     def close(self) -> None:
         """Count the last step on the bar and close it; put back Python's Ctrl-C handler (again: nothing)."""
         if self.closed:
@@ -300,16 +334,22 @@ class Steps:
             if not self.interrupted:
                 self._count()
         finally:
-            if self.ctrl_c is not None:
-                self.ctrl_c.restore()
-            self._finish_bar()
+            try:
+                if self.ctrl_c is not None:
+                    self.ctrl_c.restore()
+                if self.profiler is not None:
+                    self.profiler.close()
+            finally:
+                self._finish_bar()
 
     def _open(self) -> None:
         if self.opened:
             return
         self.opened = True
         self.batches = iter(_batches(self.data, self.num_steps))
-        self.bar = _progress(self.total, self.start) if self.progress else None
+        self.bar = _progress(self.total, self.start, self.runner is not None) if self.progress else None
+        if self.bar is not None:
+            _above_bar(self.console, self.bar)
         self.ctrl_c = _CtrlC.install()
 
     def _count(self) -> None:
@@ -321,9 +361,15 @@ class Steps:
         self.counted = self.index
 
     def _finish_bar(self) -> None:
+        """Leave the bar on screen with the final rates, and give the streams back."""
         if self.bar is not None:
             bar, self.bar = self.bar, None
-            bar.close()
+            try:
+                if self.runner is not None:
+                    _show(bar, self.runner, self.shown, final=True)
+                bar.close()
+            finally:
+                self.console.close()
 
 
 class _CtrlC:
@@ -360,17 +406,83 @@ def _donates(runner: Any) -> bool:
     return runner.memory != "fresh" if isinstance(runner, Runner) else runner.call.donate
 
 
-def _show(bar: Any, runner: Any, shown: list) -> None:
-    """Leave a call that did compile work out of the bar's rate and ETA; refresh its description (at most twice
-    a second: ``shown[0]``, when it was last) from the runner's rate meter and progress."""
+def _show(bar: Any, runner: Any, shown: list, final: bool = False) -> None:
+    """Leave a call that did compile work out of the bar's time; refresh its description (at most twice a second:
+    ``shown[0]``, when it was last; and at the end, ``final``) from the runner's rate meter and progress: each
+    path's label with its rate, and an ETA only from the rate of the path that will run (none while a compile
+    is pending, since the compiled rate is not known yet)."""
     rates = runner.rates
     if rates.paused:
         bar.unpause()  # tqdm: the time since its last print is not counted
-    if rates.last - shown[0] >= 0.5 or rates.paused:
+    if final or rates.last - shown[0] >= 0.5 or rates.paused:
         shown[0] = rates.last
-        text = rates.describe(runner.progress if runner.progress.background else None)
-        if text or bar.desc:
-            bar.set_description_str(text, refresh=False)
+        progress = runner.progress
+        text = rates.describe(progress if progress.background else None)
+        if not text and rates.path is not None:  # one path so far
+            rate = rates.rate(rates.path)
+            text = f"{rates.path} {rate:.3g} it/s" if rate is not None else f"{rates.path} ? it/s"
+        ahead = rates.rate("eager" if progress.phase == "failed" else "compiled")  # the path that will run
+        if not final and ahead is not None and bar.total is not None and bar.total > bar.n:
+            text += f" · ETA {bar.format_interval((bar.total - bar.n) / ahead)}"
+        bar.set_description_str(text, refresh=False)
+
+
+class _AboveBar(io.TextIOBase):
+    """A stream whose lines go above the progress bar: the bar is cleared, the line written to ``stream``, the bar
+    drawn again (a line still without its newline waits for it, or for the end of the run)."""
+
+    def __init__(self, bar: Any, stream: Any):
+        super().__init__()
+        self.bar, self.stream, self.pending = bar, stream, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        if "\n" in self.pending:
+            done, _, self.pending = self.pending.rpartition("\n")
+            self.put(done + "\n")
+        return len(text)
+
+    def put(self, text: str) -> None:
+        self.bar.clear()
+        self.stream.write(text)
+        self.stream.flush()
+        self.bar.refresh()
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def close_line(self) -> None:
+        """The run ends: a line left without its newline is written as it is."""
+        if self.pending:
+            text, self.pending = self.pending, ""
+            self.put(text)
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self.stream.encoding
+
+
+def _above_bar(stack: contextlib.ExitStack, bar: Any) -> None:
+    """While the bar is up (until ``stack`` closes, however the run ends): ``print``, warnings and the root
+    logger's console handlers write above the bar instead of onto its line."""
+    out, err = _AboveBar(bar, sys.stdout), _AboveBar(bar, sys.stderr)
+    stack.callback(out.close_line)
+    stack.callback(err.close_line)
+    stack.enter_context(contextlib.redirect_stdout(out))
+    stack.enter_context(contextlib.redirect_stderr(err))
+    for handler in logging.getLogger().handlers:
+        if type(handler) is logging.StreamHandler and handler.stream in (out.stream, err.stream):
+            previous = handler.setStream(out if handler.stream is out.stream else err)
+            stack.callback(handler.setStream, previous)
 
 
 def _batches(data: Iterable, num_steps: int | None) -> Iterable:
@@ -402,9 +514,21 @@ def _len(data: Any) -> int | None:
         return None
 
 
-def _progress(total: int | None, initial: int = 0) -> Any:
+def _progress(total: int | None, initial: int = 0, phases: bool = False) -> Any:
+    """The bar (tqdm's, when installed), left on screen at the end. ``phases``: a runner's bar, whose description
+    holds each path's rate and the ETA (tqdm's own average would mix the eager and compiled paths)."""
     try:
         from tqdm.auto import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, initial=initial, dynamic_ncols=True, leave=False)
+    form = None
+    if phases:
+        form = ("{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]" if total
+                else "{desc} {n_fmt} [{elapsed}{postfix}]")
+    return tqdm(total=total, initial=initial, dynamic_ncols=True, leave=True, bar_format=form)
+
+
+def _main_process() -> bool:
+    """Rank 0 of the default process group, or no group: where the bar is drawn and the profile recorded (torch's
+    own answer: the loop sits beside ``distributed/``, which it does not import)."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

@@ -115,7 +115,7 @@ class PhaseRates:
     def describe(self, progress: Progress | None) -> str:
         """``"compiling in the background · eager 85.1 it/s"``, then ``"compiled 301 it/s (eager 85.1 it/s)"``."""
         eager, compiled = self.rate("eager"), self.rate("compiled")
-        e = f"eager {eager:.3g} it/s" if eager is not None else "eager"
+        e = f"eager {eager:.3g} it/s" if eager is not None else "eager ? it/s"  # (a label with its rate, unknown yet)
         if progress is not None and progress.phase == "compiling" and self.path != "compiled":
             return f"compiling in the background · {e}"
         if progress is not None and progress.phase == "ready" and self.path != "compiled":
@@ -124,6 +124,6 @@ class PhaseRates:
         if progress is not None and progress.phase == "failed":
             return f"{e} (the compile failed)"
         if self.path == "compiled" and self.calls["eager"]:
-            c = f"compiled {compiled:.3g} it/s" if compiled is not None else "compiled"
+            c = f"compiled {compiled:.3g} it/s" if compiled is not None else "compiled ? it/s"
             return f"{c} ({e})"
         return ""

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 
 from . import tree as T
-from .eager import TreespecCache, divide
+from .eager import TreespecCache, divide, tracing
 from .grad import base_loss, micro_grad
 from .checks import Expected, check_batch, check_inputs, check_params
 from .checks import check_state as _check_state
@@ -44,7 +44,7 @@ from .state import TrainState
 from .transform import HOOKS, STAGE_HOOKS, InitContext, StepContext, Transform
 
 __all__ = ["Step", "Transform", "StepContext", "InitContext", "Stage", "train_step", "STAGES", "PIPELINE", "HOOKS",
-           "check_inputs", "with_rng"]
+           "check_inputs", "with_rng", "STAGE_MARK", "marking"]
 
 LossFn = Callable[[Any, Any, Any], Any]
 
@@ -57,11 +57,29 @@ def _uses(t: Transform, hook: str) -> bool:
 # Each built-in is ``run(step, ctx, hooks)``: the stage's own work around ``hooks``, the bound
 # hook methods of the transforms that implement it, sorted by (order, name).
 
+STAGE_MARK = "functrain/stage/"
+"""The prefix of the profiler range of each stage (``functrain/stage/grad``): an eager step run under
+``torch.profiler`` marks its stages (:func:`marking`); the loss's range is its forward, inside ``grad``'s."""
+
+
+def marking() -> bool:
+    """Whether the stages mark their ranges: a profiler is recording and the step runs eagerly (a traced step gets
+    no profiler nodes, so its graph is the same profiled or not)."""
+    return not tracing() and torch.autograd._profiler_enabled()  # (tracing first: Dynamo never sees the call)
+
+
+def _marked(name: str, fn: Callable) -> Callable:
+    def marked(*args: Any) -> Any:
+        with torch.profiler.record_function(STAGE_MARK + name):
+            return fn(*args)
+    return marked
+
+
 def _loss_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
     loss_fn: Callable = step._base_loss
     for hook in reversed(hooks):
         loss_fn = hook(loss_fn, ctx)
-    ctx._loss_fn = loss_fn
+    ctx._loss_fn = _marked("loss", loss_fn) if marking() else loss_fn
 
 
 def _grad_stage(step: "Step", ctx: StepContext, hooks: tuple) -> None:
@@ -353,8 +371,16 @@ class Step:
         """The pure step without the host-side work (what :func:`functrain.compile` traces):
         the stages of :data:`PIPELINE`, in order."""
         ctx = StepContext(state, batch)
-        for run, hooks in self._stages:
-            run(self, ctx, hooks)
+        if marking():  # under torch.profiler, eagerly: a range per stage (the loss's is its forward, in grad's)
+            for name, (run, hooks) in zip(STAGES, self._stages):
+                if name != "loss":
+                    with torch.profiler.record_function(STAGE_MARK + name):
+                        run(self, ctx, hooks)
+                else:
+                    run(self, ctx, hooks)
+        else:
+            for run, hooks in self._stages:
+                run(self, ctx, hooks)
         new_state = TrainState(
             params=ctx.params,
             buffers=ctx.buffers,

@@ -253,8 +253,11 @@ class Trainer:
         return self.plot.path
 
     # -- the loop ------------------------------------------------------------------------------
-    def train(self) -> TrainState:
+    def train(self, profile: Any = None) -> TrainState:
         """Run (or resume) to ``train_num_steps`` updates and return the final state.
+
+        ``profile``: as ``ft.run``'s (a trace path, or :class:`functrain.compiler.profiling.Profile`): those steps
+        recorded on rank 0 into a Chrome trace, with a table of time per stage and phase printed.
 
         The loop, at each step: the skipped flags; at a log step the record (throughput, compile times, the
         history, ``on_log``, ``should_stop``); the memory line once a background compile has traced; a run of
@@ -279,7 +282,8 @@ class Trainer:
             memory = MemoryLine(self.run_step, self.rank, clock.progress)
             data = FirstBatch(self.loader, functools.partial(memory.first, state))  # before step 1
             with run_steps(self.run_step, state, data, num_steps=max(c.train_num_steps - start, 0),
-                           log_every=c.log_every, device=self.device, progress=self.rank == 0, start=start) as steps:
+                           log_every=c.log_every, device=self.device, progress=self.rank == 0, start=start,
+                           profile=profile) as steps:
                 for n, state, metrics, host in steps:
                     clock.tick(n)
                     self.skips.add(n, metrics, host)

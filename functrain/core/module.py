@@ -8,10 +8,11 @@ import torch
 from torch.func import functional_call
 
 from . import regions
+from .empty import EmptyModule, init_empty
 from .regions import Blocks
 from .remat import checkpointing_layers, route_checkpointing
 
-__all__ = ["functionalize", "to_module"]
+__all__ = ["functionalize", "init_empty", "to_module"]
 
 
 def functionalize(module: torch.nn.Module) -> tuple[Callable[..., Any], dict, dict]:
@@ -27,6 +28,9 @@ def functionalize(module: torch.nn.Module) -> tuple[Callable[..., Any], dict, di
     :func:`functrain.remat` recompute in the backward; so do Hugging Face layers after the model's
     ``gradient_checkpointing_enable()``: while ``apply_fn`` runs they use functrain's
     :func:`~functrain.core.remat.checkpoint` (which runs under ``torch.func``, so in a compiled step).
+    A module built on the meta device (:func:`functrain.init_empty`, or ``with torch.device("meta"):``) gives meta
+    tensors, which a params-sharded ``step.init`` (``ft.data_parallel(shard="params")``) makes as each rank's
+    shard, replaying the module's own ``reset_parameters()`` one module at a time (:mod:`functrain.core.empty`).
     While ``ft.compile(step, reuse_blocks=True)`` traces a step, the module's repeated blocks (a
     transformer's layers) are traced once each and reused (:mod:`functrain.core.regions`).
 
@@ -49,6 +53,7 @@ def functionalize(module: torch.nn.Module) -> tuple[Callable[..., Any], dict, di
     params = {name: p.detach() for name, p in module.named_parameters() if p.requires_grad}
     frozen = {name: p.detach() for name, p in module.named_parameters() if not p.requires_grad}
     buffers = {**frozen, **{name: b.detach() for name, b in module.named_buffers()}}
+    EmptyModule.record(module, {**buffers, **params})  # (meta tensors: noted for a sharded step.init to make)
 
     # Untying is a walk over all submodules on every call: only pay for it when weights are tied.
     tied = (len(list(module.named_parameters(remove_duplicate=False))) != len(list(module.named_parameters()))

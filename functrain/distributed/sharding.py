@@ -58,7 +58,10 @@ communication); the rest of the state is broadcast. So those ``init`` functions
 must map over the params they are given, elementwise (the elementwise optimizers
 and ``ft.ema`` do); a declared field that is not parts-shaped is refused by name.
 The params themselves are whole on every rank until ``step.init`` returns (the
-caller made them); with ``shard="params"`` the state holds only the shard.
+caller made them); with ``shard="params"`` the state holds only the shard. A model
+built on the meta device (``ft.init_empty``) is never whole: with ``shard="params"``
+each rank makes its own shard, replaying the module's ``reset_parameters`` one module
+at a time (:mod:`functrain.distributed.meta_init`); the other modes refuse it.
 
 On gloo the reduce-scatter is gloo's own, which allocates a whole-size buffer
 inside (measured: +358 MiB of peak for a 190 MiB input, vs +262 MiB for an
@@ -74,10 +77,12 @@ import optree
 import torch
 import torch.distributed as dist
 
+from ..core.empty import empty_source
 from ..core.flat import SLOT, FlatLayout, ShardState, find_shard_trees
 from ..core.state import TrainState
 from ..core.step import Step
 from ..core.transform import InitContext, StepContext, Transform, check_needs
+from .meta_init import make_shard, with_made
 
 __all__ = ["ShardedDataParallel", "gather_state"]
 
@@ -176,6 +181,7 @@ class ShardedDataParallel(Transform):
         self._lenders: list = []  # this call's lenders (one per micro-batch), until the reduce stage
         self.layout: FlatLayout | None = None
         self._params_shard: dict | None = None  # init_parts' shard of rank 0's params, until post_init
+        self._made: dict | None = None  # a meta-built model's buffers made by init_parts, until post_init
 
     def __call__(self, step: Any) -> Any:
         # per_param: a declared, optional field of the optimizer protocol (functrain.optim.Optimizer's)
@@ -184,7 +190,7 @@ class ShardedDataParallel(Transform):
                              f"parameter names: this optimizer's weight_decay_mask / lr_multipliers groups cannot "
                              f"apply there; use shard='none' or an optimizer without per-parameter groups")
         t = copy.copy(self)  # one layout per step: the same transform object may wrap several steps
-        t.layout, t._params_shard, t._plan, t._lenders = None, None, None, []
+        t.layout, t._params_shard, t._plan, t._lenders, t._made = None, None, None, [], None
         return Transform.__call__(t, step)
 
     @property
@@ -259,7 +265,15 @@ class ShardedDataParallel(Transform):
         world = self._world()
         rank = dist.get_rank(self._group()) if world > 1 else 0
         self.layout = layout = FlatLayout.from_params(params, world, rank)
-        self._params_shard = self._scatter(layout, params)
+        source = empty_source(params)
+        if source is None:
+            self._params_shard = self._scatter(layout, params)
+        else:  # built on the meta device: this rank makes its shard itself, with the module's own initialisers
+            if self.shard != "params":
+                raise ValueError(f"{self!r}: the params are on the meta device (ft.init_empty), but "
+                                 f"shard={self.shard!r} holds the whole params on every rank; use "
+                                 f"shard='params', which makes only each rank's shard, or build the model normally")
+            self._params_shard, self._made = make_shard(layout, source, self.group)
         return layout.parts(self._params_shard)
 
     def post_init(self, state: TrainState, init: InitContext) -> TrainState:
@@ -270,6 +284,8 @@ class ShardedDataParallel(Transform):
         if layout is None or params_shard is None:
             raise RuntimeError(f"{self!r}.post_init runs inside step.init, after init_parts")
         self._params_shard = None  # shard="params": the state holds it; "optimizer": freed before the broadcast
+        if self._made is not None:  # built on the meta device: the buffers and the counter made real here
+            state = self._made_real(state, params_shard.get(layout.keys[0]).device)
         if self.shard != "params":
             params_shard = None
         parts = layout.is_parts
@@ -283,6 +299,18 @@ class ShardedDataParallel(Transform):
         params = params_shard if self.shard == "params" else rep.broadcast(state.params)
         return TrainState(params, rep.broadcast(state.buffers), opt_state, rep.broadcast(state.step),
                           rep.broadcast(state.rng), slots)
+
+    def _made_real(self, state: TrainState, device: torch.device) -> TrainState:
+        made, self._made = self._made, None
+        step = torch.zeros((), dtype=torch.int64, device=device) if state.step.is_meta else state.step
+        state = state._replace(buffers=with_made(state.buffers, made), step=step)
+        for name, slot in state.slots.items():
+            if any(torch.is_tensor(x) and x.is_meta for x in optree.tree_leaves(slot)):
+                raise ValueError(f"{self!r}: the {name!r} transform's init made tensors on the meta device from the "
+                                 f"whole params, which were built there (ft.init_empty); a transform whose state "
+                                 f"is shaped like the params declares those fields in params_fields, so that it "
+                                 f"is made from this rank's parts")
+        return state
 
     def _declared(self, tree: Any) -> dict[str, torch.Tensor]:
         if not self.layout.is_parts(tree):

@@ -107,7 +107,15 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
       sync-free (append them to a list, compare host counters). A true return
       value ends the loop after this step (a step that was not a log step is then
       logged). The state is only valid during the call when steps donate their
-      input (keep no reference to it).
+      input (keep no reference to it). On several processes (a ``data_parallel``
+      step) a true value on any rank stops every rank after this same step
+      (:meth:`Steps.stop_agreed`: one host vote per step; a dead rank raises).
+
+    The bar is drawn on the main process only (rank 0) and left on screen with the
+    final rates; while it is up, ``print``, warnings and the root logger's console
+    handlers write above it. ``profile`` (a trace file path, or a
+    :class:`~functrain.compiler.profiling.Profile`) records steps on rank 0 into a
+    Chrome trace by step, phase and stage and prints a table of time per stage.
 
     Ctrl-C: ``run`` does not save, so it ends with ``KeyboardInterrupt``, raised by
     ``run`` itself after the step in flight (not from deep inside the step); a second
@@ -132,6 +140,7 @@ def run(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state: Train
         donate: let a compiled step write each new state into the previous one's buffers.
         on_step: ``on_step(index, state, device_metrics) -> stop`` after every step.
         start: the index of the step before the first one run here (a resumed run's step count).
+        profile: ``None``, a trace file path (the first 10 steps) or a ``Profile``.
 
     Returns:
         The final state.

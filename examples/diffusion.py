@@ -10,6 +10,7 @@ again resumes from the newest checkpoint.
     python -m functrain.launch --nproc 2 examples/diffusion.py --steps 400
     python examples/diffusion.py --steps 400            # one process
     python -m functrain.launch --nproc 2 examples/diffusion.py --shard optimizer   # sharded state (ZeRO-2)
+    python examples/diffusion.py --precompile           # compile the step ahead into the caches, and exit
 """
 from __future__ import annotations
 
@@ -104,6 +105,9 @@ def main() -> None:
     parser.add_argument("--shard", default="none", choices=["none", "optimizer", "params"],
                         help="TrainConfig.shard: split the optimizer state and EMA (optimizer), and the params "
                              "too (params), over the processes")
+    parser.add_argument("--precompile", action="store_true",
+                        help="compile the training step ahead into the compile caches and exit (a later run "
+                             "starts compiled); on one process or with the same --nproc as the run")
     args = parser.parse_args()
 
     config = ft.TrainConfig(
@@ -123,6 +127,10 @@ def main() -> None:
 
     train, held_out = digits_dataset()
     trainer = ft.Trainer(model, train, config, sample_fn=sample_fn, eval_dataset=held_out)
+    if args.precompile:
+        from functrain.trainer.compiling import precompile
+        precompile(trainer)
+        return
     trainer.train()
 
 

@@ -41,6 +41,10 @@ from functrain import tree as T
 # leave compile workers loading the machine, so the suite stops them at exit. Subprocesses inherit it;
 # tests/compiler/test_background.py::test_a_run_shorter_than_its_compile_leaves_the_next_run_compiled sets it to 1.
 os.environ.setdefault("FUNCTRAIN_COMPILE_FINISH", "0")
+# The compile policy (functrain.compiler.policy) would train the suite's many short runs eagerly (a compile never
+# pays in 10 steps): the suite tests what compiling does, so it compiles unless a test asks for the policy
+# (tests/compiler/test_compile_policy.py sets FUNCTRAIN_COMPILE_POLICY=auto). Subprocesses inherit it.
+os.environ.setdefault("FUNCTRAIN_COMPILE_POLICY", "always")
 
 settings.register_profile("functrain", deadline=None, suppress_health_check=[HealthCheck.too_slow],
                           derandomize=os.environ.get("CI") == "true")

@@ -177,8 +177,9 @@ class CompiledStep:
         finish after it (into the caches the next run loads) or are killed with it.
 
         ``ft.run`` asks for it (for its runner) when its loop returns normally; the Trainer takes it back when a
-        signal stopped the run. ``FUNCTRAIN_COMPILE_FINISH=0`` kills them at exit whatever was chosen. A worker that
-        has no graph yet is stopped now (it would only wait).
+        signal stopped the run. Only with ``FUNCTRAIN_COMPILE_FINISH=1`` (opt-in) does a compile finish after exit;
+        by default every one is killed at exit whatever was chosen. A worker that has no graph yet is stopped now
+        (it would only wait).
 
         Args:
             finish: ``True``: let them finish after exit (one line on stderr says so); ``False``: kill them at
@@ -192,6 +193,37 @@ class CompiledStep:
         """
         for r in list(self._runners):
             r.finish_after_exit(finish)
+
+    def precompile(self, state: TrainState, batch: Any, *, donate: bool = True, quiet: bool = False) -> float:
+        """Compile ahead: trace the step for ``(state, batch)`` and compile it now into the compile caches (and this
+        step's graphs), without stepping; a later process tracing the same graph (the run itself) loads it at its
+        first trace (its first call, once the compiler is imported) and runs compiled from then on. Says what it
+        does on stderr, then the time it took (``quiet=True``: silent). Returns the seconds (0 when this process had compiled it already).
+
+        ``donate``: for the donating runners that ``ft.run`` and the Trainer use (the default), or (``False``)
+        for plain calls of the step: their graphs differ. The shape of JAX's ``jit(f).lower(x).compile()``.
+
+        Example::
+
+            cstep = ft.compile(step)
+            cstep.precompile(state, batch)    # "functrain: compiled ahead in 41.2 s ..."; then exit, or train
+        """
+        import sys
+
+        folder = cache.inductor_dir()
+        if not quiet:
+            print(f"functrain: compiling the step ahead into {folder} (trace, then compile; nothing is stepped) ...",
+                  file=sys.stderr, flush=True)
+        made = self.runner(donate=donate, background=False)
+        if isinstance(made, DynamoRunner):
+            raise ValueError("precompile: the Dynamo path (fullgraph=False, dynamic=True, capture='dynamo' or extra "
+                             "torch.compile arguments) compiles at its first call; precompile needs the direct path "
+                             "(capture='auto' or 'direct')")
+        seconds = made.precompile(state, batch)
+        if not quiet:
+            print(f"functrain: compiled ahead in {seconds:.1f} s; a run of this step loads it from the caches at its "
+                  f"first trace and runs compiled from then on", file=sys.stderr, flush=True)
+        return seconds
 
     @property
     def compiles(self) -> int:

@@ -49,13 +49,20 @@ text and trains on eagerly; so does a worker that fails (its error and the tail 
 (the signal) or runs past ``FUNCTRAIN_COMPILE_TIMEOUT`` seconds (default 3600; it is killed).
 A worker is its own process group, killed with its compiler children when its job ends early,
 when the step is garbage-collected and at exit, and it dies with the training process if that
-is killed. One exception: when ``ft.run``'s loop completes (:meth:`Background.finish_after_exit`),
-a compile still running at exit finishes after the process has gone, into the caches the next
-run loads, and says so on stderr (``FUNCTRAIN_COMPILE_FINISH=0``: killed too). A run shorter than
-its compile would otherwise never start compiled, however often it is repeated. Backends other
+is killed: nothing of a run outlives it. Opt-in (``FUNCTRAIN_COMPILE_FINISH=1``): when ``ft.run``'s loop
+completes (:meth:`BackgroundCompiler.finish_after_exit`), a compile still running at exit finishes after the
+process has gone, into the caches the next run loads, and says so on stderr. Backends other
 than inductor, whose code cannot travel between processes, compile on the training thread right
 after the first eager call. The jobs themselves (worker, thread,
 inline, cache hit) are :mod:`functrain.compiler.jobs`.
+
+When compiling pays: for a run of known length (:meth:`BackgroundCompiler.expect`, which ``ft.run`` and the
+Trainer call through their runner) a graph that is not in the caches is traced and held, and after
+:data:`~functrain.compiler.policy.DECIDE_AFTER` timed eager steps the compile policy
+(:func:`functrain.compiler.policy.decide`: the steps left, the measured eager step, this machine's history, its
+cores and busy ranks) decides whether to start its compile; a rank that declines says ``DECLINED`` in the per-call
+agreement, and then no rank compiles that signature (said once on stderr, with why). Without ``switch_at`` only,
+and unless ``FUNCTRAIN_COMPILE_POLICY=always``; a run of unknown length compiles at once, as before.
 """
 from __future__ import annotations
 
@@ -65,8 +72,9 @@ from typing import Any, Callable, NamedTuple
 
 from ..core.state import TrainState
 from .capture import Captured, importing as _importing, preload as _preload, wait_for_imports
-from .jobs import (FAILED, READY, RUNNING, TIMEOUT_ENV, FailedJob, InlineJob, Job, LoadedJob, SharedJob, ThreadJob,
-                   WorkerJob, _first, leads_at_once)
+from .jobs import (DECLINED, FAILED, READY, RUNNING, TIMEOUT_ENV, FailedJob, InlineJob, Job, LoadedJob, SharedJob,
+                   ThreadJob, WorkerJob, _first, leads_at_once)
+from .policy import DECIDE_AFTER, Decision
 from .progress import Progress
 from .settings import WorkerSettings
 
@@ -121,6 +129,17 @@ class BackgroundCompiler:
         self._spare: WorkerJob | None = None  # a worker started before the trace, waiting for its job
         self._worker = settings.worker
         self._installed = 0  # graphs whose code this component handed to the runner
+        # the compile policy (see "When compiling pays" above): without switch_at and unless forced
+        self._decides = self.switch_at is None and settings.policy != "always"
+        self.total: int | None = None  # the steps the caller's run has left (expect()), None: unknown
+        self.decision: Decision | None = None  # this process's first decision (its inputs and words)
+        self.declined: set = set()  # signatures every rank agreed not to compile in this run
+        self._held: dict = {}  # signature key -> Captured traced and not in the caches, waiting for the decision
+        self._decisions: dict = {}  # signature key -> this process's Decision
+        self._done = 0  # eager calls made
+        self._timed: list = []  # the eager calls' own seconds (after the first)
+        self._history: Any = None
+        self._kind_seen = "cpu:default"  # the kind of the graph that last switched (the history's key)
         if self._worker == "thread":
             warnings.warn(f"{WORKER_ENV}=thread: compiling in a thread of the training process, for comparison "
                           f"only: torch's compiler saves and restores the global random generator and patches "
@@ -133,13 +152,23 @@ class BackgroundCompiler:
         """What the runner does with a call whose graph (signature ``key``) is not compiled: see the module
         docstring. ``s``: the state without its RNG key; ``graphs``: the runner's
         :class:`~functrain.compiler.runtime.Graphs` (it traces, and holds what ``ft.memory`` traced)."""
-        if key in self.failed:
+        if key in self.failed or key in self.declined:
             return self._eager(state, batch)
         entry = self.jobs.get(key)
         at = self.switch_at
         # the trace starts once the compiler's modules are imported (a thread imports them: seconds the eager
         # steps do not wait for), so its call differs between processes: nothing collective may depend on it
-        start = None if entry is not None or _importing() else (lambda: self._start(s, state, batch, key, graphs))
+        never = self._decides and self.settings.policy == "never"  # (declined before anything is traced)
+        start = None if entry is not None or key in self._held or never or _importing() else \
+            (lambda: self._start(s, state, batch, key, graphs))
+        if start is not None and at is None:
+            # the compiler is imported: trace before this call's eager step (the same work on this thread, in the
+            # other order), so that code found in the caches (a second run, a step compiled ahead) runs this call
+            start()
+            entry = self.jobs.get(key)
+            start = _traced  # (this call did compile work)
+        if entry is None and self._decides and self._ready_to_decide(key):
+            entry = self._decide(key)  # this process's decision: a job started, or None (declined)
         if entry is None:
             self._prepare()
         paused = False
@@ -148,8 +177,13 @@ class BackgroundCompiler:
                 self._poll(entry[1])
             return self._eager(state, batch, start=start)
         if at is None:
-            # every call until the switch, on every rank: is every rank's compiled code ready? (their MIN)
-            status = self.step.agree(RUNNING if entry is None else self._poll(entry[1]))
+            # every call until the switch, on every rank: is every rank's compiled code ready? (their MIN; a rank
+            # whose policy declined says DECLINED, and then no rank compiles this signature)
+            mine = (DECLINED if key in self._decisions else RUNNING) if entry is None else self._poll(entry[1])
+            status = self.step.agree(mine)
+            if status == DECLINED:
+                self._decline(key, entry)
+                return self._eager(state, batch, paused=start is _traced)
             if status == RUNNING or (status == READY and entry is None):  # (READY without a job: cannot be)
                 return self._eager(state, batch, start=start)
         else:  # at or past the switch step (a resumed run): compile now if need be, wait, agree once
@@ -163,6 +197,115 @@ class BackgroundCompiler:
         self._give_up(key, entry[1] if entry is not None else None)  # some rank's compile failed
         return self._eager(state, batch, paused=paused)
 
+    # -- the policy: when compiling pays ----------------------------------------------------------
+    def expect(self, steps: int | None) -> None:
+        """The caller's run has ``steps`` steps left (``None``: unknown): what the policy weighs a compile
+        against (:mod:`functrain.compiler.policy`)."""
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
+            raise ValueError(f"expect: steps must be an int >= 0 or None; got {steps!r}")
+        self.total = None if steps is None else self._done + steps
+
+    def _ready_to_decide(self, key: Any) -> bool:
+        """Decide now? Once the graph is traced (and not in the caches), after :data:`~functrain.compiler.policy.
+        DECIDE_AFTER` timed eager steps (at once when forced never, or when the run's length is unknown)."""
+        if key in self._decisions:
+            return False
+        if self.settings.policy == "never":
+            return True
+        return key in self._held and (self.total is None or len(self._timed) >= DECIDE_AFTER)
+
+    def _kind(self, cap: Captured | None) -> str:
+        device = "cpu"
+        for meta in (cap.metas if cap is not None else ()):
+            if len(meta) == 4 and meta[3] is not None:
+                device = getattr(meta[3], "type", str(meta[3]))
+                break
+        return f"{device}:{self.inductor['mode'] or 'default'}"
+
+    def history(self) -> Any:
+        """This machine's compile history (:class:`~functrain.compiler.history.History`), read once."""
+        if self._history is None:
+            from .history import History
+            self._history = History.beside_caches()
+        return self._history
+
+    def _decide(self, key: Any) -> tuple | None:
+        """This process's decision for signature ``key`` (the inputs measured now); a compile decided is started
+        now (the job entry), a decline returns ``None`` (the ranks agree on it at this call)."""
+        import os
+        from .policy import Inputs, decide
+
+        cap = self._held.pop(key, None)
+        nodes = len(cap.gm.graph.nodes) if cap is not None else 0
+        if cap is not None:
+            pred = self.history().predict(self._kind(cap), nodes)
+            cpu_s, ratio, source = pred
+        else:  # (forced never: nothing traced)
+            cpu_s, ratio, source = 1.0, 1.0, "default"
+        timed = sorted(self._timed)
+        eager_s = timed[len(timed) // 2] if timed else 0.0
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+        try:
+            busy = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+        except ValueError:
+            busy = 1
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            load = 0.0
+        remaining = None if self.total is None else max(self.total - self._done, 0)
+        d = decide(Inputs(remaining, eager_s, cpu_s, ratio, max(cores, 1), busy, load, self.settings.policy,
+                          1.0, source))
+        self._decisions[key] = d
+        if self.decision is None:
+            self.decision = d
+        if not d.compile:
+            return None
+        if leads_at_once():
+            _console(f"functrain: {d.why}")
+        job = self._job(cap)
+        job.started = time.perf_counter()
+        self.jobs[key] = (cap, job)
+        self.progress.phase = "compiling"
+        self.progress.worker_pid = getattr(job, "pid", None)
+        return self.jobs[key]
+
+    def _decline(self, key: Any, entry: tuple | None) -> None:
+        """Every rank agreed: this signature runs eagerly for the rest of this run (said once, with why)."""
+        self.declined.add(key)
+        self._held.pop(key, None)
+        if entry is not None:
+            self.jobs.pop(key, None)
+            entry[1].close()
+        if self._spare is not None and not self.jobs:
+            self._spare.close()
+            self._spare = None
+        p = self.progress
+        p.worker_pid = None
+        p.phase = "compiling" if self.jobs else ("compiled" if self._installed else "eager")
+        mine = self._decisions.get(key)
+        why = mine.why if mine is not None and not mine.compile else \
+            "another process of this run decided that compiling would not pay; training eagerly"
+        if len(self.declined) == 1 and leads_at_once():
+            _console(f"functrain: {why}")
+
+    def _record_compile(self, cap: Captured, job: Job) -> None:
+        """The outcome of a compile this process's worker made: its CPU seconds, into this machine's history."""
+        cpu_s = getattr(job, "cpu_s", None)
+        if cpu_s is None and isinstance(job, SharedJob) and job.inner is not None:
+            cpu_s = getattr(job.inner, "cpu_s", None)
+        if cpu_s is not None and cap is not None and cpu_s > 0:
+            self.history().add_compile(self._kind(cap), len(cap.gm.graph.nodes), cpu_s)
+
+    def record_rates(self, eager_s: float | None, compiled_s: float | None) -> None:
+        """The run's measured eager and compiled step times (seconds, ``None``: not measured), into this
+        machine's history when both are known (by the machine's local rank 0 only)."""
+        if eager_s and compiled_s and eager_s > 0 and compiled_s > 0 and leads_at_once():
+            self.history().add_steps(self._kind_seen, eager_s, compiled_s)
+
     def _poll(self, job: Job) -> int:
         status = job.poll()
         if status == READY and self.progress.phase == "compiling":
@@ -173,7 +316,11 @@ class BackgroundCompiler:
 
     def _eager(self, state: TrainState, batch: Any, start: Callable[[], None] | None = None,
                paused: bool = False) -> Eager:
+        t0 = time.perf_counter()
         new, metrics = self.step.host_call(self.step.apply, state, batch)
+        self._done += 1
+        if self._done > 1 and len(self._timed) < 64:  # (the first call pays one-time costs: not timed)
+            self._timed.append(time.perf_counter() - t0)
         if start is not None:
             start()  # traced on the input state, before a donating runner retires it
             paused = True
@@ -220,7 +367,12 @@ class BackgroundCompiler:
             return
         if self.packages is None:
             cap.inputs = None  # the first state's tensors: a worker needs only their metadata
-        job = self._cached(cap) or self._job(cap)
+        job = self._cached(cap)
+        if job is None and self._decides:  # not in the caches: compiled only if the policy says it pays
+            self._held[key] = cap
+            self.progress.traced = True
+            return
+        job = job or self._job(cap)
         job.started = t0  # the compile time counts from the trace
         self.jobs[key] = (cap, job)
         self.progress.phase = "compiling"
@@ -290,11 +442,12 @@ class BackgroundCompiler:
     def _prepare(self) -> None:
         """Before the eager calls that lead to a compile: the worker process starts (importing torch and
         inductor while this process runs the step and traces it)."""
+        # (a run of known length starts no worker before the policy's decision)
         if self._spare is None and self._worker == "process" and self.backend.shared \
-                and self.packages is None and leads_at_once():
+                and self.packages is None and leads_at_once() and (not self._decides or self.total is None):
             self._spare = WorkerJob(self.settings)
             self.progress.worker_pid = self._spare.pid
-        if self.progress.phase == "eager":
+        if self.progress.phase == "eager" and (not self._decides or self.total is None):
             self.progress.phase = "compiling"
 
     def _ready(self, key: Any, cap: Captured, job: Job) -> Ready:
@@ -313,6 +466,9 @@ class BackgroundCompiler:
         for note in job.notes:  # (a damaged cache entry the compile set aside and rebuilt)
             warnings.warn(f"ft.compile: {note}", RuntimeWarning, stacklevel=5)
         source = job.source if fn is not None else "here"
+        self._kind_seen = self._kind(cap)
+        if source == "worker":
+            self._record_compile(cap, job)
         p = self.progress
         if p.compile_s is None:  # the compile's own time: to its code being ready, plus loading it here
             p.compile_s = ((job.finished or t0) - job.started) + (time.perf_counter() - t0)
@@ -359,7 +515,7 @@ class BackgroundCompiler:
         """The capture a compile job for signature ``key`` was started from (as traced: nothing compiled it
         here yet), or ``None``: what :func:`functrain.memory` estimates without tracing again."""
         entry = self.jobs.get(key)
-        return entry[0] if entry is not None else None
+        return entry[0] if entry is not None else self._held.get(key)
 
     def close(self) -> None:
         """Stop every compile still running; their signatures run eagerly from now on (said by no warning:
@@ -368,6 +524,7 @@ class BackgroundCompiler:
             job.close()
             self.failed.add(key)
         self.jobs.clear()
+        self._held.clear()
         if self._spare is not None:
             self._spare.close()
             self._spare = None
@@ -375,3 +532,12 @@ class BackgroundCompiler:
         p.worker_pid = None
         if p.phase in ("compiling", "ready"):
             p.phase, p.reason = ("compiled" if self._installed else "failed"), "stopped by close()"
+
+
+def _traced() -> None:
+    """(the trace of this call was made already)"""
+
+
+def _console(line: str) -> None:
+    import sys
+    print(line, file=sys.stderr, flush=True)

@@ -8,9 +8,9 @@ thread loads from them; :class:`SharedJob` makes it one worker per machine), a d
 (:class:`InlineJob`: backends whose code cannot travel), a cache hit (:class:`LoadedJob`) and a trace that
 failed (:class:`FailedJob`). Every job is bounded: ``FUNCTRAIN_COMPILE_TIMEOUT`` seconds (default 3600),
 and a worker is killed with its compiler children when its job ends early, when it is garbage-collected
-and at exit, with one exception: a job whose run ended normally (:meth:`WorkerJob.finish_after_exit`,
-called by ``ft.run`` when its loop completes) is left to finish at exit, so that the next run finds
-the code in the caches (``FUNCTRAIN_COMPILE_FINISH=0``: killed as the others). The settings come from
+and at exit: nothing of a run outlives it. One opt-in exception (``FUNCTRAIN_COMPILE_FINISH=1``): a job whose
+run ended normally (:meth:`WorkerJob.finish_after_exit`, called by ``ft.run`` when its loop completes) is left
+to finish at exit, so that the next run finds the code in the caches. The settings come from
 :class:`~functrain.compiler.settings.WorkerSettings`, read once by ``ft.compile``: nothing here reads the
 environment.
 
@@ -37,12 +37,13 @@ from .capture import Captured
 from .settings import WorkerSettings
 
 __all__ = ["Job", "FailedJob", "InlineJob", "LoadedJob", "ThreadJob", "WorkerJob", "SharedJob", "TIMEOUT_ENV",
-           "FINISH_ENV", "GRACE_ENV", "RUNNING", "READY", "FAILED", "leads_at_once", "worker_command", "outlives"]
+           "FINISH_ENV", "GRACE_ENV", "RUNNING", "READY", "FAILED", "DECLINED", "leads_at_once", "worker_command", "outlives"]
 
 TIMEOUT_ENV = "FUNCTRAIN_COMPILE_TIMEOUT"  # (named in messages; read by compiler.settings only)
 FINISH_ENV = "FUNCTRAIN_COMPILE_FINISH"
 GRACE_ENV = "FUNCTRAIN_COMPILE_FOLLOW_S"
 RUNNING, READY, FAILED = 0, 1, -1  # a job's status, and what the ranks agree on (their MIN)
+DECLINED = -2  # (agreed only) a rank's compile policy decided not to compile: no rank compiles
 
 
 def worker_command(module: str, *args: str) -> list[str]:
@@ -60,8 +61,12 @@ def worker_command(module: str, *args: str) -> list[str]:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cwd = os.getcwd()
     path = [root] + [p for p in sys.path if p and p != root and os.path.abspath(p) != cwd]
-    code = (f"import sys; sys.path[:] = {path!r}; import importlib; "
-            f"sys.exit(importlib.import_module(sys.argv[1]).main(sys.argv[2:]))")
+    # it dies with this process from its first line (the kernel's parent-death signal, set before torch is imported:
+    # seconds during which it would otherwise outlive a parent killed meanwhile); the module's main refines it
+    code = (f"import sys, os\nsys.path[:] = {path!r}\n"
+            f"try:\n import ctypes; ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)\nexcept Exception:\n pass\n"
+            f"if os.getppid() != {os.getpid()}: os.kill(os.getpid(), 9)\n"
+            f"import importlib; sys.exit(importlib.import_module(sys.argv[1]).main(sys.argv[2:]))")
     # (the module's name is an argument of its own: what `ps` shows, and what a test finds the worker by)
     return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-c", code, module, *args]
 
@@ -80,6 +85,7 @@ class Job:
     source = "here"  # where the code is made (Progress.source)
     reason: str | None = None
     seconds: float | None = None  # the compile itself, where it is known
+    cpu_s: float | None = None  # the CPU seconds the compile's process used (a worker's), where it is known
     said = False  # its failure was warned about
     notes: list = []  # what the compile asks to be said (a damaged cache entry it set aside and rebuilt)
     finished: float | None = None  # when the code was ready
@@ -360,6 +366,8 @@ class WorkerJob(Job):
         if isinstance(result, dict):
             self.notes = [str(n) for n in result.get("notes") or ()][:10]
         if code == 0 and isinstance(result, dict) and result.get("ok"):
+            cpu = result.get("cpu_s")
+            self.cpu_s = float(cpu) if isinstance(cpu, (int, float)) and not isinstance(cpu, bool) else None
             return self._ready(float(result.get("seconds") or 0.0))
         if code < 0:
             why = f"was killed by signal {signal.Signals(-code).name}"

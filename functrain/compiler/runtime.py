@@ -36,12 +36,13 @@ import optree
 import torch
 
 from ..core.checks import check_batch
-from ..core.rng import with_rng
+from ..core.rng import host_seed, with_rng
 from ..core.step import Step
 from .backend import CountingBackend, DynamoCall, compile_captured
 from .background import BackgroundCompiler, Ready
 from .capture import CaptureError, Captured, Signature, flatten, trace
 from .errors import explain
+from .host_draws import DrawCases
 from .progress import PhaseRates, Progress
 
 __all__ = ["Graphs", "Runner", "DynamoRunner", "next_rng", "signature_key"]
@@ -77,6 +78,8 @@ class Graphs:
     Attributes:
         captures: ``{signature key: Captured}`` compiled.
         pending: ``{signature key: Captured}`` traced for :func:`functrain.memory`, compiled on first use.
+        draws: which capture a call takes when the step branches on Python draws
+            (:class:`~functrain.compiler.host_draws.DrawCases`; its keys stand in for signature keys).
     """
 
     def __init__(self, step: Step, backend: CountingBackend, *, memory: str, packages: Any = None,
@@ -89,12 +92,14 @@ class Graphs:
         self.reuse_blocks = reuse_blocks and packages is None  # (a package's key covers the graph's code only)
         self.captures: dict = {}
         self.pending: dict = {}
+        self.draws = DrawCases()
 
     def trace(self, s: Any, state: Any, batch: Any) -> Captured:
         """Trace the graph for ``(s, batch)`` (not compiled: ``fn`` is ``None``); a step that is not one graph
         raises :class:`~functrain.compiler.errors.GraphBreakError` (a user error raises itself)."""
         try:
-            return trace(self.step.apply, s, batch, self.memory, reuse_blocks=self.reuse_blocks)
+            return trace(self.step.apply, s, batch, self.memory, reuse_blocks=self.reuse_blocks,
+                         host_seed=host_seed(getattr(state, "rng", None)))
         except CaptureError as e:
             raise explain(self.step, e.__cause__ or e, state, batch, tracer="make_fx") from e
 
@@ -106,6 +111,7 @@ class Graphs:
             cap = self.pending.pop(key, None) or self.trace(s, state, batch)
             compile_captured(cap, self.backend, packages=self.packages, cuda_graphs=self.cuda_graphs)
             self.captures[key] = cap
+            self.draws.add(key, cap)
         return cap
 
     def install(self, key: Any, cap: Captured, fn: Any) -> Captured:
@@ -113,6 +119,7 @@ class Graphs:
         it here, on the caller's thread)."""
         compile_captured(cap, self.backend, packages=self.packages, cuda_graphs=self.cuda_graphs, fn=fn)
         self.captures[key] = cap
+        self.draws.add(key, cap)
         return cap
 
     def take_pending(self, key: Any) -> Captured | None:
@@ -168,7 +175,7 @@ class Runner:
         cap = self.last
         tensors = None
         paused = False
-        if cap is not None:
+        if cap is not None and (cap.draws is None or DrawCases.holds(cap, host_seed(rng))):  # (host_draws)
             leaves = flatten(cap.signature.spec, (s, batch))
             if leaves is not None:
                 tensors = cap.signature.tensors(leaves, self.trusted)
@@ -176,6 +183,7 @@ class Runner:
             self.step.check_state(state)  # a bad input or a donated state raises its clear error here
             check_batch(batch)
             leaves, key = signature_key(s, batch)
+            key = self.graphs.draws.key(key, rng)  # (the step's Python draws pick among its captures: host_draws)
             old, cap = cap, self.graphs.captures.get(key)
             if cap is None and self.background is not None:  # eager until this graph is compiled elsewhere
                 decision = self.background.on_miss(state, batch, s, key, self.graphs)
@@ -187,6 +195,8 @@ class Runner:
                     self.rates.record("eager", paused)
                     return decision.new, decision.metrics
                 cap = self.graphs.install(key, decision.capture, decision.fn)
+                if not DrawCases.holds(cap, host_seed(rng)):  # it holds another outcome of the draws: keyed anew
+                    return self(state, batch)
                 if self.memory != "fresh":  # a donating graph writes every leaf in place: no two may share one
                     state = _unaliased(state)
                     s = state._replace(rng=None) if rng is not None else state
@@ -246,9 +256,32 @@ class Runner:
 
     def finish_after_exit(self, finish: bool = True) -> None:
         """The caller's run ended normally (``finish``) or was stopped (``False``): whether a background compile
-        still running may finish after the process exits (the rule: :func:`functrain.compiler.jobs.outlives`)."""
+        still running may finish after the process exits (the rule: :func:`functrain.compiler.jobs.outlives`);
+        the run's measured step times go into this machine's compile history."""
         if self.background is not None:
+            eager, compiled = self.rates.rate("eager"), self.rates.rate("compiled")
+            self.background.record_rates(1.0 / eager if eager else None, 1.0 / compiled if compiled else None)
             self.background.finish_after_exit(finish)
+
+    def expect(self, steps: int | None) -> None:
+        """The caller's run has ``steps`` calls left (``None``: unknown): what a background compile's policy weighs
+        the compile against (:mod:`functrain.compiler.policy`; ``ft.run`` and the Trainer say it)."""
+        if self.background is not None:
+            self.background.expect(steps)
+
+    def precompile(self, state: Any, batch: Any) -> float:
+        """Trace and compile the graph for ``(state, batch)`` now, on the caller's thread, into the caches (and
+        install it in the step's graphs); nothing is stepped. Returns the seconds it took (0 when it was
+        compiled already)."""
+        s = _without_rng(state)
+        self.step.check_state(state)
+        check_batch(batch)
+        _, key = signature_key(s, batch)
+        if key in self.graphs.captures:
+            return 0.0
+        t0 = time.perf_counter()
+        self.graphs.compiled(key, s, state, batch)
+        return time.perf_counter() - t0
 
     def close(self) -> None:
         """Stop this runner's background compiles that still run; their signatures run eagerly from now on."""
@@ -299,6 +332,9 @@ class DynamoRunner:
 
     def finish_after_exit(self, finish: bool = True) -> None:
         """Nothing compiles in the background on the Dynamo path."""
+
+    def expect(self, steps: int | None) -> None:
+        """Nothing compiles in the background on the Dynamo path: nothing to weigh."""
 
     def close(self) -> None:
         """Nothing to stop on the Dynamo path."""

@@ -15,8 +15,11 @@ FUNCTRAIN_COMPILE_NICE        10          the worker's niceness increment, an in
 FUNCTRAIN_COMPILE_LOCK_TIMEOUT 600        seconds to wait for another process's compile, ``0 <= t <= 86400``
 FUNCTRAIN_COMPILE_FOLLOW_S    5           seconds a rank waits for local rank 0 to start a compile,
                                           ``0 <= t <= 3600``
-FUNCTRAIN_COMPILE_FINISH      ``1``       ``1``: a compile still running when its run ended normally
-                                          finishes after exit; ``0``: it is killed at exit
+FUNCTRAIN_COMPILE_FINISH      ``0``       ``0``: a compile still running when its run ends is killed with it
+                                          (nothing of a run outlives it); ``1`` (opt-in): when the run ended
+                                          normally, it finishes after exit, into the caches
+FUNCTRAIN_COMPILE_POLICY      ``auto``    ``auto``: compile when it pays in this run (:mod:`functrain.compiler.
+                                          policy`); ``always``: compile; ``never``: train eagerly
 ============================  ==========  ==============================================================
 """
 from __future__ import annotations
@@ -79,6 +82,8 @@ SETTINGS: tuple[Setting, ...] = (
             "finite, at most 3600"),
     Setting("FUNCTRAIN_COMPILE_FINISH", "finish", lambda raw: _choice("0", "1")(raw) == "1",
             "0 (a compile still running at exit is killed) or 1 (it finishes after a run that ended normally)"),
+    Setting("FUNCTRAIN_COMPILE_POLICY", "policy", _choice("auto", "always", "never"),
+            "'auto' (compile when it pays in this run), 'always' or 'never'"),
 )
 """Every ``FUNCTRAIN_COMPILE_*`` variable, in one table (the module docstring gives the defaults)."""
 
@@ -93,7 +98,8 @@ class WorkerSettings:
         nice: the worker's niceness increment.
         lock_timeout: seconds a blocking compile waits for another process compiling the same graph.
         follow_s: seconds a rank other than local rank 0 waits for it to start a graph's compile.
-        finish: whether a compile still running when its run ended normally may finish after exit.
+        finish: whether a compile still running when its run ended normally may finish after exit (opt-in).
+        policy: ``"auto"`` (the compile policy decides whether compiling pays), ``"always"`` or ``"never"``.
 
     Example::
 
@@ -111,7 +117,8 @@ class WorkerSettings:
     nice: int = 10
     lock_timeout: float = 600.0
     follow_s: float = 5.0
-    finish: bool = True
+    finish: bool = False
+    policy: str = "auto"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "WorkerSettings":

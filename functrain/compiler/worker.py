@@ -16,10 +16,12 @@ the per-graph machine-wide lock, the probe memo, a tracing context with a shape 
 so its entries land in AOTAutograd's and inductor's on-disk caches under the keys the parent
 then loads (:meth:`~functrain.compiler.backend.CountingBackend.load`), and a later run finds.
 
-It answers one JSON line on stdout, ``{"ok": true, "seconds": s}`` or ``{"ok": false, "error":
+It answers one JSON line on stdout, ``{"ok": true, "seconds": s, "cpu_s": c}`` (``c``: its CPU seconds, its
+compiler subprocesses' included) or ``{"ok": false, "error":
 "..."}``, and exits. It runs at a lower priority (``nice`` + ``NICE``, ``FUNCTRAIN_COMPILE_NICE`` as the
 parent read it, 10 by default: its compiler subprocesses inherit it), ignores Ctrl-C (its parent decides) and dies
-with its parent (``PR_SET_PDEATHSIG``; :func:`functrain.core.procs.die_with_parent`), unless the
+with its parent, its compiler children with it (``PR_SET_PDEATHSIG``: :func:`functrain.core.procs.die_with_parent`,
+then SIGTERM, whose handler kills the worker's process group; a thread watching the parent backs it up), unless the
 parent, ending its run normally, sends it ``SIGUSR1`` first (once it has said ``ready``: the signal
 is handled from then on): then it answers ``detached`` on stdout at once, finishes its compile after
 the parent has gone (so the next run loads the code from the caches;
@@ -224,7 +226,51 @@ def _run(data: bytes) -> dict:
         t0 = time.perf_counter()
         notes: list = []  # (a damaged cache file set aside and rebuilt: the parent says it)
         compile_graph(backend, gm, tuple(job["metas"]), notes)
-    return {"ok": True, "seconds": time.perf_counter() - t0, "notes": notes}
+    return {"ok": True, "seconds": time.perf_counter() - t0, "cpu_s": _cpu_s(), "notes": notes}
+
+
+def _cpu_s() -> float:
+    """The CPU seconds this worker used, its compiler subprocesses' included (what the machine paid for the
+    compile, its imports counted: the compile policy's history records it)."""
+    import resource
+
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
+
+
+def _group_dies_with_parent(parent: int) -> Any:
+    """Make this worker's whole process group (it and its compiler children: gcc, inductor's compile pool) die
+    when the parent dies, however it dies (a SIGTERM or SIGKILL skips the parent's exit handlers): the kernel's
+    parent-death signal is SIGTERM, whose handler kills the group, and a daemon thread checks the parent ten times
+    a second as a second line. Returns the event that :func:`main`'s detach sets to turn both off."""
+    import threading
+
+    detached = threading.Event()
+
+    def kill_group(*_: Any) -> None:
+        if not detached.is_set():
+            os.killpg(0, signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, kill_group)
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # gone already (the race between start and prctl)
+        kill_group()
+
+    def watch() -> None:
+        while not detached.wait(0.1):
+            if os.getppid() != parent:
+                kill_group()
+
+    threading.Thread(target=watch, name="functrain-worker-orphan", daemon=True).start()
+    return detached
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     argv = sys.argv[1:] if argv is None else argv
-    die_with_parent(int(argv[0]) if argv and argv[0].isdigit() else None)
+    parent = int(argv[0]) if argv and argv[0].isdigit() else os.getppid()
+    die_with_parent(parent)
+    orphaned = _group_dies_with_parent(parent)
     # (the parent checked both: WorkerSettings)
     timeout = float(argv[1]) if len(argv) > 1 else 3600.0
     nice = int(argv[2]) if len(argv) > 2 else 10
@@ -252,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         # killing it with its compiler children (its own process group)
         signal.signal(signal.SIGALRM, lambda *_: os.killpg(0, signal.SIGKILL))
         signal.setitimer(signal.ITIMER_REAL, max(timeout - (time.monotonic() - started), 1.0))
+        orphaned.set()  # (the group no longer dies with the parent)
         outlive_parent()
         out.write("detached\n")
         out.flush()

@@ -9,6 +9,12 @@ compiled step is built, and takes over when it is ready: the runner's own rate m
 :class:`~functrain.compiler.progress.Progress` say when the switch happened (``switched_at``), how long the
 compile took (``compile_s``, once) and the throughput on each path so far (``steps_per_s_eager``,
 ``steps_per_s_compiled``).
+
+Whether a background compile starts at all is the compile policy's decision (:mod:`functrain.compiler.policy`),
+made after the first few eager steps: it goes to ``metrics.jsonl`` once (``compile_decision``: 1 compile, 0 train
+eagerly, with its numbers: ``compile_predicted_cpu_s``, ``compile_gain_s``, ``compile_cost_s``,
+``compile_eager_step_s``, ``compile_steps_left``, ``compile_cores``, ``compile_busy``) and to the summary in words.
+:func:`precompile` compiles a Trainer's step ahead (``--precompile`` on examples/diffusion.py).
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from typing import Any
 
 from ..compiler import Runner
 
-__all__ = ["RunClock"]
+__all__ = ["RunClock", "precompile"]
 
 
 class RunClock:
@@ -44,6 +50,7 @@ class RunClock:
         self.compiled = compiled and not background  # the first step is the compile (a blocking one)
         self.rates = runner.rates if background else None  # a background compile: each path's throughput
         self.progress = runner.progress if background else None  # ... and its phase
+        self.policy = runner.background if background else None  # the compile policy's decision (BackgroundCompiler)
         self.first_at: float | None = None  # when the first step returned (after compiling)
         self.compile_s = 0.0  # a blocking compile: the first step's time
         self.reported: set = set()  # the fields logged once that were logged
@@ -62,6 +69,7 @@ class RunClock:
         now = time.perf_counter()
         if self.rates is not None:
             self._background(host)
+            self._decision(host)
         if self.compiled and self.first_at is not None and "compile_s" not in self.reported:
             host["compile_s"] = self.compile_s
             self.reported.add("compile_s")
@@ -84,6 +92,18 @@ class RunClock:
             if rate is not None:
                 host[f"steps_per_s_{path}"] = rate
 
+    def _decision(self, host: dict) -> None:
+        d = self.policy.decision
+        if d is None or "compile_decision" in self.reported:
+            return
+        i = d.inputs
+        host.update({"compile_decision": int(d.compile), "compile_predicted_cpu_s": round(i.compile_cpu_s, 3),
+                     "compile_gain_s": round(min(d.gain_s, 1e12), 3), "compile_cost_s": round(d.cost_s, 3),
+                     "compile_eager_step_s": i.eager_s, "compile_cores": i.cores, "compile_busy": i.busy})
+        if i.remaining is not None:
+            host["compile_steps_left"] = i.remaining
+        self.reported.add("compile_decision")
+
     def wall_s(self) -> float:
         """Seconds since the run started."""
         return time.perf_counter() - self.t0
@@ -97,14 +117,42 @@ class RunClock:
         if self.rates is None:
             return []
         p, rates = self.progress, self.rates
+        d = self.policy.decision
+        said = [f"compile policy ({d.inputs.source} predictions): {d.why}"] if d is not None else []
+        if d is not None and not d.compile or self.policy.declined:
+            return said
         speeds = ", ".join(f"{k} {v:.1f} steps/s" for k in ("eager", "compiled") if (v := rates.rate(k)))
         speeds = f" ({speeds})" if speeds else ""
         if p.phase == "failed":
-            return [f"the background compile failed, every step ran eagerly{speeds}: {str(p.reason)[:200]}"]
+            return said + [f"the background compile failed, every step ran eagerly{speeds}: {str(p.reason)[:200]}"]
         if rates.switched_at is not None:
             took = f" in {p.compile_s:.1f} s" if p.compile_s is not None else ""
             at = self.start + rates.switched_at
-            return [f"compiled in the background{took}; the compiled step took over at step {at}{speeds}"]
+            return said + [f"compiled in the background{took}; the compiled step took over at step {at}{speeds}"]
         if rates.steps["eager"] and not rates.steps["compiled"]:
-            return [f"the background compile had not finished: every step ran eagerly{speeds}"]
-        return [f"compiled{speeds}"] if speeds else []
+            return said + [f"the background compile had not finished: every step ran eagerly{speeds}"]
+        return said + ([f"compiled{speeds}"] if speeds else [])
+
+
+def precompile(trainer: Any, quiet: bool = False) -> float:
+    """Compile a Trainer's step ahead, into the compile caches, without training: the step of its first state
+    (:meth:`~functrain.Trainer.initial_state`) and one batch of its loader (the loader's position is put back).
+    A later ``train()`` (this process's, or a later run's) then runs compiled from its first steps. Returns the
+    seconds it took. ``TrainConfig(compile=False)`` has nothing to compile: ``ValueError``.
+
+    Example::
+
+        trainer = ft.Trainer(model, dataset, config)
+        precompile(trainer)      # "functrain: compiled ahead in 41.2 s ..."; exit, or train()
+    """
+    compiled = getattr(trainer, "compiled", None)
+    if compiled is None:
+        raise ValueError("precompile: this Trainer's step is not compiled (TrainConfig(compile=False)): nothing to "
+                         "compile ahead")
+    loader = trainer.loader
+    position = loader.state_dict()
+    try:
+        batch = next(iter(loader))
+    finally:
+        loader.load_state_dict(position)
+    return compiled.precompile(trainer.initial_state(), batch, donate=True, quiet=quiet or trainer.rank != 0)

@@ -1,0 +1,176 @@
+"""This machine's compile history: what the compile policy (:mod:`functrain.compiler.policy`) predicts from.
+
+One small JSON file beside the compile caches (``functrain_history.json`` in inductor's cache folder, which
+:mod:`functrain.compiler.cache` checked is this user's alone), written atomically (a temporary file in the same
+folder, flushed, then renamed over it). It holds, per kind of graph (the device and the inductor mode):
+
+* ``compiles``: the last :data:`KEEP` compiles, each ``{"nodes": graph nodes, "cpu_s": CPU seconds}``;
+* ``steps``: the last :data:`KEEP` runs that ran both paths, each ``{"eager_s": s, "compiled_s": s}``.
+
+A prediction scales the compile of the nearest graph size by the ratio of node counts, and takes the median
+ratio of the compiled step to the eager one. A new machine (no entry of that kind) gets the conservative defaults
+(:data:`DEFAULT_BASE_S` + :data:`DEFAULT_PER_NODE_S` per node; :data:`DEFAULT_RATIO`). A damaged file (not JSON,
+not this format, too large) is not used: one warning names it, it is moved aside as ``<name>.damaged`` at the next
+write, and the defaults apply: never a crash.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import warnings
+from typing import Any, NamedTuple
+
+__all__ = ["History", "Prediction", "FILENAME", "KEEP", "DEFAULT_BASE_S", "DEFAULT_PER_NODE_S", "DEFAULT_RATIO"]
+
+FILENAME = "functrain_history.json"
+FORMAT = 1
+KEEP = 20
+MAX_BYTES = 1 << 20
+DEFAULT_BASE_S = 20.0
+DEFAULT_PER_NODE_S = 0.05
+DEFAULT_RATIO = 0.8
+
+
+class Prediction(NamedTuple):
+    """A graph's predicted compile CPU seconds and compiled/eager step ratio; ``source``: ``"history"`` or
+    ``"default"`` (the ratio's and the compile's sources can differ: ``"history"`` when either came from it)."""
+
+    compile_cpu_s: float
+    compiled_ratio: float
+    source: str
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and 0 <= v < 1e9
+
+
+def _valid(data: Any) -> bool:
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("kinds"), dict):
+        return False
+    for entry in data["kinds"].values():
+        if not isinstance(entry, dict):
+            return False
+        for field, keys in (("compiles", ("nodes", "cpu_s")), ("steps", ("eager_s", "compiled_s"))):
+            rows = entry.get(field, [])
+            if not isinstance(rows, list) or not all(
+                    isinstance(r, dict) and all(_number(r.get(k)) for k in keys) for r in rows):
+                return False
+    return True
+
+
+class History:
+    """The history file at ``path`` (read at once; a damaged file warns once and reads as empty).
+
+    Example::
+
+        >>> import tempfile, os
+        >>> h = History(os.path.join(tempfile.mkdtemp(), "h.json"))
+        >>> h.predict("cpu:default", 1000).source
+        'default'
+        >>> h.add_compile("cpu:default", 1000, 12.0)
+        >>> h.predict("cpu:default", 2000).compile_cpu_s
+        24.0
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.damaged: str | None = None  # why the file on disk was not used
+        self.data = self._read()
+
+    @classmethod
+    def beside_caches(cls) -> "History":
+        """The history of inductor's cache folder this process compiles into."""
+        from .cache import inductor_dir
+        return cls(os.path.join(inductor_dir(), FILENAME))
+
+    def _read(self) -> dict:
+        empty = {"format": FORMAT, "kinds": {}}
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            return empty
+        except OSError as e:
+            return self._refuse(f"it cannot be opened ({e.strerror or e})", empty)
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+        if len(raw) > MAX_BYTES:
+            return self._refuse(f"it is larger than {MAX_BYTES} bytes", empty)
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            return self._refuse(f"it is not JSON ({type(e).__name__}: {str(e)[:100]})", empty)
+        if not _valid(data):
+            return self._refuse(f"it is not a format-{FORMAT} compile history", empty)
+        return data
+
+    def _refuse(self, why: str, empty: dict) -> dict:
+        self.damaged = why
+        warnings.warn(f"ft.compile: not using the compile history {self.path!r}: {why}; predicting from the "
+                      f"defaults (it is set aside as {os.path.basename(self.path)}.damaged at the next write)",
+                      RuntimeWarning, stacklevel=3)
+        return empty
+
+    def _kind(self, kind: str) -> dict:
+        return self.data["kinds"].setdefault(kind, {"compiles": [], "steps": []})
+
+    def predict(self, kind: str, nodes: int) -> Prediction:
+        """The compile's CPU seconds for a graph of ``nodes`` nodes of ``kind``, and the compiled/eager ratio."""
+        entry = self.data["kinds"].get(kind) or {}
+        compiles, steps = entry.get("compiles") or [], entry.get("steps") or []
+        source = "default"
+        cpu = DEFAULT_BASE_S + DEFAULT_PER_NODE_S * max(nodes, 0)
+        if compiles:
+            near = min(compiles, key=lambda r: abs(_log(r["nodes"]) - _log(nodes)))
+            cpu = max(float(near["cpu_s"]) * max(nodes, 1) / max(near["nodes"], 1), 0.1)
+            source = "history"
+        ratio = DEFAULT_RATIO
+        ratios = sorted(r["compiled_s"] / r["eager_s"] for r in steps if r["eager_s"] > 0 and r["compiled_s"] > 0)
+        if ratios:
+            ratio = ratios[len(ratios) // 2]
+            source = "history"
+        return Prediction(cpu, ratio, source)
+
+    def add_compile(self, kind: str, nodes: int, cpu_s: float) -> None:
+        """Record a compile of a graph of ``nodes`` nodes that took ``cpu_s`` CPU seconds (and write the file)."""
+        rows = self._kind(kind)["compiles"]
+        rows.append({"nodes": int(nodes), "cpu_s": round(float(cpu_s), 3)})
+        del rows[:-KEEP]
+        self.write()
+
+    def add_steps(self, kind: str, eager_s: float, compiled_s: float) -> None:
+        """Record a run's eager and compiled step times (and write the file)."""
+        rows = self._kind(kind)["steps"]
+        rows.append({"eager_s": round(float(eager_s), 7), "compiled_s": round(float(compiled_s), 7)})
+        del rows[:-KEEP]
+        self.write()
+
+    def write(self) -> None:
+        """Write the history atomically; a file that was damaged is moved aside first. A failure warns (the run
+        goes on: the history only predicts)."""
+        folder = os.path.dirname(os.path.abspath(self.path))
+        try:
+            if self.damaged is not None and os.path.lexists(self.path):
+                os.replace(self.path, self.path + ".damaged")
+                self.damaged = None
+            fd, tmp = tempfile.mkstemp(prefix=".history-", suffix=".tmp", dir=folder)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(self.data, f, sort_keys=True)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
+        except OSError as e:
+            warnings.warn(f"ft.compile: the compile history {self.path!r} was not written ({e}); later runs "
+                          f"predict from what it held", RuntimeWarning, stacklevel=3)
+
+
+def _log(n: float) -> float:
+    import math
+    return math.log(max(float(n), 1.0))

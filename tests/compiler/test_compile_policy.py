@@ -1,0 +1,328 @@
+"""The compile policy (functrain.compiler.policy), the machine's compile history (functrain.compiler.history),
+nothing of a run outliving it, and compiling ahead (CompiledStep.precompile)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from functrain.compiler import history as history_mod
+from functrain.compiler.history import History
+from functrain.compiler.policy import Inputs, decide
+from functrain.compiler.settings import BadSetting, WorkerSettings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+JOB = os.path.join(HERE, "policy_job.py")
+
+
+# -- the decision, a pure function ----------------------------------------------------------------
+def _reference(i: Inputs) -> tuple[bool, float, float]:
+    """The model of the module docstring, written out again: (spare, gain, cost)."""
+    occupied = max(i.busy, i.load)
+    spare = i.cores - occupied >= 1
+    ready = i.compile_cpu_s if spare else i.compile_cpu_s * (occupied + 1) / i.cores
+    cost = i.load_s if spare else i.compile_cpu_s + i.load_s
+    steps_while = ready / i.eager_s if i.eager_s > 0 else math.inf
+    gain = max(0.0, i.remaining - steps_while) * i.eager_s * max(0.0, 1 - i.compiled_ratio)
+    return spare, gain, cost
+
+
+README = Inputs(remaining=400, eager_s=0.005, compile_cpu_s=60.0, compiled_ratio=0.8, cores=2, busy=2)
+
+
+@pytest.mark.parametrize("inputs, compiles, spare", [
+    (README, False, False),  # the README's main job on a 2-core machine: 2 s of steps, a minute of compile
+    (README._replace(remaining=1_000_000), True, False),  # a long run pays for it even on the ranks' cores
+    (README._replace(cores=16), False, True),  # a spare core, but the run ends long before the compile
+    (README._replace(cores=16, remaining=100_000), True, True),
+    (README._replace(cores=16, remaining=100_000, load=15.5), True, False),  # others keep the cores busy
+    (README._replace(remaining=None), True, False),  # an unknown length compiles (as before)
+    (README._replace(remaining=10**9, compiled_ratio=1.2), False, False),  # compiled no faster: never pays
+    (README._replace(remaining=0, force="always"), True, False),
+    (README._replace(remaining=10**9, cores=64, force="never"), False, True),
+])
+def test_decision_table(inputs, compiles, spare):
+    d = decide(inputs)
+    assert (d.compile, d.spare) == (compiles, spare), d
+    assert d.inputs == inputs and d.record()["compile"] == compiles
+
+
+def test_a_decline_says_the_numbers_and_how_to_compile_ahead():
+    d = decide(README)
+    assert d.why.startswith("compiling would not pay in this run: ~60 s to compile, ~0 s to gain"), d.why
+    assert "precompile" in d.why and "--precompile" in d.why
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("remaining", -1, "an int >= 0 or None"), ("remaining", 1.5, "an int >= 0 or None"),
+    ("eager_s", float("nan"), "a finite number >= 0"), ("compile_cpu_s", -2.0, "a finite number >= 0"),
+    ("compiled_ratio", 0.0, "a finite number > 0"), ("cores", 0, "an int >= 1"), ("busy", True, "an int >= 1"),
+    ("load", float("inf"), "a finite number >= 0"), ("force", "sometimes", "one of 'auto', 'always', 'never'"),
+])
+def test_bad_inputs_are_named(field, value, allowed):
+    with pytest.raises(ValueError, match=f"{field} must be {allowed}; got {value!r}"):
+        decide(README._replace(**{field: value}))
+
+
+inputs = st.builds(
+    Inputs, remaining=st.integers(0, 10**7), eager_s=st.floats(1e-5, 10.0), compile_cpu_s=st.floats(0.0, 3600.0),
+    compiled_ratio=st.floats(0.05, 2.0), cores=st.integers(1, 128), busy=st.integers(1, 16),
+    load=st.floats(0.0, 64.0), force=st.just("auto"), load_s=st.floats(0.0, 10.0))
+
+
+@given(inputs, st.integers(0, 10**7))
+def test_monotone_in_the_steps_left(i, more):
+    if decide(i).compile:
+        assert decide(i._replace(remaining=i.remaining + more)).compile
+
+
+@given(inputs, st.integers(0, 64))
+def test_more_cores_never_turn_a_compile_into_a_decline(i, more):
+    if decide(i).compile:
+        assert decide(i._replace(cores=i.cores + more)).compile
+
+
+@given(inputs)
+def test_compiles_exactly_when_the_gain_exceeds_the_cost(i):
+    spare, gain, cost = _reference(i)
+    d = decide(i)
+    assert d.spare == spare
+    assert d.compile == (gain > cost)
+    if not spare:  # no spare core: never when the gain is below the compile's cost
+        assert cost >= i.compile_cpu_s
+        if gain <= i.compile_cpu_s:
+            assert not d.compile
+
+
+@given(inputs, st.sampled_from(["always", "never"]))
+def test_forcing_wins(i, force):
+    assert decide(i._replace(force=force)).compile == (force == "always")
+
+
+@given(inputs)
+def test_an_unknown_length_compiles(i):
+    assert decide(i._replace(remaining=None)).compile
+
+
+def test_the_setting_forces_and_finish_is_opt_in():
+    assert WorkerSettings.from_env({}).policy == "auto"
+    assert WorkerSettings.from_env({}).finish is False  # nothing of a run outlives it unless asked
+    assert WorkerSettings.from_env({"FUNCTRAIN_COMPILE_POLICY": "never"}).policy == "never"
+    with pytest.raises(BadSetting, match="FUNCTRAIN_COMPILE_POLICY must be 'auto' .* got 'sometimes'"):
+        WorkerSettings.from_env({"FUNCTRAIN_COMPILE_POLICY": "sometimes"})
+
+
+# -- the history file -------------------------------------------------------------------------------
+def test_history_predicts_from_what_it_recorded(tmp_path):
+    path = str(tmp_path / "h.json")
+    h = History(path)
+    assert h.predict("cpu:default", 100) == (history_mod.DEFAULT_BASE_S + history_mod.DEFAULT_PER_NODE_S * 100,
+                                             history_mod.DEFAULT_RATIO, "default")
+    h.add_compile("cpu:default", 1000, 30.0)
+    h.add_compile("cpu:default", 100, 2.0)
+    for e, c in ((1.0, 0.5), (1.0, 0.7), (2.0, 0.4)):
+        h.add_steps("cpu:default", e, c)
+    again = History(path)  # written, and read back
+    p = again.predict("cpu:default", 200)  # the nearest size (100 nodes: 2 s), scaled by the node ratio
+    assert p.source == "history" and p.compile_cpu_s == pytest.approx(4.0) and p.compiled_ratio == 0.5
+    assert again.predict("cuda:default", 200).source == "default"  # another kind: the defaults
+    for _ in range(history_mod.KEEP + 5):
+        again.add_compile("cpu:default", 10, 1.0)
+    assert len(History(path).data["kinds"]["cpu:default"]["compiles"]) == history_mod.KEEP
+
+
+def test_a_history_write_is_atomic(tmp_path, monkeypatch):
+    path = str(tmp_path / "h.json")
+    h = History(path)
+    h.add_compile("cpu:default", 100, 5.0)
+    before = open(path).read()
+
+    def torn(data, f, **kw):  # the write dies half-way
+        f.write('{"format": 1, "kin')
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(history_mod.json, "dump", torn)
+    with pytest.warns(RuntimeWarning, match="was not written"):
+        h.add_compile("cpu:default", 200, 9.0)
+    assert open(path).read() == before  # the old file whole
+    assert sorted(os.listdir(tmp_path)) == ["h.json"]  # no temporary file left
+
+
+@pytest.mark.parametrize("content, why", [
+    (b"{not json", "it is not JSON"),
+    (b'{"format": 1, "kinds": {"cpu:default": {"compiles": [{"nodes": "x", "cpu_s": 1}]}}}',
+     "it is not a format-1 compile history"),
+    (b'[1, 2, 3]', "it is not a format-1 compile history"),
+    (b" " * (history_mod.MAX_BYTES + 1), "it is larger than"),
+])
+def test_a_damaged_history_is_set_aside_with_a_warning(tmp_path, content, why):
+    path = tmp_path / "h.json"
+    path.write_bytes(content)
+    with pytest.warns(RuntimeWarning, match=f"not using the compile history .*: {why}"):
+        h = History(str(path))
+    assert h.predict("cpu:default", 10).source == "default"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        h.add_compile("cpu:default", 10, 1.0)
+    assert (tmp_path / "h.json.damaged").read_bytes() == content  # kept, not lost
+    assert History(str(path)).predict("cpu:default", 10).source == "history"
+
+
+def test_a_history_behind_a_link_is_not_read(tmp_path):
+    target = tmp_path / "elsewhere.json"
+    target.write_text(json.dumps({"format": 1, "kinds": {}}))
+    (tmp_path / "h.json").symlink_to(target)
+    with pytest.warns(RuntimeWarning, match="cannot be opened"):
+        h = History(str(tmp_path / "h.json"))
+    assert h.data == {"format": 1, "kinds": {}}
+
+
+# -- the Trainer's record of the decision -------------------------------------------------------------
+def test_the_run_clock_reports_the_decision_once(tmp_path):
+    import torch
+
+    import functrain as ft
+    from functrain.trainer.compiling import RunClock
+
+    step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1))
+    runner = ft.compile(step).runner(donate=True, background=True)
+    runner.background.decision = decide(README)
+    clock = RunClock(runner, compiled=True, start=0)
+    clock.tick(1)
+    first, second = {}, {}
+    clock.fields(1, first)
+    clock.fields(2, second)
+    assert first["compile_decision"] == 0 and first["compile_predicted_cpu_s"] == 60.0
+    assert first["compile_steps_left"] == 400 and first["compile_cores"] == 2
+    assert "compile_decision" not in second
+    assert any("compiling would not pay in this run" in n for n in clock.notes()), clock.notes()
+    runner.close()
+    del torch
+
+
+# -- real processes ------------------------------------------------------------------------------------
+def _env(cache, **extra):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TORCHINDUCTOR_CACHE_DIR": str(cache),
+           **{k: str(v) for k, v in extra.items()}}
+    return env
+
+
+def _cache(tmp_path, compile_cpu_s=None, ratio=None):
+    """A private cache folder whose history says what a compile of this kind costs and gains here."""
+    cache = tmp_path / "inductor"
+    cache.mkdir(mode=0o700)
+    if compile_cpu_s is not None:
+        kind = {"compiles": [{"nodes": 100, "cpu_s": compile_cpu_s}],
+                "steps": [{"eager_s": 1.0, "compiled_s": ratio}]}
+        (cache / history_mod.FILENAME).write_text(json.dumps({"format": 1, "kinds": {"cpu:default": kind}}))
+    return cache
+
+
+def _job(args, env, timeout=600):
+    out = subprocess.run([sys.executable, JOB, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):]), out
+
+
+def test_a_short_run_that_would_not_pay_trains_eagerly_and_says_so_once(tmp_path):
+    """The history says a compile of this graph costs ~a day here: a 40-step run trains eagerly, says why once,
+    and starts no compile worker."""
+    cache = _cache(tmp_path, compile_cpu_s=1e5, ratio=0.5)
+    r, out = _job(["run", "40"], _env(cache, FUNCTRAIN_COMPILE_POLICY="auto"))
+    assert r["decision"]["compile"] is False and r["decision"]["source"] == "history", r
+    assert r["workers"] == 0 and r["pids"] == [] and set(r["phases"]) == {"eager"}, r
+    assert out.stderr.count("compiling would not pay in this run") == 1, out.stderr[-3000:]
+    assert "WORKER" not in out.stdout
+
+
+def test_a_long_run_compiles(tmp_path):
+    """The history says this graph compiles in a moment and runs twice as fast: a 200000-step run compiles (the
+    job stops once the compiled step has taken over)."""
+    cache = _cache(tmp_path, compile_cpu_s=0.01, ratio=0.5)
+    r, out = _job(["until", "200000"], _env(cache, FUNCTRAIN_COMPILE_POLICY="auto"))
+    assert r["decision"]["compile"] is True and r["decision"]["remaining"] > 190000, r
+    assert r["phase"] == "compiled" and r["source"] == "worker" and r["workers"] == 1, r
+    assert r["phases"][:3] == ["eager"] * 3, r["phases"][:5]  # decided after a few measured eager steps
+    assert out.stderr.count("functrain: compiling") == 1, out.stderr[-3000:]
+    h = json.loads((cache / history_mod.FILENAME).read_text())  # the compile's outcome recorded
+    compiles = h["kinds"]["cpu:default"]["compiles"]
+    assert len(compiles) == 2 and compiles[-1]["cpu_s"] > 0.5, compiles
+
+
+def test_compiled_ahead_a_run_starts_compiled(tmp_path):
+    """precompile in one process, then a run in another: compiled from its first step (its own phase
+    reporting), no worker."""
+    cache = _cache(tmp_path)
+    env = _env(cache, FUNCTRAIN_COMPILE_POLICY="auto")
+    r, out = _job(["precompile"], env)
+    assert r["seconds"] > 0 and "functrain: compiled ahead in" in out.stderr, out.stderr[-2000:]
+    r, _ = _job(["run", "5"], env)
+    assert r["phases"] == ["compiled"] * 5 and r["source"] == "cache" and r["workers"] == 0, r
+
+
+def _group_alive(pgid):
+    alive = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid and fields[0] != "Z":
+                    alive.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return alive
+
+
+@pytest.mark.parametrize("how", ["exit", "raise", "sigterm"])
+def test_no_process_of_a_run_outlives_it(tmp_path, how):
+    """By default (FUNCTRAIN_COMPILE_FINISH unset) the compile worker and its compilers are gone within 1 s of
+    the run's process exiting: a normal end while the worker compiles, an exception, SIGTERM."""
+    env = _env(_cache(tmp_path))
+    env.pop("FUNCTRAIN_COMPILE_FINISH", None)  # the default
+    proc = subprocess.Popen([sys.executable, JOB, "hold" if how == "sigterm" else how], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=False)
+    worker = None
+    try:
+        said, deadline = b"", time.monotonic() + 300
+        while worker is None and time.monotonic() < deadline:  # the worker's pid, as the code reports it
+            ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+            chunk = os.read(proc.stdout.fileno(), 4096) if ready else b""
+            if ready and not chunk:
+                break
+            said += chunk
+            for line in said.decode(errors="replace").splitlines():
+                if line.startswith("WORKER "):
+                    worker = int(line.split()[1])
+        assert worker is not None, said.decode(errors="replace")[-2000:] + proc.stderr.read().decode()[-3000:]
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        exited = time.monotonic()  # the run's process has exited (reaped)
+        while _group_alive(worker) and time.monotonic() < exited + 30:
+            time.sleep(0.01)
+        took = time.monotonic() - exited
+        left = _group_alive(worker)
+        print(f"{how}: the worker's group was gone {took:.3f} s after the run's process exited")
+        assert not left and took <= 1.0, f"{how}: still alive {took:.2f} s after the run exited: {left}"
+        if how == "exit":
+            assert proc.returncode == 0
+        assert b"goes on in process" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        if worker is not None and _group_alive(worker):
+            os.killpg(worker, signal.SIGKILL)

@@ -52,8 +52,6 @@ def _ensure_group() -> None:
 def sum_over_ranks(tree: Any, group: Any) -> Any:
     """``tree`` with every leaf summed over the ranks of ``group``: one functional all-reduce per dtype over
     one flat buffer of the leaves (in the graph when traced)."""
-    from torch.distributed import _functional_collectives as funcol
-
     leaves, spec = T.tree_flatten(tree)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, leaf in enumerate(leaves):
@@ -61,10 +59,23 @@ def sum_over_ranks(tree: Any, group: Any) -> Any:
     out = list(leaves)
     for dtype, idx in by_dtype.items():
         flat = torch.cat([leaves[i].reshape(-1) for i in idx])
-        flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", group))
+        flat = _summed(flat, group)
         for i, part in zip(idx, flat.split([leaves[i].numel() for i in idx])):
             out[i] = part.view(leaves[i].shape)
     return T.tree_unflatten(spec, out)
+
+
+def _summed(flat: torch.Tensor, group: Any) -> torch.Tensor:
+    """``flat`` (a buffer the caller just made) summed over the ranks of ``group``. Traced: a functional all-reduce,
+    in the graph. Eager: c10d's all-reduce of ``flat`` in place, the same sum by the same backend; torch's eager
+    functional collective imports Dynamo and inductor at its first call (``torch._disable_dynamo``: 3 s of a
+    first eager step on a loaded 2-core machine), which an eager run never uses otherwise."""
+    if tracing():
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.wait_tensor(funcol.all_reduce(flat, "sum", group))
+    dist.all_reduce(flat, dist.ReduceOp.SUM, group=group)
+    return flat
 
 
 COMPRESS = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -81,8 +92,6 @@ def compressed_sum_over_ranks(tree: Any, group: Any, dtype: torch.dtype, world: 
     2**-7 for bf16, 2**-10 for fp16): ``|result / world - m| <= world * eps * max_r |g_r| + world * tiny``, ``tiny``
     the dtype's smallest subnormal (2**-24 for fp16, 2**-133 for bf16), its spacing under its normal range.
     """
-    from torch.distributed import _functional_collectives as funcol
-
     leaves, spec = T.tree_flatten(tree)
     out = list(leaves)
     wide: dict[torch.dtype, list[int]] = {}
@@ -97,7 +106,7 @@ def compressed_sum_over_ranks(tree: Any, group: Any, dtype: torch.dtype, world: 
             out[i] = v
     for wide_dtype, idx in wide.items():
         flat = (torch.cat([leaves[i].reshape(-1) for i in idx]) / world).to(dtype)
-        flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", group)).to(wide_dtype) * world
+        flat = _summed(flat, group).to(wide_dtype) * world
         for i, part in zip(idx, flat.split([leaves[i].numel() for i in idx])):
             out[i] = part.view(leaves[i].shape)
     return T.tree_unflatten(spec, out)

@@ -3,7 +3,10 @@
     python bench/depth.py                          # T2 T4 T8 T16 T32 gpt2, each in a fresh process, cold cache
     python bench/depth.py --depths 2,32 --no-gpt2  # a subset
     python bench/depth.py --reuse off              # the whole step traced flat (ft.compile(reuse_blocks=False))
-    python bench/depth.py --flat-state             # the state made with step.init(flat=True): one buffer per dtype
+    python bench/depth.py --flat-state             # the state made with step.init(flat=True): a buffer per repeated
+                                                   # block and one per dtype for the rest
+    python bench/depth.py --flat-state --flat-layout both --rounds 2   # that against one buffer per dtype
+                                                   # (ft.flat(blocks=False)), paired, interleaved
 
 Each configuration runs in a new process with an empty inductor cache folder (the probe memo of the
 machine is kept: ``FUNCTRAIN_CACHE_DIR`` is left as it is, so a first compile on the machine is not
@@ -53,7 +56,10 @@ else:
     batch = wl.batches[0]
 if what == "gpt2":
     step = ft.train_step(loss_fn, ft.optim.adamw(1e-4))
-state = step.init(params, buffers, flat=os.environ.get("FT_BENCH_FLAT") == "1")
+flat = os.environ.get("FT_BENCH_FLAT", "")
+state = step.init(params, buffers)
+if flat:  # "blocks": a buffer per repeated block (step.init(flat=True)); "one": one buffer per dtype
+    state = ft.flat(state, blocks=flat == "blocks")
 reuse = os.environ.get("FT_BENCH_REUSE", "on") == "on"
 from functrain.compiler.capture import trace
 t = time.perf_counter()
@@ -69,8 +75,11 @@ first = time.perf_counter() - t
 times = []
 for _ in range(6):
     t = time.perf_counter(); s, m = cstep(s, batch); float(m["loss"]); times.append(time.perf_counter() - t)
+from torch._dynamo.utils import compilation_time_metrics
+fake = compilation_time_metrics.get("invoke_subgraph_fake_tensor", [])  # a region call that missed the cache
 print("RESULT " + json.dumps({"trace_s": trace_s, "first_call_s": first, "nodes": nodes, "regions": regions,
-                              "step_s": statistics.median(times[1:]), "compiles": cstep.compiles}))
+                              "step_s": statistics.median(times[1:]), "compiles": cstep.compiles,
+                              "region_fake_runs": len(fake), "region_fake_s": sum(fake)}))
 """
 
 
@@ -102,28 +111,38 @@ def main(argv: list[str] | None = None) -> int:
                    help="ft.compile(reuse_blocks=...) (default on here; ft.compile's default is off); both: on then off at each depth (paired)")
     p.add_argument("--flat-state", action="store_true",
                    help="step.init(params, buffers, flat=True): the update runs over one buffer per dtype, not per parameter")
+    p.add_argument("--flat-layout", default="blocks", choices=["blocks", "one", "both"],
+                   help="with --flat-state: blocks (a buffer per repeated block, step.init(flat=True)'s), one (one "
+                        "buffer per dtype, ft.flat(state, blocks=False)), both: blocks then one at each depth (paired)")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the whole sweep (rounds interleave the configurations)")
     p.add_argument("--out-json", default=None)
     args = p.parse_args(argv)
     todo = [d.strip() for d in args.depths.split(",") if d.strip()] + ([] if args.no_gpt2 else ["gpt2"])
     modes = ["on", "off"] if args.reuse == "both" else [args.reuse]
+    layouts = ([""] if not args.flat_state else ["blocks", "one"] if args.flat_layout == "both"
+               else [args.flat_layout])
     root = tempfile.mkdtemp(prefix="ft-depth-")
     rows = []
-    for what in todo:
-        for mode in modes:
-            before = load()
-            r = run_one(what, root, args.timeout, {"FT_BENCH_REUSE": mode, "FT_BENCH_FLAT": "1" if args.flat_state else "0"})
-            r["load_before"], r["load_after"], r["reuse"] = before, load(), mode
-            rows.append(r)
-            print(json.dumps(r), flush=True)
-    print(f"\nstate: {'flat (step.init(flat=True))' if args.flat_state else 'a tree of parameters'}")
-    print("\n| model | reuse_blocks | nodes (all graphs) | regions | trace s | first call s | step ms | load |\n"
-          "|---|---|---|---|---|---|---|---|")
+    for rnd in range(args.rounds):
+        for what in todo:
+            for mode in modes:
+                for layout in layouts:
+                    before = load()
+                    r = run_one(what, root, args.timeout, {"FT_BENCH_REUSE": mode, "FT_BENCH_FLAT": layout})
+                    r["load_before"], r["load_after"], r["reuse"], r["layout"], r["round"] = (
+                        before, load(), mode, layout or "tree", rnd)
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+    print(f"\nstate: {'flat (blocks: step.init(flat=True); one: ft.flat(blocks=False))' if args.flat_state else 'a tree of parameters'}")
+    print("\n| round | model | reuse_blocks | state | nodes (all graphs) | regions | region fake runs (s) | trace s | "
+          "first call s | step ms | load |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['what']} | {r['reuse']} | error | | | | | |")
+            print(f"| {r['round']} | {r['what']} | {r['reuse']} | {r['layout']} | error | | | | | | |")
             continue
         name = "GPT-2 small" if r["what"] == "gpt2" else f"T{r['what']}"
-        print(f"| {name} | {r['reuse']} | {r['nodes']} | {r['regions']} | {r['trace_s']:.1f} | {r['first_call_s']:.1f} | "
+        print(f"| {r['round']} | {name} | {r['reuse']} | {r['layout']} | {r['nodes']} | {r['regions']} | "
+              f"{r['region_fake_runs']} ({r['region_fake_s']:.1f}) | {r['trace_s']:.1f} | {r['first_call_s']:.1f} | "
               f"{1e3 * r['step_s']:.1f} | {r['load_before']:.1f}-{r['load_after']:.1f} |")
     if args.out_json:
         with open(args.out_json, "w") as f:

@@ -14,7 +14,9 @@ FSDP's flat parameter do) and, for ``world`` ranks, which slice of each buffer r
   params are flat too, one Adam update is one elementwise pass over one buffer, and a
   compiled step has a handful of inputs instead of three per parameter. The gradient is
   taken with respect to the per-leaf views (the loss function sees a plain ``{name:
-  tensor}`` dict) and packed into one buffer per dtype by one concatenation.
+  tensor}`` dict) and packed into one buffer per dtype by one concatenation. Each
+  repeated block (``blocks.3.…``) has buffers of its own (``"float32@blocks.3"``,
+  :mod:`~functrain.core.flat_blocks`), so identical blocks have identical layouts.
 * **sharded data parallelism** (``world = N``): a *shard tree* ``{dtype name: 1-D tensor
   of S}`` is this rank's slice; sharded params, optimizer moments and params-shaped
   slot fields are held as shard trees. A sharded :class:`~functrain.TrainState`
@@ -54,6 +56,7 @@ import optree
 import torch
 
 from .eager import tracing
+from .flat_blocks import blocks_by_name, buffer_key
 from .registry import register_checkpoint_type
 from .validate import path_str
 
@@ -98,29 +101,42 @@ class FlatLayout:
     sorted; ``dtypes[key]``: the dtype; ``entries``: per leaf, ``(key, shape, numel, offset)``;
     ``numel[key]``: the unpadded buffer length; ``size[key]``: the shard length ``ceil(numel / world)``;
     ``names``: the leaves' path names. Two layouts are equal when the params' structure, dtypes and
-    shapes, the world and the rank are.
+    shapes, the blocks, the world and the rank are.
+
+    ``blocks=True`` (world 1 only: the flat state's layout) gives each repeated block of the params
+    (:func:`~functrain.core.flat_blocks.blocks_by_name`: ``blocks.0.…``, ``blocks.1.…`` alike in names, dtypes and shapes) buffers of its
+    own, keyed ``"<dtype>@<block>"``, and the other leaves the dtype's buffer: identical blocks then have
+    identical layouts (the same offsets in buffers of the same size), so while a compiled step is traced the
+    calls of identical blocks look alike to torch's fake-tensor cache, which keys on each input's storage offset
+    and storage size (bench/README.md, issue 29).
     """
 
-    __slots__ = ("spec", "world", "rank", "dtypes", "keys", "entries", "numel", "size", "names", "_index", "_key",
-                 "_hash")
+    __slots__ = ("spec", "world", "rank", "dtypes", "keys", "entries", "numel", "size", "names", "blocks",
+                 "_index", "_key", "_hash")
 
     def __init__(self, spec: Any, dtypes: list[torch.dtype], shapes: list[tuple[int, ...]], world: int = 1,
-                 rank: int = 0):
+                 rank: int = 0, blocks: bool = False):
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is outside world size {world}")
+        if blocks and world != 1:
+            raise ValueError(f"blocks=True (a buffer per repeated block) is the flat state's layout, for world "
+                             f"size 1; a layout cut for {world} ranks has one buffer per dtype")
         self.spec, self.world, self.rank = spec, int(world), int(rank)
-        self.dtypes = {dtype_name(d): d for d in dtypes}
+        paths = optree.tree_paths(optree.tree_unflatten(spec, [0] * len(dtypes)))
+        self.names = tuple(path_str(p) for p in paths)
+        owner = blocks_by_name(list(self.names), dtypes, shapes) if blocks else [""] * len(dtypes)
+        self.blocks = bool(blocks)
+        keys = [buffer_key(d, b) for d, b in zip(dtypes, owner)]
+        self.dtypes = {k: d for k, d in zip(keys, dtypes)}
         self.keys = tuple(sorted(self.dtypes))
         entries, offset = [], {k: 0 for k in self.keys}
-        for d, shape in zip(dtypes, shapes):
-            k, n = dtype_name(d), math.prod(shape)
+        for k, shape in zip(keys, shapes):
+            n = math.prod(shape)
             entries.append((k, tuple(shape), n, offset[k]))
             offset[k] += n
         self.entries: tuple[tuple[str, tuple[int, ...], int, int], ...] = tuple(entries)
         self.numel = offset
         self.size = {k: -(-n // self.world) if n else 0 for k, n in offset.items()}
-        paths = optree.tree_paths(optree.tree_unflatten(spec, [0] * len(entries)))
-        self.names = tuple(path_str(p) for p in paths)
         # a top-level dict of tensors (what ft.functionalize gives): params[name] is one view
         self._index: dict | None = None
         if spec.type is dict and all(len(p) == 1 for p in paths):
@@ -131,8 +147,9 @@ class FlatLayout:
 
     # -- construction -------------------------------------------------------------------------------
     @classmethod
-    def from_params(cls, params: Any, world: int = 1, rank: int = 0) -> "FlatLayout":
-        """The layout of ``params`` (floating tensors of :data:`DTYPES`, on one device), cut for ``world`` ranks."""
+    def from_params(cls, params: Any, world: int = 1, rank: int = 0, blocks: bool = False) -> "FlatLayout":
+        """The layout of ``params`` (floating tensors of :data:`DTYPES`, on one device), cut for ``world`` ranks
+        (``blocks=True``: a buffer per repeated block, world 1 only)."""
         leaves, spec = optree.tree_flatten(params)
         for path, leaf in zip(optree.tree_paths(params), leaves):
             if not torch.is_tensor(leaf) or leaf.dtype not in DTYPES:
@@ -145,7 +162,7 @@ class FlatLayout:
         if len(devices) > 1:
             raise ValueError(f"all params must be on one device to share a flat buffer; got "
                              f"{sorted(map(str, devices))}")
-        return cls(spec, [x.dtype for x in leaves], [tuple(x.shape) for x in leaves], world, rank)
+        return cls(spec, [x.dtype for x in leaves], [tuple(x.shape) for x in leaves], world, rank, blocks)
 
     @classmethod
     def from_slot(cls, slot: ShardState, world: int | None = None, rank: int | None = None) -> "FlatLayout":
@@ -171,7 +188,8 @@ class FlatLayout:
 
     def same_params(self, other: "FlatLayout") -> bool:
         """Whether both describe the same params (structure, dtypes and shapes), whatever the world."""
-        return self.spec == other.spec and [e[:2] for e in self.entries] == [e[:2] for e in other.entries]
+        return self.spec == other.spec and [(self.dtypes[k], s) for k, s, _, _ in self.entries] == \
+            [(other.dtypes[k], s) for k, s, _, _ in other.entries]
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, FlatLayout) and self._key == other._key
@@ -180,7 +198,10 @@ class FlatLayout:
         return self._hash
 
     def __repr__(self) -> str:
-        sizes = ", ".join(f"{k}: {self.numel[k]}" for k in self.keys)
+        per: dict[str, list[int]] = {}
+        for k in self.keys:
+            per.setdefault(dtype_name(self.dtypes[k]), []).append(self.numel[k])
+        sizes = ", ".join(f"{d}: {sum(n)}" + (f" in {len(n)} buffers" if len(n) > 1 else "") for d, n in per.items())
         cut = f"; rank {self.rank} of {self.world}" if self.world > 1 else ""
         return f"FlatLayout({len(self.entries)} leaves; {sizes}{cut})"
 
@@ -454,9 +475,9 @@ _register()  # registering our own class's pytree behaviour: no effect on any ot
 
 
 # -- conversions ----------------------------------------------------------------------------------
-def _flat_layout(params: Any) -> FlatLayout:
+def _flat_layout(params: Any, blocks: bool) -> FlatLayout:
     try:
-        return FlatLayout.from_params(params)
+        return FlatLayout.from_params(params, blocks=blocks)
     except (TypeError, ValueError) as e:
         raise type(e)(f"ft.flat: {e}") from None
 
@@ -466,15 +487,19 @@ def is_flat(x: Any) -> bool:
     return isinstance(x, FlatParams)
 
 
-def flat(tree: Any) -> Any:
+def flat(tree: Any, *, blocks: bool = True) -> Any:
     """The flat form of a params tree, or of a state: one contiguous buffer per dtype (a copy).
 
     The values are the same; only the memory layout changes, and a step runs on either
-    form with the same results.
+    form with the same results. Each repeated block (``blocks.0.…``, ``blocks.1.…``: the same names, dtypes
+    and shapes after the index, see :func:`~functrain.core.flat_blocks.blocks_by_name`) gets buffers of its own, so identical blocks have
+    identical layouts and a compiled step's trace handles them alike (what makes deep models compile in about
+    the time of shallow ones); ``blocks=False`` lays every leaf in its dtype's one buffer.
 
     Args:
         tree: a params tree (floating tensors, one device), a :class:`FlatParams` (returned as it
             is), or a :class:`~functrain.TrainState` (not one sharded by ``data_parallel(shard=...)``).
+        blocks: a buffer per repeated block (default) or one buffer per dtype for all leaves.
 
     Returns:
         For a params tree, a :class:`FlatParams`. For a state, the state with its params and every
@@ -497,13 +522,13 @@ def flat(tree: Any) -> Any:
         return tree
     params = getattr(tree, "params", None)
     if params is None or not hasattr(tree, "_replace"):
-        layout = _flat_layout(tree)
+        layout = _flat_layout(tree, blocks)
         return FlatParams(layout.pack(optree.tree_leaves(tree)), layout)
     slots = getattr(tree, "slots", None)
     if isinstance(slots, dict) and isinstance(slots.get(SLOT), ShardState):
         raise ValueError("ft.flat: this state is sharded over ranks (data_parallel(shard=...)), whose params, "
                          "moments and EMA are flat shards already; flatten a replicated or single-process state")
-    layout = params.layout if isinstance(params, FlatParams) else _flat_layout(params)
+    layout = params.layout if isinstance(params, FlatParams) else _flat_layout(params, blocks)
 
     def params_like(node: Any) -> bool:
         if isinstance(node, FlatParams):

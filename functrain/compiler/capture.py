@@ -27,6 +27,7 @@ import torch
 
 from ..core import regions
 from ..core.rng import HostRandomError, host_random_refused
+from .host_draws import RECORDER_CODES, recording
 from .host_sync import HostSync, data_dependent, no_print
 from .memory import Memory, Written
 
@@ -154,14 +155,23 @@ class Captured:
         random:     whether the graph draws random numbers.
         step_index: where the state's step counter sits among the tensors (``None``: not a TrainState).
         stable:     ``None`` until the first call, then whether the outputs have the inputs' signature.
+        walk_gm:    the traced graph, kept after compiling (which drops ``gm``) for :func:`functrain.memory`'s walk
+                    until it takes it (:meth:`take_walk`): the Trainer's memory line never traces again.
+        draws:      the Python draws the step branched on while traced (a
+                    :class:`~functrain.compiler.host_draws.DrawPlan`: the capture holds one outcome), or ``None``.
     """
 
     __slots__ = ("signature", "gm", "inputs", "metas", "fn", "constants", "memory", "out_spec", "out_plan", "random",
-                 "n_state", "state_spec", "trivial_out", "stable", "step_index")
+                 "n_state", "state_spec", "trivial_out", "stable", "step_index", "draws", "walk_gm")
 
     def __init__(self, **kw: Any):
         for k, v in kw.items():
             setattr(self, k, v)
+
+    def take_walk(self) -> torch.fx.GraphModule | None:
+        """The traced graph for a memory estimate (``gm``, or the one kept after compiling), released here."""
+        gm, self.walk_gm = self.gm if self.gm is not None else self.walk_gm, None
+        return gm
 
     @property
     def recycle(self) -> tuple:
@@ -219,24 +229,28 @@ def wait_for_imports() -> None:
         _preloading.join()
 
 
-def trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse_blocks: bool = False) -> Captured:
+def trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse_blocks: bool = False,
+          host_seed: int | None = None) -> Captured:
     """Trace ``apply(state, batch) -> (new_state, metrics)`` over flat leaves (not compiled yet: ``fn`` is ``None``).
 
     ``state`` must have ``rng=None`` (the caller handles the RNG on the host); ``memory_kind`` is one
     of :data:`functrain.compiler.memory.KINDS`. ``reuse_blocks``: the repeated blocks of functionalized
     modules become one region each (:mod:`functrain.core.regions`); a step whose blocks cannot be traced
-    that way is traced flat.
+    that way is traced flat. ``host_seed``: the seed of Python's ``random`` for the traced step
+    (:func:`functrain.core.rng.host_seed` of the state's key): the step's draws from it are recorded and the
+    capture holds the branch they decide (:mod:`functrain.compiler.host_draws`); ``None``: a draw is refused.
     """
     wait_for_imports()
     if reuse_blocks and regions.wanted():
         try:
-            return _trace(apply, state, batch, memory_kind, True)
+            return _trace(apply, state, batch, memory_kind, True, host_seed)
         except CaptureError:
             pass  # (a block that is not a region: flat; a step that is not one graph fails again below)
-    return _trace(apply, state, batch, memory_kind, False)
+    return _trace(apply, state, batch, memory_kind, False, host_seed)
 
 
-def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: bool) -> Captured:
+def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: bool,
+           host_seed: int | None) -> Captured:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     leaves, spec = optree.tree_flatten((state, batch))
@@ -262,9 +276,16 @@ def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: boo
 
     example = [leaves[i].detach() for i in sig.tensor_pos] + memory.example_buffers()
 
+    plans: list = []
+
     def make(name_calls: bool) -> torch.fx.GraphModule:
-        # a draw from random/numpy would be frozen into the graph: refused
-        with _compiling(), _regions(reuse), host_random_refused("ft.compile", name_calls=name_calls), no_print():
+        # a draw from random/numpy would be frozen into the graph: refused, but for Python's random with a seed:
+        # recorded, the capture holding the branch the draws decide (host_draws)
+        draws = recording(host_seed) if host_seed is not None else contextlib.nullcontext()
+        with _compiling(), _regions(reuse), host_random_refused("ft.compile", name_calls=name_calls,
+                                                                recorded_by=RECORDER_CODES), \
+                draws as plan, no_print():
+            plans[:] = [plan]
             return make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
 
     try:
@@ -291,7 +312,8 @@ def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: boo
                     fn=None, constants=constants, memory=memory,
                     out_spec=record["spec"], out_plan=plan, random=draws_random(gm), n_state=n_state,
                     state_spec=state_spec, trivial_out=all(p is None for p in plan), stable=None,
-                    step_index=step_index)
+                    step_index=step_index, walk_gm=gm, draws=plans[0] if plans and plans[0] is not None and plans[0].draws
+                    else None)
 
 
 @contextlib.contextmanager

@@ -52,7 +52,7 @@ import torch
 from .validate import BadValue, check_int
 from .checks import rng_ok, rng_problem
 
-__all__ = ["rng_init", "with_rng", "host_random_refused", "HostRandomError"]
+__all__ = ["rng_init", "with_rng", "host_seed", "host_random_refused", "HostRandomError"]
 
 
 def rng_init(seed: int, device: torch.device) -> dict:
@@ -178,7 +178,9 @@ def with_rng(fn: Callable, state: Any, batch: Any, rank: int = 0, host_generator
         raise BadValue(f"the state does not match this step: {rng_problem(rng)}")
     seed, counter = rng["key"].tolist()  # a host tensor: read without a torch op (and so no sync)
     seed_now = step_seed(seed, counter)
-    saved_host = _seed_host(seed_now + rank) if host_generators else None
+    # Python's random: the same numbers on every rank (a branch on a draw takes the same path on every rank, so
+    # compiled ranks run the same capture: functrain.compiler.host_draws); numpy's: per rank, as torch's
+    saved_host = _seed_host(seed_now, seed_now + rank) if host_generators else None
     try:
         if not state.step.is_cuda:  # the common case, one generator: the general loop below, unrolled
             cpu = torch.default_generator
@@ -216,17 +218,35 @@ _NP_STEP = np.random.RandomState(0)
 _NP_STEP_FNS = {name: getattr(_NP_STEP, name) for name in _NP_NAMES}
 
 
-def _seed_host(seed: int) -> tuple:
-    """Seed Python's ``random`` and (for the step) numpy's global functions from a step seed; return what to restore.
+def host_seed(rng: dict | None) -> int | None:
+    """The seed of Python's ``random`` for the step of ``rng`` (``state.rng``): the step seed, the same on every rank
+    (``None`` for an unseeded state). Read from the host key: no device sync.
+
+    Example::
+
+        >>> import torch
+        >>> from functrain.core.rng import host_seed, rng_init, step_seed
+        >>> host_seed(rng_init(5, torch.device("cpu"))) == step_seed(5, 0)
+        True
+    """
+    if rng is None:
+        return None
+    seed, counter = rng["key"].tolist()
+    return step_seed(seed, counter)
+
+
+def _seed_host(seed: int, np_seed: int) -> tuple:
+    """Seed Python's ``random`` from ``seed`` and (for the step) numpy's global functions from ``np_seed``; return
+    what to restore.
 
     Python's global instance is re-seeded (``from random import random`` binds its method, so it is the one
-    to seed) and its state saved; the ``numpy.random`` functions are pointed at a generator seeded from the step
-    seed (numpy's 32-bit seed: the 64 bits folded)."""
+    to seed) and its state saved; the ``numpy.random`` functions are pointed at a generator seeded from
+    ``np_seed`` (numpy's 32-bit seed: the 64 bits folded)."""
     saved = random.getstate()
     random.seed(seed)
     names = np.random.__dict__
     saved_np = {name: names.get(name) for name in _NP_NAMES}
-    _NP_STEP.seed((seed ^ (seed >> 32)) & 0xFFFFFFFF)
+    _NP_STEP.seed((np_seed ^ (np_seed >> 32)) & 0xFFFFFFFF)
     names.update(_NP_STEP_FNS)
     return saved, saved_np
 
@@ -262,18 +282,20 @@ _RANDOM_FILE = os.path.normcase(os.path.abspath(random.__file__))
 _NOT_DRAWS = ("seed", "getstate", "setstate", "get_state", "set_state", "get_bit_generator", "set_bit_generator")
 
 
-def _where(frame: Any) -> tuple[str, str]:
-    """(the API function called, ``file:line in function`` of its caller) for a frame inside ``random.py``."""
+def _where(frame: Any) -> tuple[str, str, Any]:
+    """(the API function called, ``file:line in function`` of its caller, the caller's code) for a frame inside
+    ``random.py``."""
     api = "random"
     while frame is not None and os.path.normcase(os.path.abspath(frame.f_code.co_filename)) == _RANDOM_FILE:
         api, frame = frame.f_code.co_name, frame.f_back
     if frame is None:
-        return api, "an unknown place"
-    return api, f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        return api, "an unknown place", None
+    return api, f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}", frame.f_code
 
 
 @contextlib.contextmanager
-def host_random_refused(what: str = "ft.compile", name_calls: bool = True) -> Iterator[None]:
+def host_random_refused(what: str = "ft.compile", name_calls: bool = True,
+                        recorded_by: frozenset = frozenset()) -> Iterator[None]:
     """Refuse draws from Python's ``random`` and numpy's global generator while the block (a trace) runs.
 
     A number drawn while a step is traced is baked into the graph as a constant: every
@@ -304,6 +326,10 @@ def host_random_refused(what: str = "ft.compile", name_calls: bool = True) -> It
         what: who traces, the start of the error message (default ``"ft.compile"``).
         name_calls: install the profile hook that names a call into Python's ``random``
             (default ``True``); without it a draw is still refused, without the name.
+        recorded_by: code objects whose calls into Python's ``random`` are not refused: a trace that records
+            its draws (:mod:`functrain.compiler.host_draws`, which restores the generator and refuses, unnamed,
+            a draw it did not record; an unnamed :class:`HostRandomError` the block raises is replaced by the
+            named one when the hook saw the call).
 
     Returns:
         A context manager (it yields ``None``).
@@ -328,8 +354,8 @@ def host_random_refused(what: str = "ft.compile", name_calls: bool = True) -> It
 
     def hook(frame: Any, event: str, arg: Any) -> None:
         if event == "c_call" and not calls and getattr(arg, "__self__", None) is py_gen:
-            api, where = _where(frame)
-            if api not in _NOT_DRAWS:
+            api, where, caller = _where(frame)
+            if api not in _NOT_DRAWS and caller not in recorded_by:
                 calls.append((f"random.{api}()", "Python's global generator", where))
 
     def recording(name: str, fn: Callable) -> Callable:
@@ -349,8 +375,14 @@ def host_random_refused(what: str = "ft.compile", name_calls: bool = True) -> It
         setattr(module, name, recording(name, fn))
     if hooked:
         sys.setprofile(hook)
+    unnamed: HostRandomError | None = None
     try:
-        yield
+        try:
+            yield
+        except HostRandomError as e:  # (a recording trace's unnamed refusal: named below if the hook saw it)
+            if not e.unnamed:
+                raise
+            unnamed = e
     finally:
         if hooked:
             sys.setprofile(None)
@@ -360,6 +392,8 @@ def host_random_refused(what: str = "ft.compile", name_calls: bool = True) -> It
         changed_np = not _same_np_state(_NP.get_state(), saved[1])
         random.setstate(saved[0])
         _NP.set_state(saved[1])
+    if unnamed is not None and not calls:
+        raise unnamed
     if calls or changed_py or changed_np:
         if calls:
             call, which, where = calls[0]

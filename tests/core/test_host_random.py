@@ -63,12 +63,19 @@ def test_eager_steps_draw_host_randomness_from_the_state(name, seed, steps):
     assert others - {runs[0][1][0]}, "the host draws do not depend on the state's key"
 
 
-def test_the_rank_offset_gives_each_rank_its_own_host_draws():
-    step = ft.train_step(_coin_loss(DRAWS["random.random"]), ft.optim.sgd(0.1))
-    state = step.init({"w": torch.ones(3)}, seed=0)
-    losses = {r: float(with_rng(step.apply, state, torch.arange(3.0), r)[1]["loss"]) for r in range(4)}
-    assert len(set(losses.values())) > 1, losses
-    assert float(with_rng(step.apply, state, torch.arange(3.0), 2)[1]["loss"]) == losses[2]
+def test_python_draws_are_the_same_on_every_rank_numpy_draws_differ_by_rank():
+    """Python's random is seeded from the step seed alone, on every rank: a branch on a draw (self-conditioning's coin)
+    takes the same path on every rank, so compiled ranks run the same capture (functrain.compiler.host_draws).
+    numpy's functions draw per rank (step seed + the rank offset), as torch's generator does."""
+    state = None
+    losses = {}
+    for name in ("random.random", "numpy.random.rand"):
+        step = ft.train_step(_coin_loss(DRAWS[name]), ft.optim.sgd(0.1))
+        state = step.init({"w": torch.ones(3)}, seed=0)
+        losses[name] = {r: float(with_rng(step.apply, state, torch.arange(3.0), r)[1]["loss"]) for r in range(4)}
+        assert float(with_rng(step.apply, state, torch.arange(3.0), 2)[1]["loss"]) == losses[name][2]
+    assert len(set(losses["random.random"].values())) == 1, losses
+    assert len(set(losses["numpy.random.rand"].values())) > 1, losses
     # numpy's functions point at the step's generator only during the step
     assert np.random.rand.__self__ is np.random.mtrand._rand and np.random.normal.__self__ is np.random.mtrand._rand
 
@@ -89,7 +96,11 @@ def test_a_host_draw_while_capturing_is_refused_naming_the_call(name, call):
     with pytest.raises(HostRandomError) as info:
         cstep(state, torch.arange(3.0))
     message = str(info.value)
-    assert message.startswith(f"ft.compile: the step called {call} (")
+    if name in ("random.random", "bound random()"):  # recorded (host_draws), and refused where used as a number
+        assert message.startswith("ft.compile: the number drawn by random.random() at "), message
+        assert "was used as a number (__mul__)" in message, message  # draw() * tensor, in _coin_loss
+    else:
+        assert message.startswith(f"ft.compile: the step called {call} (")
     assert f"{__file__}:" in message and "in <lambda>" in message, message  # DRAWS' lambda, its caller
     assert "torch.rand((), device=x.device) < 0.5" in message and "compile=False" in message
     assert random.getstate() == py_before and np.array_equal(np.random.get_state()[1], np_before[1])
@@ -157,10 +168,10 @@ def test_a_capture_runs_without_the_profile_hook_and_traces_again_only_to_name_a
 
     def drawing_loss(params, buffers, x):
         profiles.append(sys.getprofile())
-        return (params["w"] * x).sum() * bound_random()
+        return (params["w"] * x).sum() * random.randint(1, 2)  # (a draw the trace cannot record: host_draws)
 
     step = ft.train_step(drawing_loss, ft.optim.sgd(0.1))
-    with pytest.raises(HostRandomError, match=r"the step called random.random\(\) .* in drawing_loss"):
+    with pytest.raises(HostRandomError, match=r"the step called random.randint\(\) .* in drawing_loss"):
         ft.compile(step, backend="aot_eager")(step.init({"w": torch.ones(3)}), torch.arange(3.0))
     assert len(profiles) == 2 and profiles[0] is None and profiles[1] is not None, profiles
     assert sys.getprofile() is None

@@ -1,0 +1,324 @@
+"""Python's ``random`` in a compiled step: one capture per outcome of the branches the draws decide.
+
+A step may branch on a number drawn from Python's global generator (denoising-diffusion-pytorch's
+self-conditioning: ``if self.self_condition and random() < 0.5``). Eagerly the number comes from the state's key
+(:func:`functrain.core.rng.with_rng` seeds the generator from the step seed). Compiled, the same holds:
+
+* **the trace** (:func:`recording`) seeds the generator from the step seed of the state it traces, so it draws the
+  numbers the eager step would, and hands the step each number as a :class:`HostDraw`: a ``float`` that records
+  every comparison made on it (``<``, ``<=``, ``>``, ``>=``, ``==``, ``!=``, ``bool``) as a guard of the capture
+  (its :class:`DrawPlan`). Any other use of a drawn number (arithmetic, ``float()``, ``int()``, a torch op that
+  takes it) would bake it into the graph as a constant: it is refused there, at the trace, by name
+  (:class:`~functrain.core.rng.HostRandomError`). So is a draw the trace cannot see (a generator method other than
+  ``random()`` and ``uniform()``, a ``random.Random`` of the step's own, a name bound inside a closure).
+* **each call** (:class:`DrawCases`, asked by the runner) seeds a private ``random.Random`` from the state's key (a
+  host tensor: no device sync), makes the same draws, evaluates the guards, and takes the capture whose guards all
+  hold; on a miss, the key names the guards' outcome, and the runner traces (or has compiled in the background) a
+  capture for it, as for a new input signature.
+
+Python's generator is seeded alike on every rank (:func:`functrain.core.rng.host_seed`), so every rank takes the same
+branch at the same step and needs the same capture: ranks switch to compiled code together, with no extra
+communication. Compiled and eager steps are equal from the same state (a law), and a resumed run draws the same
+numbers (they come from the key in the checkpoint).
+
+Example::
+
+    >>> import random
+    >>> from functrain.compiler.host_draws import recording
+    >>> with recording(seed=3) as plan:
+    ...     coin = random.random() < 0.5
+    >>> plan.outcome(3) == plan.results, len(plan.guards)
+    (True, 1)
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+import random
+import sys
+import threading
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..core.rng import HostRandomError, host_seed
+
+__all__ = ["HostDraw", "DrawPlan", "DrawCases", "OutcomeKey", "recording", "RECORDER_CODES"]
+
+# the draw methods a trace can see and replay (each returns a float from the generator's state alone)
+DRAWN = ("random", "uniform")
+_OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq,
+        "!=": operator.ne}
+
+
+class DrawPlan:
+    """The Python draws of one capture and the guards they decided, in the order the trace made them.
+
+    Attributes:
+        draws: ``[(method, args)]``: each draw, e.g. ``("random", ())`` or ``("uniform", (0.0, 1.0))``.
+        guards: ``[(draw, op, other)]``: a comparison of draw ``draw`` with ``other`` (a number, or ``("draw", j)``
+            for another draw), ``op`` one of ``<``, ``<=``, ``>``, ``>=``, ``==``, ``!=``.
+        results: what each guard gave while tracing (a tuple of bools): the branch the capture holds.
+        where: ``file:line in function`` of the first draw, for messages.
+    """
+
+    def __init__(self) -> None:
+        self.draws: list[tuple[str, tuple]] = []
+        self.guards: list[tuple[int, str, Any]] = []
+        self.results: tuple = ()
+        self.where = ""
+
+    def outcome(self, seed: int, n: int | None = None) -> tuple:
+        """The guards' results (the first ``n``; all by default) for the draws of a generator seeded with
+        ``seed``: host arithmetic, about 10 microseconds for one draw."""
+        gen = random.Random(seed)
+        values = [getattr(gen, name)(*args) for name, args in self.draws]
+        out = []
+        for i, op, other in self.guards[:n]:
+            b = values[other[1]] if isinstance(other, tuple) else other
+            out.append(bool(_OPS[op](values[i], b)))
+        return tuple(out)
+
+    def agreeing(self, seed: int) -> int:
+        """How many leading guards hold for ``seed`` (``len(guards)``: this capture is the call's)."""
+        got = self.outcome(seed)
+        n = 0
+        while n < len(got) and got[n] == self.results[n]:
+            n += 1
+        return n
+
+    def __repr__(self) -> str:
+        return f"DrawPlan(draws={self.draws}, guards={self.guards}, results={self.results})"
+
+
+def _refuse(draw: "HostDraw", use: str) -> HostRandomError:
+    return HostRandomError(
+        f"ft.compile: the number drawn by random.{draw._method}() at {draw._where} was used as a number ({use}) "
+        f"while the step was captured: it would be a constant of the compiled graph, the same at every step. "
+        f"A compiled step may only compare a drawn number (<, <=, >, >=, ==, !=, or its truth), which picks the "
+        f"graph. Draw a number you compute with from torch ops instead (torch.rand((), device=x.device); a coin "
+        f"as a tensor: torch.rand((), device=x.device) < 0.5, used through torch.where): they come from state.rng "
+        f"and compile. Or run this step eagerly (ft.TrainConfig(compile=False))")
+
+
+class HostDraw(float):
+    """A number drawn from Python's ``random`` while a step is traced (see the module docstring): comparing it
+    records a guard of the capture; using it as a number raises :class:`~functrain.core.rng.HostRandomError`."""
+
+    def __new__(cls, value: float, plan: DrawPlan, index: int, method: str, where: str) -> "HostDraw":
+        self = super().__new__(cls, value)
+        self._plan, self._index, self._method, self._where = plan, index, method, where
+        return self
+
+    def _guard(self, op: str, other: Any) -> bool:
+        if isinstance(other, HostDraw):
+            if other._plan is not self._plan:
+                raise _refuse(self, f"compared with a number drawn in another trace")
+            b, value = ("draw", other._index), float.__float__(other)
+        elif isinstance(other, (int, float)) and not isinstance(other, bool):
+            b = value = float(other)
+        else:
+            raise _refuse(self, f"compared with a {type(other).__name__}")
+        result = bool(_OPS[op](float.__float__(self), value))
+        self._plan.guards.append((self._index, op, b))
+        self._plan.results += (result,)
+        return result
+
+    def __lt__(self, other: Any) -> bool:
+        return self._guard("<", other)
+
+    def __le__(self, other: Any) -> bool:
+        return self._guard("<=", other)
+
+    def __gt__(self, other: Any) -> bool:
+        return self._guard(">", other)
+
+    def __ge__(self, other: Any) -> bool:
+        return self._guard(">=", other)
+
+    def __eq__(self, other: Any) -> bool:  # type: ignore[override]
+        return self._guard("==", other)
+
+    def __ne__(self, other: Any) -> bool:  # type: ignore[override]
+        return self._guard("!=", other)
+
+    def __bool__(self) -> bool:
+        return self._guard("!=", 0.0)
+
+    def __hash__(self) -> int:
+        raise _refuse(self, "hashed")
+
+
+def _refusing(use: str) -> Any:
+    def method(self: HostDraw, *args: Any) -> Any:
+        raise _refuse(self, use)
+    method.__name__ = use
+    return method
+
+
+for _name in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "floordiv", "rfloordiv", "mod",
+              "rmod", "divmod", "rdivmod", "pow", "rpow", "neg", "pos", "abs", "float", "int", "index", "round",
+              "trunc", "floor", "ceil", "complex"):
+    setattr(HostDraw, f"__{_name}__", _refusing(f"__{_name}__"))
+for _name in ("as_integer_ratio", "hex", "is_integer", "conjugate"):
+    setattr(HostDraw, _name, _refusing(_name))
+
+
+class _NoDrawsIntoTorch(TorchFunctionMode):
+    """While tracing: a torch function given a :class:`HostDraw` (``x * coin``, ``torch.full((), coin)``) would
+    bake it into the graph: refused."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, HostDraw):
+                raise _refuse(a, f"passed to {getattr(func, '__name__', func)}")
+            if isinstance(a, (list, tuple)) and any(isinstance(b, HostDraw) for b in a):
+                raise _refuse(next(b for b in a if isinstance(b, HostDraw)), f"passed to "
+                              f"{getattr(func, '__name__', func)}")
+        return func(*args, **kwargs)
+
+
+class _Recorder:
+    """``random.random`` (or ``uniform``) while a trace records: the draw, as a :class:`HostDraw`."""
+
+    def __init__(self, name: str, fn: Any, plan: DrawPlan, thread: int):
+        self.name, self.fn, self.plan, self.thread = name, fn, plan, thread
+
+    def __call__(self, *args: Any) -> Any:
+        value = self.fn(*args)
+        if threading.get_ident() != self.thread:
+            return value
+        plan, where = self.plan, _caller(2)
+        if not plan.draws:
+            plan.where = where
+        plan.draws.append((self.name, tuple(float(a) for a in args)))
+        return HostDraw(value, plan, len(plan.draws) - 1, self.name, where)
+
+
+# the frame that draws for a recorded trace: a profile hook naming the other draws skips its calls
+RECORDER_CODES = frozenset({_Recorder.__call__.__code__})
+
+
+class OutcomeKey(tuple):
+    """A cache key ``(signature key, guard results)``: the capture of a signature for one outcome of its draws."""
+
+    __slots__ = ()
+
+    @property
+    def base(self) -> Any:
+        return self[0]
+
+
+def _caller(depth: int) -> str:
+    frame = sys._getframe(depth)
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+@contextlib.contextmanager
+def recording(seed: int) -> Iterator[DrawPlan]:
+    """Trace-time draws from Python's ``random``, seeded from ``seed`` and recorded (yields the :class:`DrawPlan`).
+
+    For the block, the global generator is seeded with ``seed``, and ``random.random`` / ``random.uniform`` (the
+    module's names and every module-level name bound to them, as ``from random import random`` binds it) return
+    :class:`HostDraw` numbers; a torch function given one is refused. At the end the generator is restored; a draw the
+    block made without those names (the generator's state then differs from the recorded draws' replay) raises
+    :class:`~functrain.core.rng.HostRandomError` with ``unnamed = True`` (the caller's hooked trace names it).
+
+    Only the calling thread's draws are recorded (another thread calling the names meanwhile gets plain numbers).
+    """
+    plan = DrawPlan()
+    gen = random._inst
+    me = threading.get_ident()
+    originals = {name: getattr(random, name) for name in DRAWN}
+    wrappers = {name: _Recorder(name, fn, plan, me) for name, fn in originals.items()}
+    bound = _bound_names(originals)
+    saved = gen.getstate()
+    gen.seed(seed)
+    try:
+        for module, name, which in bound:
+            setattr(module, name, wrappers[which])
+        with _NoDrawsIntoTorch():
+            yield plan
+    finally:
+        for module, name, which in bound:
+            setattr(module, name, originals[which])
+        after = gen.getstate()
+        gen.setstate(saved)
+    replay = random.Random(seed)
+    for name, args in plan.draws:
+        getattr(replay, name)(*args)
+    if replay.getstate() != after:
+        error = HostRandomError(
+            "ft.compile: the step drew from Python's random generator in a way a trace cannot follow (a method "
+            f"other than {', '.join(f'random.{n}()' for n in DRAWN)}, or a name bound where functrain cannot see "
+            "it) while being captured")
+        error.unnamed = True
+        raise error
+
+
+def _bound_names(originals: dict) -> list:
+    """``(module, name, method)`` of every module-level name holding one of ``originals`` (the ``random`` module's
+    own, and ``from random import random`` anywhere)."""
+    ids = {id(fn): name for name, fn in originals.items()}
+    found = []
+    for module in list(sys.modules.values()):
+        try:
+            names = vars(module)
+        except TypeError:
+            continue
+        for key, value in list(names.items()):
+            which = ids.get(id(value))
+            if which is not None and value is originals[which]:
+                found.append((module, key, which))
+    return found
+
+
+class DrawCases:
+    """The captures of one step's signatures that branch on Python draws: which one a call takes.
+
+    Owned by the runner's graph cache (:class:`~functrain.compiler.runtime.Graphs`); the runner asks :meth:`key` on
+    every call that misses its last capture and :meth:`holds` before reusing it, and registers each capture it
+    installs (:meth:`add`). A step with no such capture costs one dict lookup.
+    """
+
+    def __init__(self) -> None:
+        self.plans: dict = {}  # signature key -> [(full key, DrawPlan)]
+
+    def key(self, key: Any, rng: dict | None) -> Any:
+        """The cache key of a call with signature key ``key`` and ``state.rng`` ``rng``: ``key`` itself while no
+        capture of it branched on a draw (or for an unseeded state); else the key of the capture whose guards all
+        hold for the call's seed, or, if none does, an :class:`OutcomeKey` ``(key, outcome)``: the results of the
+        guards up to the first that no known capture holds."""
+        entries = self.plans.get(key)
+        if not entries or rng is None:
+            return key
+        seed = host_seed(rng)
+        best, best_n = None, -1
+        for full, plan in entries:
+            n = plan.agreeing(seed)
+            if n == len(plan.guards):
+                return full
+            if n > best_n:
+                best, best_n = plan, n
+        return OutcomeKey((key, best.outcome(seed, best_n + 1)))
+
+    def add(self, full: Any, cap: Any) -> None:
+        """Register an installed capture under its cache key ``full`` (a capture with no draw: nothing)."""
+        plan = cap.draws
+        if plan is None or not plan.guards:
+            return
+        base = full.base if isinstance(full, OutcomeKey) else full
+        entries = self.plans.setdefault(base, [])
+        if all(f != full for f, _ in entries):
+            entries.append((full, plan))
+
+    @staticmethod
+    def holds(cap: Any, seed: int | None) -> bool:
+        """Whether ``cap`` is the capture of a call seeded ``seed`` (its guards all hold; a capture with no guard:
+        always)."""
+        plan = cap.draws
+        if plan is None or not plan.guards:
+            return True
+        return seed is not None and plan.outcome(seed) == plan.results

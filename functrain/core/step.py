@@ -254,6 +254,11 @@ class Step:
         results, fewer and larger kernels.
         """
         check_params(params)
+        if not self._shards_state and any(x.is_meta for x in T.tree_leaves(params)):
+            raise ValueError("init: the params are on the meta device (a model built under ft.init_empty() or "
+                             "torch.device('meta')): they hold no values, and this step would train a state of "
+                             "meta tensors. ft.data_parallel(shard='params') makes them (each rank its shard, with "
+                             "the model's own reset_parameters); otherwise build the model normally")
         if flat:
             if self._shards_state:
                 raise ValueError("init(flat=True): this step is a sharded data_parallel step, which holds the "

@@ -148,6 +148,10 @@ def test_meta_params_are_refused_where_the_whole_params_would_be_held():
     with pytest.raises(ValueError, match="'bias' is on the meta device but was not given by ft.functionalize"):
         make_shard(FlatLayout.from_params(params), empty_source({"w": params["weight"],
                                                                  "bias": torch.empty(4, device="meta")}))
+    for unsharded in (ft.train_step(lambda p, b, x: apply_fn(p, b, x).sum(), ft.optim.sgd(0.1)),
+                      ft.data_parallel()(ft.train_step(lambda p, b, x: apply_fn(p, b, x).sum(), ft.optim.sgd(0.1)))):
+        with pytest.raises(ValueError, match="params are on the meta device .* would train a state of meta tensors"):
+            unsharded.init(params, buffers)  # (before: a state of meta tensors, failing at step 1 in torch)
     with pytest.raises(ValueError, match="seed must be an int"):
         with init_empty(seed=-1):
             pass

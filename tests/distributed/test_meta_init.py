@@ -2,6 +2,7 @@
 params-sharded step.init that makes only each rank's shard, with the module's own reset_parameters, equal to a
 normal build with the same seed. Laws on one process for every world size and rank; 2 real gloo processes for the
 job itself (equality, peak memory, training)."""
+import contextlib
 import gc
 
 import pytest
@@ -196,6 +197,22 @@ def _equal_and_train_worker() -> dict:
     a, b = ft.tree.tree_leaves(ft.gather_state(state)), ft.tree.tree_leaves(ft.gather_state(n_state))
     out["trained_equal"] = len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
     out["meta_left"] = any(x.is_meta for x in ft.tree.tree_leaves(state) if torch.is_tensor(x))
+    # per-block gathering (blocks=model): the meta-built module's blocks lend their shards as the normal one's do
+    states = []
+    for meta in (True, False):
+        torch.manual_seed(7)
+        with ft.init_empty(seed=7) if meta else contextlib.nullcontext():
+            m = Net(width=24, depth=3, norm="batch", tie=True)
+        ft.remat(m.blocks, "everything_saveable")
+        m_apply, m_params, m_buffers = ft.functionalize(m)
+        m_step = ft.data_parallel(shard="params", blocks=m)(ft.train_step(_loss(m_apply), ft.optim.adamw(1e-2)))
+        m_state = m_step.init(m_params, m_buffers)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(2):
+            x = torch.randint(0, 40, (8,), generator=gen)
+            m_state, _ = m_step(m_state, (x, x))
+        states.append(ft.tree.tree_leaves(ft.gather_state(m_state)))
+    out["blocks_equal"] = len(states[0]) == len(states[1]) > 0 and all(torch.equal(x, y) for x, y in zip(*states))
     return out
 
 
@@ -211,7 +228,8 @@ def test_two_ranks_make_the_normal_build_and_train_as_the_usual_path(monkeypatch
             assert sorted(got) == sorted(ref)
             for k in ref:
                 assert torch.equal(got[k], ref[k]), (rank, k)
-        assert r["trained_equal"] and not r["meta_left"], (rank, r["trained_equal"], r["meta_left"])
+        assert r["trained_equal"] and r["blocks_equal"] and not r["meta_left"], \
+            (rank, r["trained_equal"], r["blocks_equal"], r["meta_left"])
 
 
 WIDTH, DEPTH = 1024, 16  # 16.8M float32 params: 64 MiB, each Linear 4 MiB

@@ -96,6 +96,8 @@ def to_module(module: torch.nn.Module, params: dict, buffers: dict | None = None
 
     Raises:
         KeyError: a name the module does not have, or one of its names missing.
+        ValueError: a shape that differs, or a module still on the meta device (``module.to_empty(device=...)``
+            first).
 
     Example::
 
@@ -116,6 +118,10 @@ def to_module(module: torch.nn.Module, params: dict, buffers: dict | None = None
     with torch.no_grad():
         for name, value in given.items():
             target = own[name]
+            if target.is_meta and not value.is_meta:
+                raise ValueError(f"to_module: {name!r} of {type(module).__name__} is on the meta device (built under "
+                                 f"ft.init_empty() or torch.device('meta')), which holds no values: give the module "
+                                 f"memory first (module.to_empty(device='cpu')), then to_module")
             if target.shape != value.shape:
                 raise ValueError(f"to_module: {name!r} has shape {tuple(value.shape)}, "
                                  f"the module's is {tuple(target.shape)}")

@@ -153,6 +153,11 @@ def test_meta_params_are_refused_where_the_whole_params_would_be_held():
                       ft.data_parallel()(ft.train_step(lambda p, b, x: apply_fn(p, b, x).sum(), ft.optim.sgd(0.1)))):
         with pytest.raises(ValueError, match="params are on the meta device .* would train a state of meta tensors"):
             unsharded.init(params, buffers)  # (before: a state of meta tensors, failing at step 1 in torch)
+    with pytest.raises(ValueError, match="'weight' of Linear is on the meta device.*to_empty"):
+        ft.to_module(model, {k: torch.ones(v.shape) for k, v in params.items()})  # (before: copied into nothing)
+    model.to_empty(device="cpu")
+    ft.to_module(model, {k: torch.ones(v.shape) for k, v in params.items()})
+    assert torch.equal(model.weight, torch.ones(4, 4))
     with pytest.raises(ValueError, match="seed must be an int"):
         with init_empty(seed=-1):
             pass

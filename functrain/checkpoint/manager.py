@@ -1,6 +1,7 @@
 """Numbered checkpoints in one folder, rotated to keep the newest few: :class:`CheckpointManager`."""
 from __future__ import annotations
 
+import math
 import os
 import re
 import secrets
@@ -79,9 +80,16 @@ class CheckpointManager:
     alone prunes. ``load_latest`` (on every rank, with each rank's template)
     reads such checkpoints too, into a template of any world size.
 
+    With ``keep_best=True`` each save may carry a ``score`` (lower is better: an evaluation loss), recorded in
+    its completion mark, and rotation also keeps the best-scored checkpoint (:meth:`best`) beside the newest
+    ``keep``: the newest and the best, as denoising-diffusion-pytorch's ``save_best_and_latest_only``. It is
+    rotated like the others, only after the new checkpoint is complete, so a kill at any point leaves the best
+    checkpoint loadable (the new one if it was complete, else the old one).
+
     Args:
         folder: the folder of the numbered checkpoints (created by the first save).
         keep: how many checkpoints to keep, an int >= 1 (default 3), or ``None``: keep all.
+        keep_best: also keep the checkpoint of the lowest ``score`` (default ``False``).
         checksum: ``"crc32"`` (default) or ``"sha256"``, as in :func:`save`.
         fsync: as in :func:`save` (default ``True``).
         replicated: ``True`` (default): in a process group, an unsharded state is the same on every rank
@@ -90,7 +98,7 @@ class CheckpointManager:
 
     Attributes:
         folder: the folder's absolute path.
-        keep, checksum, fsync, replicated, timeout: the settings above.
+        keep, keep_best, checksum, fsync, replicated, timeout: the settings above.
 
     Raises:
         ValueError: ``keep`` is not an int >= 1 or ``None``, an unknown ``checksum``, or a ``timeout``
@@ -114,10 +122,13 @@ class CheckpointManager:
     _NAME = re.compile(r"step_(\d+)$")
     _ASIDE = re.compile(r"\.step_(\d+)\.s?old-[0-9a-f]{12}$")  # (sold: a sharded save's)
 
-    def __init__(self, folder: str | os.PathLike, keep: int | None = 3, *, checksum: str = "crc32",
-                 fsync: bool = True, replicated: bool = True, timeout: float = 1800.0):
+    def __init__(self, folder: str | os.PathLike, keep: int | None = 3, *, keep_best: bool = False,
+                 checksum: str = "crc32", fsync: bool = True, replicated: bool = True, timeout: float = 1800.0):
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be an int >= 1 or None (keep all); got {keep!r}")
+        if not isinstance(keep_best, bool):
+            raise TypeError(f"keep_best must be True or False; got {keep_best!r}")
+        self.keep_best = keep_best
         check_checksum(checksum)
         if not isinstance(replicated, bool):
             raise TypeError(f"replicated must be True or False; got {replicated!r}")
@@ -126,7 +137,7 @@ class CheckpointManager:
         self.keep, self.checksum, self.fsync, self.replicated = keep, checksum, fsync, replicated
 
     def __repr__(self) -> str:
-        return f"CheckpointManager({self.folder!r}, keep={self.keep})"
+        return f"CheckpointManager({self.folder!r}, keep={self.keep}" + (", keep_best=True)" if self.keep_best else ")")
 
     def path(self, step: int) -> str:
         """The folder of the checkpoint for ``step`` (whether or not it exists).
@@ -199,7 +210,8 @@ class CheckpointManager:
         found = self._complete()
         return found[max(found)] if found else None
 
-    def save(self, step: int, state: Any, extra: Any = None, *, finite: bool | None = None) -> str:
+    def save(self, step: int, state: Any, extra: Any = None, *, finite: bool | None = None,
+             score: float | None = None) -> str:
         """Save ``state`` as the checkpoint of ``step``, then prune to the newest ``keep``.
 
         Pruning never removes the newest checkpoint not marked ``finite=False``: after
@@ -214,6 +226,8 @@ class CheckpointManager:
             extra: a JSON-serialisable value saved beside it (default ``None``).
             finite: whether the state's parameters are finite, if the caller checked (default
                 ``None``: unknown); recorded in the checkpoint's completion mark.
+            score: with ``keep_best``, the checkpoint's score, lower is better (default ``None``: none, never
+                the best); recorded in its completion mark. A non-finite one is recorded as none.
 
         Returns:
             The checkpoint's path.
@@ -231,18 +245,31 @@ class CheckpointManager:
             raise ValueError(f"step must be an int >= 0; got {step!r}")
         if finite is not None and not isinstance(finite, bool):
             raise TypeError(f"finite must be a bool or None; got {finite!r}")
+        marks = self._marks(finite, score)
         if per_rank.is_sharded(state):
-            return self._save_sharded(step, state, extra, finite)
+            return self._save_sharded(step, state, extra, finite, marks)
         if self.replicated and replicated_rank() is not None:  # rank 0 writes; a rank that saves too waits
-            return save_once("manager", self.folder, step, lambda: self._write(step, state, extra, finite),
+            return save_once("manager", self.folder, step, lambda: self._write(step, state, extra, finite, marks),
                              self.timeout)
-        return self._write(step, state, extra, finite)
+        return self._write(step, state, extra, finite, marks)
 
-    def _write(self, step: int, state: Any, extra: Any, finite: bool | None) -> str:
+    def _marks(self, finite: bool | None, score: Any) -> dict | None:
+        """The completion mark's marks: ``finite``, and with ``keep_best`` the ``score`` (a finite number)."""
+        if score is not None and not self.keep_best:
+            raise ValueError(f"score={score!r} ranks checkpoints for keep_best, and this manager has "
+                             f"keep_best=False")
+        if score is not None and (isinstance(score, bool) or not isinstance(score, (int, float))):
+            raise TypeError(f"score must be a number (lower is better) or None; got {type(score).__name__}")
+        marks = {} if finite is None else {"finite": finite}
+        if score is not None and math.isfinite(score):
+            marks["score"] = float(score)
+        return marks or None
+
+    def _write(self, step: int, state: Any, extra: Any, finite: bool | None, marks: dict | None) -> str:
         os.makedirs(self.folder, exist_ok=True)
         self._tidy()
         path = write_checkpoint(self.path(step), state, extra, checksum=self.checksum, fsync=self.fsync,
-                                marks=None if finite is None else {"finite": finite})
+                                marks=marks)
         self._prune(step, finite)
         return path
 
@@ -252,12 +279,13 @@ class CheckpointManager:
         tidy(self.folder, keep)
         per_rank.tidy(self.folder, keep)
 
-    def _save_sharded(self, step: int, state: Any, extra: Any, finite: bool | None) -> str:
+    def _save_sharded(self, step: int, state: Any, extra: Any, finite: bool | None, marks: dict | None) -> str:
         """Every rank: its shard into ``step_*``; rank 0 prunes once the checkpoint is complete."""
         slot = state.slots[per_rank.SLOT]
         world, rank = int(slot.world), int(slot.rank)
         if finite is not None:  # the same mark in every rank's folder: finite only if every shard is
             finite = per_rank.all_ranks_agree(finite, world)
+            marks = {**(marks or {}), "finite": finite}
         if rank == 0:
             try:
                 os.makedirs(self.folder, exist_ok=True)
@@ -267,23 +295,52 @@ class CheckpointManager:
                               stacklevel=3)
         # collective: returns on every rank only after rank 0 has renamed the complete folder into place
         path = per_rank.save(self.path(step), state, extra, checksum=self.checksum, fsync=self.fsync,
-                            marks=None if finite is None else {"finite": finite})
+                            marks=marks)
         if rank == 0:
             self._prune(step, finite)
         return path
 
     def _prune(self, step: int, finite: bool | None) -> None:
-        """Remove the oldest complete checkpoints beyond ``keep`` (never ``step``, nor the newest finite one)."""
+        """Remove the oldest complete checkpoints beyond ``keep`` (never ``step``, nor the newest finite one, nor
+        with ``keep_best`` the best one)."""
         if self.keep is not None:
             found = self._complete()
             others = sorted(s for s in found if s != step)  # the one just saved always stays
             doomed = others[:max(0, len(others) - (self.keep - 1))]
-            if finite is False:
-                good = self.newest_finite(found)
-                if good is not None and good in doomed:
-                    doomed.remove(good)
+            spared = {self.newest_finite(found) if finite is False else None,
+                      self.best(found) if self.keep_best else None}
             for old in doomed:
-                self._remove(found[old])
+                if old not in spared:
+                    self._remove(found[old])
+
+    def best(self, found: dict[int, str] | None = None) -> int | None:
+        """The step of the complete checkpoint with the lowest score (the oldest of equal ones), not marked
+        ``finite=False``: what ``keep_best`` keeps.
+
+        Args:
+            found: ``{step: path}`` of the complete checkpoints, when the caller has them
+                (default ``None``: scanned here).
+
+        Returns:
+            That step, or ``None`` if no checkpoint has a score.
+
+        Example::
+
+            >>> import tempfile, torch, functrain as ft
+            >>> manager = ft.CheckpointManager(tempfile.mkdtemp(), keep=1, keep_best=True)
+            >>> for step, loss in ((1, 0.5), (2, 0.2), (3, 0.4)):
+            ...     _ = manager.save(step, {"w": torch.ones(1)}, score=loss)
+            >>> manager.steps(), manager.best()
+            ([2, 3], 2)
+        """
+        found = self._complete() if found is None else found
+        scored = []
+        for step in sorted(found):
+            marks = per_rank.read_marks(found[step])
+            score = marks.get("score")
+            if marks.get("finite") is not False and isinstance(score, (int, float)) and not isinstance(score, bool):
+                scored.append((float(score), step))
+        return min(scored)[1] if scored else None
 
     def newest_finite(self, found: dict[int, str] | None = None) -> int | None:
         """The step of the newest complete checkpoint not marked ``finite=False``.

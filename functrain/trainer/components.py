@@ -170,10 +170,13 @@ class Checkpointing:
     """The run's checkpoints: when (every ``every`` updates and the ``last`` step; a stop between them saves after
     the loop), the newest step saved (:attr:`saved_at`), and the gloo group of every rank, bounded by
     ``timeout_s`` (``save_timeout``): the ranks agree on the checkpoint to resume on it and wait on it for a
-    save (:meth:`wait`), so that a slow save or ``sample_fn`` never trips the collective timeout."""
+    save (:meth:`wait`), so that a slow save or ``sample_fn`` never trips the collective timeout. ``best``
+    (``keep_best``): the metric of the step's record that scores each checkpoint (lower is better), which the
+    manager's rotation keeps the best of."""
 
-    def __init__(self, manager: Any, every: int, last: int, world: int, timeout_s: float):
+    def __init__(self, manager: Any, every: int, last: int, world: int, timeout_s: float, best: str | None = None):
         self.manager, self.every, self.last, self.world, self.timeout_s = manager, every, last, world, timeout_s
+        self.best = best
         self.saved_at = 0  # the newest checkpoint of this train() call (its start: the step resumed from)
         self._group: Any = None
 
@@ -191,13 +194,15 @@ class Checkpointing:
             self._group = gloo_group(self.timeout_s)
         return self._group
 
-    def write(self, state: Any, step: int, extra: dict) -> tuple[str, bool]:
+    def write(self, state: Any, step: int, extra: dict, record: dict | None = None) -> tuple[str, bool]:
         """Write ``state`` as the checkpoint of ``step`` (rank 0; every rank its shard of a sharded state):
-        ``(path, finite)``, finite: every tensor of the params and EMA (of every shard) is finite."""
+        ``(path, finite)``, finite: every tensor of the params and EMA (of every shard) is finite. ``record``: the
+        step's metrics, whose ``best`` metric scores the checkpoint (none: a step that did not evaluate)."""
         finite = _finite(state)
         if is_sharded(state) and self.world > 1:  # every shard finite: one flag for the whole state
             finite = every_rank(finite)
-        return self.manager.save(step, state, extra=extra, finite=finite), finite
+        score = (record or {}).get(self.best) if self.best is not None else None
+        return self.manager.save(step, state, extra=extra, finite=finite, score=score), finite
 
     def wait(self, step: int) -> None:
         """Every rank waits here for the save of ``step`` (bounded by ``timeout_s``), which is then the newest."""

@@ -14,11 +14,12 @@ from ..checkpoint.safe_io import replace_file
 from ..core.validate import BadValue, bounded_repr, check_choice, check_int, check_real, describe, is_real
 from .trackers import TRACKERS, check_trackers
 
-__all__ = ["TrainConfig"]
+__all__ = ["TrainConfig", "package_config", "PACKAGE_DEFAULTS", "FOLDER_OPTIONS"]
 
 _PRECISIONS = ("no", "bf16", "fp16")
 _SCHEDULES = ("constant", "warmup_cosine", "warmup_linear")
 _SHARDS = ("none", "optimizer", "params")
+_BEST = ("eval_loss", "eval_loss_ema")  # keep_best: the metric that ranks checkpoints, lower is better
 _SEED_MAX = 2**63 - 1  # the generator seeds of step.init and ft.shard
 # save_timeout: a week. Far past any real save, and safe for the timers it feeds: datetime.timedelta overflows
 # near 1e14 s and gloo's nanosecond clocks near 9.2e9 s (a 1e300 s timeout used to pass here, then fail at
@@ -120,6 +121,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     keep_checkpoints: int = 3
+    keep_best: str | None = None
     compile: bool = True
     trackers: tuple = field(default=("jsonl",))
     skip_nonfinite: bool = True
@@ -217,6 +219,13 @@ class TrainConfig:
                            f"{self.warmup_steps}")
         object.__setattr__(self, "eval_every", check_int(name("eval_every"), self.eval_every, minimum=0,
                                                          what="an int >= 0 (updates; 0: at every save)"))
+        if self.keep_best is not None:
+            check_choice(name("keep_best"), self.keep_best, _BEST + (None,))
+            if self.eval_every and self.save_and_sample_every % self.eval_every:
+                raise BadValue(f"TrainConfig.keep_best={self.keep_best!r} ranks each checkpoint by its step's "
+                               f"evaluation, so every save must evaluate: eval_every=0 (at each save) or a divisor "
+                               f"of save_and_sample_every={self.save_and_sample_every}; got eval_every="
+                               f"{self.eval_every}")
         if self.eval_batch_size is not None:
             object.__setattr__(self, "eval_batch_size", check_int(name("eval_batch_size"), self.eval_batch_size,
                                                                   minimum=1, what="a positive int or None"))
@@ -316,14 +325,15 @@ _RENAMED = {
     "warmup": "warmup_steps", "lr_warmup_steps": "warmup_steps",
 }
 _NO_FID = "not provided: ft.Trainer computes no FID (Trainer(eval_dataset=...) logs the held-out loss of the " \
-          "params and the EMA; an on_save hook can score the sample grids)"
+          "params and the EMA; an on_save hook can score the sample grids): FID needs Inception-v3 weights, which " \
+          "pytorch-fid, torch-fidelity and the package download at run time"
 _ELSEWHERE = {
     "amp": "use mixed_precision='bf16' or 'fp16' (amp=True, mixed_precision_type=X is mixed_precision=X)",
     "mixed_precision_type": "use mixed_precision ('no', 'bf16' or 'fp16')",
     "fp16": "use mixed_precision='fp16'", "bf16": "use mixed_precision='bf16'",
     "calculate_fid": _NO_FID, "num_fid_samples": _NO_FID, "inception_block_idx": _NO_FID,
-    "save_best_and_latest_only": "not provided: keep_checkpoints=N keeps the newest N checkpoints (and never "
-                                 "removes the newest finite one)",
+    "save_best_and_latest_only": "use keep_best='eval_loss_ema' and keep_checkpoints=1 (the checkpoint with the best "
+                                 "held-out loss beside the newest; needs Trainer(eval_dataset=...))",
     "augment_horizontal_flip": "an argument of the dataset, ft.data.ImageFolder(folder, image_size, "
                                "augment_horizontal_flip=True); a folder given to ft.Trainer flips, as the package's "
                                "Trainer does",
@@ -361,10 +371,87 @@ def check_names(names: Any, where: str) -> None:
     """
     known = [f.name for f in fields(TrainConfig)]
     unknown = [n for n in names if n not in known]
-    if len(unknown) == 1 and where == "TrainConfig":
-        raise BadValue(f"TrainConfig has no field {bounded_repr(unknown[0])}: {_hint(unknown[0], known)}")
+    if len(unknown) == 1 and where in ("TrainConfig", "ft.Trainer(...)"):
+        what = "field" if where == "TrainConfig" else "keyword (a TrainConfig field or the package's)"
+        raise BadValue(f"{where} has no {what} {bounded_repr(unknown[0])}: {_hint(unknown[0], known)}")
     if unknown:  # bounded: a document may hold many (or huge) names
         hints = "; ".join(f"{bounded_repr(n, 80)}: {_hint(n, known)}" for n in unknown[:8])
         more = f"; {len(unknown) - 8} more" if len(unknown) > 8 else ""
         raise BadValue(f"{where}: unknown fields {bounded_repr(sorted(map(str, unknown[:64])))} ({hints}{more}); "
                        f"the fields are {known}")
+
+
+# ---------------------------------------------------------------------------------------------- the package's call
+# ft.Trainer(model, folder, **keywords): denoising-diffusion-pytorch's own Trainer line. Its defaults are TrainConfig's
+# but for these (the package's train_batch_size is global: accelerate's split_batches=True)
+PACKAGE_DEFAULTS = {"split_batches": True}
+FOLDER_OPTIONS = ("augment_horizontal_flip", "convert_image_to")  # how the Trainer reads a folder (a path)
+_FID_OPTIONS = ("num_fid_samples", "inception_block_idx")
+
+
+def package_config(keywords: dict) -> tuple[TrainConfig, dict]:
+    """The :class:`TrainConfig` that ``ft.Trainer(model, folder, **keywords)`` trains with, and how it reads the folder.
+
+    ``keywords`` are denoising-diffusion-pytorch's ``Trainer`` arguments: the fields they share with
+    :class:`TrainConfig` (the same names and defaults, but ``split_batches=True``, the package's), ``amp`` and
+    ``mixed_precision_type`` (``mixed_precision``), ``save_best_and_latest_only=True`` (``keep_best="eval_loss_ema",
+    keep_checkpoints=1``), ``calculate_fid=False`` (with ``num_fid_samples`` / ``inception_block_idx``, unused as in
+    the package), ``augment_horizontal_flip`` and ``convert_image_to`` (returned: how the Trainer reads a folder); any
+    other :class:`TrainConfig` field too. What cannot be honoured (``calculate_fid=True``) is refused, each keyword
+    named with why and where its job is done, as are unknown names (with :class:`TrainConfig`'s hints).
+
+    Returns:
+        ``(config, folder_options)``: ``folder_options`` holds the ``FOLDER_OPTIONS`` given.
+
+    Example::
+
+        >>> from functrain.trainer.config import package_config
+        >>> config, folder = package_config({"train_batch_size": 32, "amp": True, "mixed_precision_type": "bf16",
+        ...                                  "augment_horizontal_flip": False})
+        >>> config.train_batch_size, config.mixed_precision, config.split_batches, folder
+        (32, 'bf16', True, {'augment_horizontal_flip': False})
+        >>> package_config({"calculate_fid": True})
+        Traceback (most recent call last):
+        ...
+        functrain.core.validate.BadValue: ft.Trainer(...) cannot honour calculate_fid=True (bool): not provided: ...
+    """
+    given = dict(keywords)
+    folder = {k: given.pop(k) for k in FOLDER_OPTIONS if k in given}
+    refused: list[str] = []
+    values = dict(PACKAGE_DEFAULTS)
+    amp, kind = given.pop("amp", None), given.pop("mixed_precision_type", None)
+    if amp is not None or kind is not None:
+        if "mixed_precision" in given:
+            refused.append(f"amp={amp!r}, mixed_precision_type={kind!r} together with mixed_precision="
+                           f"{given['mixed_precision']!r}: give one of the two (mixed_precision is functrain's)")
+        elif amp not in (None, True, False):
+            refused.append(f"amp={describe(amp)}: amp is True or False")
+        elif kind is not None and kind not in _PRECISIONS:
+            refused.append(f"mixed_precision_type={describe(kind)}: one of {_PRECISIONS} (it becomes "
+                           f"TrainConfig.mixed_precision)")
+        else:
+            values["mixed_precision"] = (kind or "fp16") if amp else "no"
+    fid = given.pop("calculate_fid", None)
+    fid_options = [k for k in _FID_OPTIONS if k in given]
+    for k in fid_options:
+        given.pop(k)
+    if fid is not None and fid is not False:
+        refused.append(f"calculate_fid={describe(fid)}: {_NO_FID}; pass calculate_fid=False")
+    elif fid_options and fid is None:
+        refused.append(f"{', '.join(fid_options)}: settings of the package's FID, which is {_NO_FID}; pass "
+                       f"calculate_fid=False (then they are unused, as in the package)")
+    best = given.pop("save_best_and_latest_only", None)
+    if best is True:
+        clash = [k for k in ("keep_best", "keep_checkpoints") if k in given]
+        if clash:
+            refused.append(f"save_best_and_latest_only=True together with {', '.join(clash)}: it sets keep_best="
+                           f"'eval_loss_ema', keep_checkpoints=1; give one or the other")
+        values.update(keep_best="eval_loss_ema", keep_checkpoints=1)
+    elif best not in (None, False):
+        refused.append(f"save_best_and_latest_only={describe(best)}: True or False")
+    if refused:
+        raise BadValue("ft.Trainer(...) cannot honour " + "; ".join(refused) + ". The keywords build an "
+                       "ft.TrainConfig(...), which may also be passed whole: ft.Trainer(model, folder, config)")
+    check_names(given, "ft.Trainer(...)")
+    values.update(given)
+    return TrainConfig(**values), folder

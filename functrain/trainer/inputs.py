@@ -25,11 +25,13 @@ _ACCEPTED = ("a map-style dataset (len and getitem), an iterable dataset, a torc
 _CHANNELS_MODE = {1: "L", 3: "RGB", 4: "RGBA"}  # denoising-diffusion-pytorch's default convert_image_to
 
 
-def resolve_dataset(dataset: Any, model: Any) -> Any:
+def resolve_dataset(dataset: Any, model: Any, **folder_options: Any) -> Any:
     """``dataset`` as the trainer loads it: a path (``str`` / ``os.PathLike``) must be a folder of images and
     becomes ``ImageFolder(path, model.image_size, convert_image_to=<from model.channels>)`` with horizontal
     flips, as denoising-diffusion-pytorch's ``Trainer(diffusion, folder)`` reads it (its ``GaussianDiffusion``
-    has ``image_size`` and ``channels``); anything else is returned as it is.
+    has ``image_size`` and ``channels``); anything else is returned as it is. ``folder_options``
+    (``augment_horizontal_flip``, ``convert_image_to``: the package's ``Trainer`` arguments) replace those defaults
+    and are refused for a dataset that is not a path.
 
     Raises ``ValueError`` naming what is accepted for a path that is not a folder of images, or when the model
     does not say the image size.
@@ -43,6 +45,10 @@ def resolve_dataset(dataset: Any, model: Any) -> Any:
         functrain.core.validate.BadValue: Trainer(dataset='no/such/folder'): a path is read as a folder of images, and this one is not there. ...
     """
     if not isinstance(dataset, (str, bytes, os.PathLike)):
+        if folder_options:
+            names = ", ".join(f"{k}={v!r}" for k, v in folder_options.items())
+            raise BadValue(f"Trainer({names}) says how the Trainer reads a folder of images (a path); this dataset "
+                           f"is a {type(dataset).__name__}: make it ft.data.ImageFolder(folder, image_size, {names})")
         return dataset
     dataset = shown = os.fsdecode(dataset)
     exts = ", ".join("." + e for e in IMAGE_EXTENSIONS)
@@ -59,8 +65,10 @@ def resolve_dataset(dataset: Any, model: Any) -> Any:
                        f"the model has no image_size (denoising-diffusion-pytorch's GaussianDiffusion has one): pass "
                        f"ft.data.ImageFolder({shown!r}, image_size=...)")
     size = tuple(size) if isinstance(size, (tuple, list)) else size
-    mode = _CHANNELS_MODE.get(getattr(model, "channels", None))
-    return ImageFolder(dataset, size, augment_horizontal_flip=True, convert_image_to=mode)
+    options = {"augment_horizontal_flip": True,
+               "convert_image_to": _CHANNELS_MODE.get(getattr(model, "channels", None))}
+    options.update({k: v for k, v in folder_options.items() if v is not None})  # (None: the model's channels)
+    return ImageFolder(dataset, size, **options)
 
 
 def augmentation(dataset: Any) -> tuple:

@@ -31,7 +31,7 @@ from ..core.module import functionalize
 from ..core.state import TrainState
 from .components import Checkpointing, Evaluation, MetricsLog, MetricsPlot, Sampling, SkippedUpdates
 from .compiling import RunClock
-from .config import TrainConfig
+from .config import FOLDER_OPTIONS, TrainConfig, package_config
 from .evaluator import Evaluator
 from .hooks import Hooks
 from .plots import MetricHistory
@@ -162,14 +162,23 @@ class Trainer:
     stopping: StopAgreement          # every step: signals and should_stop, the ranks' vote
     clock: RunClock | None           # the last train() call's steps, throughput and compile times
 
-    def __init__(self, model_or_loss: Any, dataset: Any, config: TrainConfig,
+    def __init__(self, model_or_loss: Any, dataset: Any, config: TrainConfig | None = None,
                  sample_fn: Callable[[Any, int], torch.Tensor] | None = None, *, params: Any = None,
                  buffers: Any = None, optimizer: Any = None, transforms: Any = (), step: Any = None,
                  eval_dataset: Any = None, callbacks: list | tuple = (), on_log: Callable | None = None,
                  on_save: Callable | None = None, on_eval: Callable | None = None,
-                 should_stop: Callable | None = None, trackers: list | tuple = ()):
-        if not isinstance(config, TrainConfig):
+                 should_stop: Callable | None = None, trackers: list | tuple = (), **package: Any):
+        folder_options = {k: package.pop(k) for k in FOLDER_OPTIONS if k in package}
+        package_call = config is None
+        if package_call:  # the package's call: ft.Trainer(diffusion, folder, train_batch_size=32, ...)
+            config, _ = package_config(package)
+        elif not isinstance(config, TrainConfig):
             raise TypeError(f"Trainer needs a functrain.TrainConfig; got {type(config).__name__}")
+        elif package:
+            names = ", ".join(sorted(package))
+            raise TypeError(f"Trainer got a TrainConfig and the keywords {names}: give one or the other (the "
+                            f"keywords build the TrainConfig: ft.Trainer(model, dataset, {names}=...), or set them "
+                            f"in yours: config.replace(...))")
         self.config = config
         self.hooks = Hooks(callbacks, on_log=on_log, on_save=on_save, on_eval=on_eval, should_stop=should_stop)
         if isinstance(trackers, str) or not isinstance(trackers, (list, tuple)):
@@ -178,6 +187,10 @@ class Trainer:
         self.tracker_items = check_trackers((*config.trackers, *trackers))
         if eval_dataset is None and config.eval_every:
             raise ValueError(f"TrainConfig.eval_every={config.eval_every} but the Trainer has no eval_dataset=")
+        if eval_dataset is None and config.keep_best is not None:
+            raise ValueError(f"TrainConfig.keep_best={config.keep_best!r} keeps the checkpoint with the best held-out "
+                             f"loss, and the Trainer has no eval_dataset= to compute it (save_best_and_latest_only=True "
+                             f"sets keep_best='eval_loss_ema')")
         self.info = distributed.init()
         self.world = distributed.world_size()
         self.rank = distributed.rank()
@@ -197,7 +210,8 @@ class Trainer:
             raise TypeError(f"Trainer trains an nn.Module or a loss_fn(params, buffers, batch); "
                             f"got {type(model_or_loss).__name__}")
         self.params, self.buffers = params, buffers
-        dataset = resolve_dataset(dataset, model_or_loss)  # a folder of images, as the package's Trainer reads it
+        # a folder of images, as the package's Trainer reads it
+        dataset = resolve_dataset(dataset, model_or_loss, **folder_options)
         transforms = with_augmentation(dataset, transforms, step)
         self.step, compiled = build_step(loss, config, self.world, optimizer=optimizer, transforms=transforms,
                                          step=step, module=self.module)
@@ -222,11 +236,14 @@ class Trainer:
                                                    module=self.module, seed=config.seed),
                                          every=config.eval_every or config.save_and_sample_every, last=last)
         self.folder = config.results_folder
-        self.checkpoints = CheckpointManager(os.path.join(self.folder, "checkpoints"), keep=config.keep_checkpoints)
+        self.checkpoints = CheckpointManager(os.path.join(self.folder, "checkpoints"), keep=config.keep_checkpoints,
+                                             keep_best=config.keep_best is not None)
         self.skips = SkippedUpdates(config.max_consecutive_nonfinite, config.mixed_precision == "fp16", self.rank)
         self.log = MetricsLog()
         self.checkpointing = Checkpointing(self.checkpoints, config.save_and_sample_every, last, self.world,
-                                           config.save_timeout)
+                                           config.save_timeout, best=config.keep_best)
+        if package_call and sample_fn is None and callable(getattr(self.module, "sample", None)):
+            sample_fn = self._sample_ema  # the package's trainer samples its EMA model at each save
         self.sampling = Sampling(sample_fn, config.num_samples, self.folder) if sample_fn is not None else None
         self.plot = MetricsPlot(self.folder, self.PLOT_SECONDS)
         self.stopping = StopAgreement(self.rank, self.world, self.checkpoints)
@@ -275,6 +292,14 @@ class Trainer:
                 c.save(os.path.join(self.folder, "config.json"))
             start = int(state.step)  # the only read of the device counter: the loop's index mirrors it on the host
             self.clock = clock = RunClock(self.run_step, self.compiled is not None, start)
+            if start >= c.train_num_steps:  # a finished run, run again: its summary, no trace, no compile, no data
+                self.checkpointing.begin(start)
+                self.log.last = {k: p[1] for k in _SUMMARY if (p := self.log.history.last(k)) is not None}
+                self._export(state)  # (from the checkpoint: the weights are there even if the first run died now)
+                self._load_module(state)
+                if self.rank == 0:
+                    print(self.summary(), flush=True)
+                return state
             self.skips.begin()
             self.log.open(make_trackers(self.tracker_items, self.folder, c.to_dict(), start) if self.rank == 0 else [])
             self.checkpointing.begin(start)
@@ -302,7 +327,7 @@ class Trainer:
                     # starts after this step and would never log it again
                     self.log.send(n, record)
                     if self.checkpointing.should_save(n):
-                        self._save(state, n, final=stop or n >= c.train_num_steps)
+                        self._save(state, n, final=stop or n >= c.train_num_steps, record=record)
                     if stop:
                         break
             n, state = steps.index, steps.state
@@ -323,7 +348,7 @@ class Trainer:
             self.log.close()
             if lock is not None:
                 lock.release()
-        if done and self.rank == 0 and clock.step > clock.start:
+        if done and self.rank == 0:
             print(self.summary(), flush=True)
         return state
 
@@ -370,8 +395,9 @@ class Trainer:
         saved = extra.get("config")
         if saved is not None:
             changed = TrainConfig.from_dict(saved).diff(self.config)
-            if changed and self.rank == 0:
-                warnings.warn(f"resuming {restored.path} with changed config (saved, now): {changed}", stacklevel=2)
+            if changed and self.rank == 0:  # one plain line: a resume with a changed config is a choice, not a fault
+                print(f"resuming with a changed config: "
+                      f"{', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changed.items())}", flush=True)
         if "data" not in extra:
             raise CheckpointError(f"{restored.path}: its extra.json has no data position; it was not written by "
                                   f"ft.Trainer")
@@ -406,13 +432,14 @@ class Trainer:
         """
         self._save(state, int(state.step) if step is None else step, final=True)  # (a sync, but only when saving)
 
-    def _save(self, state: TrainState, step: int, final: bool) -> None:
-        """:meth:`save`; ``final``: the run's last save (the end, a stop), whose plot is drawn whatever its age."""
+    def _save(self, state: TrainState, step: int, final: bool, record: dict | None = None) -> None:
+        """:meth:`save`; ``final``: the run's last save (the end, a stop), whose plot is drawn whatever its age;
+        ``record``: the step's metrics (its evaluation scores the checkpoint for ``keep_best``)."""
         split = is_sharded(state)
         if self.rank == 0 or split:  # a sharded state: every rank writes its shard (a collective save)
             extra = {"data": self.loader.state_dict(), "history": self.log.history.to_json(),
                      "config": self.config.to_dict()}
-            path, finite = self.checkpointing.write(state, step, extra)
+            path, finite = self.checkpointing.write(state, step, extra, record)
             whole = gather_state(state) if split and self.sampling is not None else state  # (every rank)
         if self.rank == 0:
             if not finite:
@@ -484,20 +511,32 @@ class Trainer:
         self._ema_module = ema_copy(self.module, self._ema_module, ema_params, state)
         return self._ema_module
 
+    def _sample_ema(self, ema_params: Any, n: int) -> torch.Tensor:
+        """The package's call's ``sample_fn``: ``n`` samples of the module holding ``ema_params`` (its ``sample``)."""
+        return self.ema_module(ema_params).sample(batch_size=n)
+
     def summary(self) -> str:
         """The last ``train()``'s end-of-run text: final metrics, time (compile apart), where the results are."""
         clock, n = self.clock, self.clock.step
         outputs = {"weights": self.weights.get("model"), "EMA weights": self.weights.get("ema"),
                    "metrics plot": self.plot.path,  # (metrics.jsonl: the jsonl tracker's own line)
                    "checkpoint": self.checkpoints.path(self.checkpointing.saved_at)}
+        best = self.checkpoints.best() if self.config.keep_best is not None and self.rank == 0 else None
+        if best is not None:
+            outputs[f"best checkpoint ({self.config.keep_best})"] = self.checkpoints.path(best)
+        ran = n > clock.start
         head = "" if not self.stopping.signalled else (
             f"stopped by {self.stopping.signals.signal} at step {n} and saved it ({self.checkpoints.path(n)}); "
             f"resume by running again\n")
+        if not ran:  # a finished run, run again
+            head = (f"already at step {n} of {self.config.train_num_steps}: nothing to train (raise "
+                    f"train_num_steps to train on)\n")
         return head + run_summary(results_folder=self.folder, step=n, total_steps=self.config.train_num_steps,
                                   final_metrics={k: v for k, v in self.log.last.items() if k in _SUMMARY},
-                                  wall_time_s=clock.wall_s(), compile_time_s=clock.compile_time_s(),
+                                  wall_time_s=clock.wall_s() if ran else None,
+                                  compile_time_s=clock.compile_time_s() if ran else None,
                                   steps_run=n - clock.start, outputs=outputs, trackers=self.log.trackers,
-                                  notes=clock.notes())
+                                  notes=clock.notes() if ran else [])
 
     def _lock_folder(self) -> FolderLock | None:
         """Rank 0 locks the results folder for the run; every rank fails together if it cannot.

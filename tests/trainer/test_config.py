@@ -56,7 +56,8 @@ def test_save_load_roundtrip(tmp_path_factory, batch, accum, lr, samples, precis
     ("mixed_precision_type", r"has no field 'mixed_precision_type': use mixed_precision"),
     ("calculate_fid", r"has no field 'calculate_fid': not provided: ft.Trainer computes no FID \(Trainer\(eval_dataset"),
     ("num_fid_samples", "not provided: ft.Trainer computes no FID"),
-    ("save_best_and_latest_only", "not provided: keep_checkpoints=N keeps the newest N"),
+    ("save_best_and_latest_only", r"use keep_best='eval_loss_ema' and keep_checkpoints=1 \(the checkpoint with the "
+                                  r"best held-out loss beside the newest; needs Trainer\(eval_dataset=...\)\)"),
     ("augment_horizontal_flip", r"an argument of the dataset, ft.data.ImageFolder\(folder, image_size, augment_"),
     ("convert_image_to", r"ft.data.ImageFolder\(folder, image_size, convert_image_to='RGB'\)"),
     ("lr", "has no field 'lr': use train_lr$"),

@@ -42,9 +42,10 @@ SCRIPT = textwrap.dedent("""
         state = ft.run(step, step.init(params, buffers), data, log_every=5, on_step=on_step)
     except RuntimeError as e:
         print("ERROR " + str(e).splitlines()[0], flush=True)
-        sys.exit(2)
+        os._exit(2)  # (a gloo group with a dead peer may abort in its teardown at exit)
     print("RESULT " + json.dumps({"rank": rank, "step": int(state.step),
                                   "params": [float(v) for p in state.params.values() for v in p.reshape(-1)]}))
+    torch.distributed.destroy_process_group()
 """)
 
 

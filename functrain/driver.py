@@ -189,7 +189,8 @@ def run_steps(step: Callable[[TrainState, Any], tuple[TrainState, dict]], state:
     new state (valid until the next step when steps donate: keep no reference to it), the step's metrics on
     the device, and ``host``. Leaving the loop early (``break``) is a stop: :meth:`Steps.log` then reads that
     step's metrics if it was not a log step. Use it in a ``with`` block, which closes the bar and puts back
-    Python's Ctrl-C handler however the loop ends (an exhausted or failing loop closes them itself).
+    Python's Ctrl-C handler (and ``sys.stdout`` / ``sys.stderr``: lines go above the bar while it is up) however the
+    loop ends (an exhausted or failing loop closes them itself). The bar is rank 0's; ``profile`` is :func:`run`'s.
 
     Example::
 

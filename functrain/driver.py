@@ -256,7 +256,7 @@ class Steps:
         inner = step.step if isinstance(step, (CompiledStep, Runner, DynamoRunner)) else step
         self.spans: Step | None = inner if isinstance(inner, Step) else None  # its agree(): the ranks it spans
         main = _main_process()
-        self.profiler = Profiler(profile, self.runner, inner) if profile is not None and main else None
+        self.profiler = Profiler(profile, self.runner, step) if profile is not None and main else None
         progress = progress and main  # one bar per job: rank 0's
         count = num_steps if num_steps is not None else _len(data)
         self.total = None if count is None else start + count

@@ -3,8 +3,8 @@
 :class:`Profile` says what to record (``steps`` steps, after ``skip``, into a Chrome trace at ``path``);
 :class:`Profiler` records it around the loop's steps with ``torch.profiler``: each step is a range named
 ``functrain/step <n> (<phase>)`` (the runner's phase when the step started: ``eager``, ``compiling``, ``ready``,
-``compiled`` or ``failed``; a step with no runner: ``eager`` for a :class:`~functrain.core.step.Step`, else
-``call``), the switch to the compiled code is a range of its own (``functrain/switch to compiled at step <n>``),
+``compiled`` or ``failed``; a step with no runner: ``eager`` for a :class:`~functrain.core.step.Step`,
+``compiled`` for a :class:`~functrain.compiler.api.CompiledStep` called as it is, else ``call``), the switch to the compiled code is a range of its own (``functrain/switch to compiled at step <n>``),
 and an eager step marks its stages (``functrain/stage/<name>``: :data:`functrain.core.step.STAGE_MARK`, from
 :func:`~functrain.core.step.marking`). A compiled step is one graph whose code carries no range of ours (inductor
 drops ``record_function`` from a captured graph and Dynamo ignores it), so its steps show the graph's ops, not
@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import torch
 
 from ..core.step import STAGE_MARK, STAGES, Step
+from .api import CompiledStep
 from .capture import wait_for_imports
 
 __all__ = ["Profile", "Profiler", "profile_request"]
@@ -75,7 +76,8 @@ class Profiler:
 
     def __init__(self, request: Profile, runner: Any = None, step: Any = None):
         self.request, self.runner = request, runner
-        self.plain = "eager" if isinstance(step, Step) else "call"  # the phase of a step without a runner
+        # the phase of a step without a runner
+        self.plain = "eager" if isinstance(step, Step) else "compiled" if isinstance(step, CompiledStep) else "call"
         self.calls = 0
         self.prof: Any = None
         self.phases: dict[str, str] = {}  # step range name -> its phase

@@ -55,3 +55,14 @@ def test_bad_profile_requests_are_named(tmp_path):
         Profile(tmp_path / "missing" / "t.json")
     with pytest.raises(ValueError, match="is a folder"):
         Profile(tmp_path)
+
+
+def test_a_compiled_step_s_profile_has_its_step_ranges_and_no_stages(tmp_path):
+    step, state, data = problem()
+    path = tmp_path / "compiled.json"
+    cstep = ft.compile(step, backend="aot_eager", background=False)
+    got = ft.run(cstep, state, data, num_steps=4, progress=False, donate=False, profile=Profile(path, steps=2, skip=1))
+    names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
+    assert sorted(n for n in names if n and n.startswith("functrain/")) == [
+        "functrain/step 2 (compiled)", "functrain/step 3 (compiled)"]  # one graph: no stage ranges in it
+    assert T.tree_equal(got, ft.run(cstep, state, data, num_steps=4, progress=False, donate=False))

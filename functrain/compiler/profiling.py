@@ -5,7 +5,8 @@
 ``functrain/step <n> (<phase>)`` (the runner's phase when the step started: ``eager``, ``compiling``, ``ready``,
 ``compiled`` or ``failed``; a step with no runner: ``eager`` for a :class:`~functrain.core.step.Step`,
 ``compiled`` for a :class:`~functrain.compiler.api.CompiledStep` called as it is, else ``call``), the switch to
-the compiled code is a range of its own (``functrain/switch to compiled at step <n>``), and an eager step marks its stages (``functrain/stage/<name>``: :data:`functrain.core.step.STAGE_MARK`, from
+the compiled code is a range of its own (``functrain/switch to compiled at step <n>``), and an eager step marks
+its stages (``functrain/stage/<name>``: :data:`functrain.core.step.STAGE_MARK`, from
 :func:`~functrain.core.step.marking`). A compiled step is one graph whose code carries no range of ours (inductor
 drops ``record_function`` from a captured graph and Dynamo ignores it), so its steps show the graph's ops, not
 stages. When the profiled steps are done (or the loop ends first) the trace is written and a table of the time per

@@ -52,6 +52,11 @@ class TrainConfig:
     capped at ``ema_decay``: ema-pytorch's defaults, with which denoising-diffusion-pytorch
     trains (``ema_power=None``: the constant ``ema_decay`` from the first update).
 
+    Checkpoints: the newest ``keep_checkpoints`` are kept; ``keep_best`` (``"eval_loss"`` or ``"eval_loss_ema"``)
+    also keeps the one whose step's evaluation was the lowest (every save must evaluate: ``eval_every`` 0 or a
+    divisor of ``save_and_sample_every``); ``keep_best="eval_loss_ema", keep_checkpoints=1`` is the package's
+    ``save_best_and_latest_only``.
+
     ``num_samples`` must be a
     perfect square: samples are tiled into a ``sqrt(n) x sqrt(n)`` grid. Every
     field is checked here (a :class:`ValueError` that is also a ``TypeError``

@@ -119,8 +119,11 @@ class Trainer:
         model_or_loss: a module whose ``forward(*batch)`` (or ``forward(**batch)``) returns the loss (or an object
             or dict holding it), or a ``loss_fn(params, buffers, batch)`` (then pass ``params``/``buffers``).
         dataset: a map-style dataset, a sequence, in-memory columns, a ``DataLoader``, or a folder of images.
-        config: the :class:`TrainConfig`.
-        sample_fn: ``sample_fn(ema_params, n) -> images`` for the sample grids (``None``: no samples).
+        config: the :class:`TrainConfig`; or ``None`` (default), and ``**package``: denoising-diffusion-pytorch's
+            ``Trainer`` keywords build it (:func:`~functrain.trainer.config.package_config`: its names and defaults,
+            ``split_batches=True`` included; ``amp``, ``save_best_and_latest_only``, ... honoured or refused by name).
+        sample_fn: ``sample_fn(ema_params, n) -> images`` for the sample grids (``None``: no samples; with the
+            package's keywords, a module with ``sample`` samples its EMA copy, as the package's ``Trainer``).
         params, buffers: with a ``loss_fn``: the initial tensors.
         optimizer: a functrain optimizer instead of the config's AdamW.
         transforms: transforms added to the composed step.
@@ -128,6 +131,8 @@ class Trainer:
         eval_dataset: held-out data for ``eval_loss`` / ``eval_loss_ema``.
         callbacks, on_log, on_save, on_eval, should_stop: hooks (see :class:`Callback`).
         trackers: tracker objects with ``log(step, metrics)``, besides ``config.trackers``.
+        **package: with ``config=None``: the package's ``Trainer`` keywords (``train_batch_size=32``, ``amp=True``,
+            ...); ``augment_horizontal_flip`` / ``convert_image_to`` (how a folder is read) go with a config too.
 
     As a doctest (eager, 3 updates, into a temporary folder)::
 

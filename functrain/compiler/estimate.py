@@ -53,13 +53,16 @@ from typing import Any, Callable
 import optree
 import torch
 
+from ..core.rng import host_seed
 from ..core.state import TrainState
 from ..core.step import Step
 from .graph_peak import _round, estimate_graph
 
-__all__ = ["MemoryEstimate", "estimate_graph", "state_bytes", "device_memory", "memory", "allocated_peak"]
+__all__ = ["MemoryEstimate", "estimate_graph", "state_bytes", "device_memory", "memory", "allocated_peak", "prepare",
+           "Prepared"]
 
 _GiB = float(1 << 30)
+_EAGER_NOTE = "the step's peak is estimated for a compiled step: TrainConfig(compile=True)"
 
 
 def _fmt(n: int) -> str:
@@ -151,6 +154,7 @@ class MemoryEstimate:
         new_state: bytes of the new state's buffers held besides the input state (0 when donating).
         capacity: the device's memory (:func:`device_memory`), or ``None``.
         traced: whether the step was traced (``False``: the state only, ``step_peak`` unknown).
+        untraced: why it was not (``None``: an eager step's ``TrainConfig(compile=True)`` hint).
 
     Args:
         (the attributes below, as :func:`memory` fills them; users read an estimate, they do not build one)
@@ -173,6 +177,7 @@ class MemoryEstimate:
     new_state: int = 0
     capacity: int | None = None
     traced: bool = True
+    untraced: str | None = None
 
     @property
     def state_total(self) -> int:
@@ -187,7 +192,7 @@ class MemoryEstimate:
         parts = ", ".join(f"{k.split('/')[-1]} {_fmt(v)}" for k, v in self.state.items() if v and k != "other")
         text = f"memory per rank on {self.device}: state {_fmt(self.state_total)} ({parts})"
         if not self.traced:
-            text += " (the step's peak is estimated for a compiled step: TrainConfig(compile=True))"
+            text += f" ({self.untraced or _EAGER_NOTE})"
             return text
         text += f", step peak +{_fmt(self.step_peak)} (at {self.peak_at})"
         if self.new_state:
@@ -238,8 +243,43 @@ def memory(step: Any, state: TrainState, batch: Any, *, donate: bool | None = No
         >>> est.state["params"], est.step_peak > 0
         (262144, True)
     """
+    est = prepare(step, state, batch, donate=donate).finish()
+    message = est.over()
+    if message:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return est
+
+
+@dataclass
+class Prepared:
+    """What :func:`memory` reads from the step and the state, read now (on the caller's thread: the state's bytes
+    are its storages' sizes now, before a donating step empties them); :meth:`finish` walks the capture's graph,
+    on any thread (the walk only reads the graph, which nothing changes: a compile leaves it as it is).
+
+    Attributes:
+        estimate: the :class:`MemoryEstimate` without the step's peak.
+        gm: the capture's graph (``None``: not traced; ``estimate.traced`` is ``False``).
+        backend: the process group's backend, for the collectives' buffers (``None``: none).
+    """
+
+    estimate: MemoryEstimate
+    gm: Any = None
+    backend: str | None = None
+
+    def finish(self) -> MemoryEstimate:
+        """The estimate, the graph walked (seconds on a large graph on a small CPU)."""
+        est = self.estimate
+        if self.gm is not None:
+            est.step_peak, est.peak_at = estimate_graph(self.gm, est.device, self.backend)
+        return est
+
+
+def prepare(step: Any, state: TrainState, batch: Any, *, donate: bool | None = None, trace: bool = True) -> Prepared:
+    """The part of :func:`memory` that reads the step and the state (see :class:`Prepared`); ``trace=False``: never
+    trace: a runner's kept capture (the one its background compile traced) or, without one, the state's bytes
+    alone (``traced=False``, saying so): what the Trainer's memory line uses after the first step."""
     from .api import CompiledStep
-    from .capture import CaptureError, trace
+    from .capture import CaptureError, trace as trace_step
     from .runtime import DynamoRunner, Runner
 
     runner = step if isinstance(step, (Runner, DynamoRunner)) else None
@@ -261,20 +301,26 @@ def memory(step: Any, state: TrainState, batch: Any, *, donate: bool | None = No
     device = leaves[0].device if leaves else torch.device("cpu")
     kind = "owned" if donate else "fresh"
     direct = step.direct(donate) if isinstance(step, CompiledStep) else runner
-    cap = direct.traced(state, batch) if direct is not None else None  # (a Dynamo runner keeps none)
+    if not trace:
+        cap = _kept(direct, state, batch) if isinstance(direct, Runner) else None
+        if cap is None:
+            return Prepared(MemoryEstimate(device=device, state=state_bytes(state), traced=False,
+                                           capacity=device_memory(device),
+                                           untraced="the step's peak unknown: no trace of it was kept"))
+    else:
+        cap = direct.traced(state, batch) if direct is not None else None  # (a Dynamo runner keeps none)
     if cap is None:
         from .errors import explain
 
         s = state._replace(rng=None)
         try:
-            cap = trace(inner.apply, s, batch, kind)
+            cap = trace_step(inner.apply, s, batch, kind, host_seed=host_seed(state.rng))
         except CaptureError as e:
             raise explain(inner, e.__cause__ or e, state, batch, tracer="make_fx") from e
     backend = None
     if inner._shards_state or any(t.name == "data_parallel" for t in inner.transforms):
         import torch.distributed as dist
         backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
-    peak, at = estimate_graph(cap.gm, device, backend)
     recycled = 0
     if cap.memory.recycle:
         tensors = [t for t in optree.tree_leaves(state._replace(rng=None)) if isinstance(t, torch.Tensor)]
@@ -282,12 +328,26 @@ def memory(step: Any, state: TrainState, batch: Any, *, donate: bool | None = No
     elif not donate:  # the new state is fresh memory (no recycling off the CPU)
         recycled = sum(state_bytes(state).values())
     batch_bytes = sum(t.untyped_storage().nbytes() for t in _tensors(batch) if t.device == device)
-    est = MemoryEstimate(device=device, state=state_bytes(state), batch=batch_bytes, step_peak=peak, peak_at=at,
-                         new_state=recycled, capacity=device_memory(device))
-    message = est.over()
-    if message:
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-    return est
+    est = MemoryEstimate(device=device, state=state_bytes(state), batch=batch_bytes, new_state=recycled,
+                         capacity=device_memory(device))
+    return Prepared(est, cap.take_walk() if not trace else cap.gm, backend)
+
+
+def _kept(runner: Any, state: TrainState, batch: Any) -> Any:
+    """The capture a runner's background compile traced for ``(state, batch)`` (compiling, or compiled already:
+    its graph kept for this walk), or ``None``."""
+    from .host_draws import OutcomeKey
+    from .runtime import signature_key
+
+    key = signature_key(state._replace(rng=None), batch)[1]
+    cap = runner.background.traced(key) if runner.background is not None else None
+    if cap is not None:
+        return cap
+    for k, cap in runner.graphs.captures.items():  # (one capture per outcome of the step's Python draws)
+        if (k == key or (isinstance(k, OutcomeKey) and k.base == key)) and (cap.gm is not None or
+                                                                           cap.walk_gm is not None):
+            return cap
+    return None
 
 
 def allocated_peak(fn: Callable[..., Any], *args: Any) -> tuple[int, Any]:

@@ -336,6 +336,7 @@ class Trainer:
                     if stop:
                         break
             n, state = steps.index, steps.state
+            memory.close()  # the memory line, made off the training thread, is printed by now
             self.stopping.end_vote()  # the last step's vote, which every rank started: let it finish
             if steps.runner is not None:  # stopped by SIGTERM: a running compile dies with us; else it may finish
                 steps.runner.finish_after_exit(not self.stopping.signalled)

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+import warnings
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 __all__ = ["run_summary", "format_duration", "memory_line", "MemoryLine", "FirstBatch"]
 
 
 def memory_line(run_step: Any, state: Any, batch: Any) -> str:
-    """The Trainer's start-of-run line: :func:`functrain.memory` of a compiled step (its capture is what the
-    first step compiles, so this costs no second trace), or the state's bytes of an eager one.
+    """The Trainer's memory line: :func:`functrain.memory` of a compiled step (its capture is what the first step
+    compiles, so this costs no second trace), or the state's bytes of an eager one.
 
     Example::
 
@@ -21,48 +23,82 @@ def memory_line(run_step: Any, state: Any, batch: Any) -> str:
         >>> memory_line(step, step.init({"w": torch.zeros(1024)}), torch.ones(1024)).split(" (")[0]
         'memory per rank on cpu: state 4.03 KiB'
     """
+    return str(_prepared(run_step, state, batch, trace=True).finish())
+
+
+def _prepared(run_step: Any, state: Any, batch: Any, trace: bool) -> Any:
     from ..compiler import CompiledStep, DynamoRunner, Runner
-    from ..compiler.estimate import MemoryEstimate, device_memory, memory, state_bytes
+    from ..compiler.estimate import MemoryEstimate, Prepared, device_memory, prepare, state_bytes
 
     if isinstance(run_step, (CompiledStep, Runner, DynamoRunner)):
-        return str(memory(run_step, state, batch, donate=True))  # ft.run donates
+        return prepare(run_step, state, batch, donate=True, trace=trace)  # ft.run donates
     device = state.step.device
-    return str(MemoryEstimate(device=device, state=state_bytes(state), traced=False,
-                              capacity=device_memory(device)))
+    return Prepared(MemoryEstimate(device=device, state=state_bytes(state), traced=False,
+                                   capacity=device_memory(device)))
 
 
 class MemoryLine:
-    """When the Trainer prints :func:`memory_line` (rank 0, once).
+    """When and where the Trainer makes :func:`memory_line` (rank 0 prints it, once).
+
+    What the line needs from the step and the state is read on the training thread (the capture, the state's
+    bytes); the walk of the capture's graph, seconds on a large model, runs on a thread of its own
+    (``functrain-memory-line``), which prints the line: no step waits for it. :meth:`close` (the end of the run)
+    waits for that thread, so the line is never lost.
 
     Before the first step (:meth:`first`, every rank: a compiled step's ranks each keep the capture its first call
     compiles), except for a background compile that switches when ready (``progress``: its
     :class:`~functrain.compiler.background.Progress`, ``switch_at`` ``None``): its trace waits for the compiler's
     imports, which a thread makes while the first steps run eagerly, so the line comes after the step in which
-    that trace ran (:meth:`after_step`), from its capture (no second trace); the state's bytes alone if the
-    compile failed; none if the run ended before the trace.
+    that trace ran (:meth:`after_step`), from its capture; nothing is traced for the line then (the state's bytes
+    alone if that capture is not kept or the compile failed); none if the run ended before the trace.
+
+    Attributes:
+        thread: the thread walking the graph for the line (``None`` before; done once joined by :meth:`close`).
     """
 
     def __init__(self, run_step: Any, rank: int, progress: Any = None):
         self.run_step, self.rank, self.progress = run_step, rank, progress
         self.batch: Any = None  # the first batch, while the line waits for the background trace
+        self.thread: threading.Thread | None = None
 
     def first(self, state: Any, batch: Any) -> None:
-        """Before the first step (every rank): print the line now, or keep ``batch`` (rank 0) for :meth:`after_step`."""
+        """Before the first step (every rank): make the line now, or keep ``batch`` (rank 0) for :meth:`after_step`."""
         if self.progress is not None and self.progress.switch_at is None:
             self.batch = batch if self.rank == 0 else None
             return
-        line = memory_line(self.run_step, state, batch)
+        prepared = _prepared(self.run_step, state, batch, trace=True)  # (the capture the first call compiles)
         if self.rank == 0:
-            print(line, flush=True)
+            self._report(prepared)
 
     def after_step(self, state: Any) -> None:
-        """After each step: print the kept line once the background compile has traced (or failed); no trace here
-        (nor a wait for the compiler's imports, which the background trace waits for without blocking a step)."""
+        """After each step: once the background compile has traced (or failed), make the kept line from its
+        capture; no trace here (nor a wait for the compiler's imports)."""
         if self.batch is None or not (self.progress.traced or self.progress.phase == "failed"):
             return
         batch, self.batch = self.batch, None
-        step = self.run_step.step if self.progress.phase == "failed" else self.run_step  # failed: the state's bytes
-        print(memory_line(step, state, batch), flush=True)
+        prepared = _prepared(self.run_step.step, state, batch, trace=False) if self.progress.phase == "failed" \
+            else _prepared(self.run_step, state, batch, trace=False)
+        if self.progress.phase == "failed":  # the state's bytes, and why there is no peak
+            prepared.estimate.untraced = "the step's peak unknown: the background compile failed, the steps run eagerly"
+        self._report(prepared)
+
+    def _report(self, prepared: Any) -> None:
+        def run() -> None:
+            try:
+                print(str(prepared.finish()), flush=True)
+            except Exception as e:  # noqa: BLE001 - an estimate that fails must not stop the run: said, not raised
+                warnings.warn(f"the memory line's estimate failed ({type(e).__name__}: {e})", RuntimeWarning)
+
+        self.thread = threading.Thread(target=run, name="functrain-memory-line", daemon=True)
+        self.thread.start()
+
+    def close(self, timeout: float = 600.0) -> None:
+        """Wait for the line (at most ``timeout`` seconds; after that a warning says it was not finished)."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                warnings.warn(f"the memory line's estimate did not finish within {timeout:g} s; the run goes on "
+                              f"without it", RuntimeWarning)
 
 
 class FirstBatch:

@@ -420,7 +420,7 @@ def _show(bar: Any, runner: Any, shown: list, final: bool = False) -> None:
     """Leave a call that did compile work out of the bar's time; refresh its description (at most twice a second:
     ``shown[0]``, when it was last; and at the end, ``final``) from the runner's rate meter and progress: each
     path's label with its rate, and an ETA only from the rate of the path that will run (none while a compile
-    is pending, since the compiled rate is not known yet)."""
+    is pending, since the compiled rate is not known yet; the eager rate's while nothing compiles)."""
     rates = runner.rates
     if rates.paused:
         bar.unpause()  # tqdm: the time since its last print is not counted
@@ -431,7 +431,8 @@ def _show(bar: Any, runner: Any, shown: list, final: bool = False) -> None:
         if not text and rates.path is not None:  # one path so far
             rate = rates.rate(rates.path)
             text = f"{rates.path} {rate:.3g} it/s" if rate is not None else f"{rates.path} ? it/s"
-        ahead = rates.rate("eager" if progress.phase == "failed" else "compiled")  # the path that will run
+        # the path that will run: eager while nothing compiles (none started, or declined) or after a failed compile
+        ahead = rates.rate("eager" if progress.phase in ("eager", "failed") else "compiled")
         if not final and ahead is not None and bar.total is not None and bar.total > bar.n:
             text += f" · ETA {bar.format_interval((bar.total - bar.n) / ahead)}"
         bar.set_description_str(text, refresh=False)

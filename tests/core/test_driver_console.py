@@ -32,6 +32,14 @@ def test_no_eta_while_a_compile_is_pending_and_every_label_has_its_rate(capsys):
     runner = types.SimpleNamespace(progress=progress, rates=rates)
     bar = _progress(100, 0, phases=True)
     shown = [0.0]
+    rates.record("eager", False)
+    rates.record("eager", False)
+    bar.update(2)
+    _show(bar, runner, shown)  # nothing compiles (not started, or declined): the eager path is the one that runs
+    assert bar.desc.startswith("eager ") and " it/s · ETA " in bar.desc, bar.desc
+    progress, rates = Progress(), PhaseRates()
+    runner = types.SimpleNamespace(progress=progress, rates=rates)
+    shown = [0.0]
     progress.phase = "compiling"
     rates.record("eager", False)
     _show(bar, runner, shown, final=False)

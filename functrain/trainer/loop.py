@@ -194,8 +194,8 @@ class Trainer:
             raise ValueError(f"TrainConfig.eval_every={config.eval_every} but the Trainer has no eval_dataset=")
         if eval_dataset is None and config.keep_best is not None:
             raise ValueError(f"TrainConfig.keep_best={config.keep_best!r} keeps the checkpoint with the best held-out "
-                             f"loss, and the Trainer has no eval_dataset= to compute it (save_best_and_latest_only=True "
-                             f"sets keep_best='eval_loss_ema')")
+                             f"loss, and the Trainer has no eval_dataset= to compute it "
+                             f"(save_best_and_latest_only=True sets keep_best='eval_loss_ema')")
         self.info = distributed.init()
         self.world = distributed.world_size()
         self.rank = distributed.rank()

@@ -45,7 +45,8 @@ def test_every_argument_of_the_packages_trainer_is_honoured_or_refused_by_name(e
     folder is read as the package reads it (flipped; augment_horizontal_flip=False: not)."""
     folder, _ = digits
     given = {**_package_defaults(), "results_folder": str(tmp_path)}
-    with pytest.raises(ValueError, match=r"cannot honour calculate_fid=True.*download at run time.*calculate_fid=False"):
+    with pytest.raises(ValueError,
+                       match=r"cannot honour calculate_fid=True.*download at run time.*calculate_fid=False"):
         ft.Trainer(ex.diffusion_model(), folder, **given)
     trainer = ft.Trainer(ex.diffusion_model(), folder, **{**given, "calculate_fid": False})
     assert trainer.config == ft.TrainConfig(results_folder=str(tmp_path), split_batches=True)

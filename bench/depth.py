@@ -3,10 +3,10 @@
     python bench/depth.py                          # T2 T4 T8 T16 T32 gpt2, each in a fresh process, cold cache
     python bench/depth.py --depths 2,32 --no-gpt2  # a subset
     python bench/depth.py --reuse off              # the whole step traced flat (ft.compile(reuse_blocks=False))
-    python bench/depth.py --flat-state             # the state made with step.init(flat=True): a buffer per repeated
-                                                   # block and one per dtype for the rest
+    python bench/depth.py --flat-state             # the state made with step.init(flat="blocks"): a buffer per
+                                                   # repeated block and one per dtype for the rest
     python bench/depth.py --flat-state --flat-layout both --rounds 2   # that against one buffer per dtype
-                                                   # (ft.flat(blocks=False)), paired, interleaved
+                                                   # (step.init(flat=True)), paired, interleaved
 
 Each configuration runs in a new process with an empty inductor cache folder (the probe memo of the
 machine is kept: ``FUNCTRAIN_CACHE_DIR`` is left as it is, so a first compile on the machine is not
@@ -60,7 +60,7 @@ if what == "gpt2":
     step = ft.train_step(loss_fn, ft.optim.adamw(1e-4))
 flat = os.environ.get("FT_BENCH_FLAT", "")
 state = step.init(params, buffers)
-if flat:  # "blocks": a buffer per repeated block (step.init(flat=True)); "one": one buffer per dtype
+if flat:  # "blocks": a buffer per repeated block (step.init(flat="blocks")); "one": one buffer per dtype (flat=True)
     state = ft.flat(state, blocks=flat == "blocks")
 reuse = os.environ.get("FT_BENCH_REUSE", "on") == "on"
 from functrain.compiler.capture import trace
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flat-state", action="store_true",
                    help="step.init(params, buffers, flat=True): the update runs over one buffer per dtype, not per parameter")
     p.add_argument("--flat-layout", default="blocks", choices=["blocks", "one", "both"],
-                   help="with --flat-state: blocks (a buffer per repeated block, step.init(flat=True)'s), one (one "
+                   help="with --flat-state: blocks (a buffer per repeated block, step.init(flat=\"blocks\")), one (one "
                         "buffer per dtype, ft.flat(state, blocks=False)), both: blocks then one at each depth (paired)")
     p.add_argument("--rounds", type=int, default=1, help="repeat the whole sweep (rounds interleave the configurations)")
     p.add_argument("--out-json", default=None)
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                         before, load(), mode, layout or "tree", rnd)
                     rows.append(r)
                     print(json.dumps(r), flush=True)
-    print(f"\nstate: {'flat (blocks: step.init(flat=True); one: ft.flat(blocks=False))' if args.flat_state else 'a tree of parameters'}")
+    print(f"\nstate: {'flat (blocks: step.init(flat=blocks); one: step.init(flat=True))' if args.flat_state else 'a tree of parameters'}")
     print("\n| round | model | reuse_blocks | state | nodes (all graphs) | regions | region fake runs (s) | trace s | "
           "first call s | first call CPU s | step ms | load |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -14,9 +14,10 @@ FSDP's flat parameter do) and, for ``world`` ranks, which slice of each buffer r
   params are flat too, one Adam update is one elementwise pass over one buffer, and a
   compiled step has a handful of inputs instead of three per parameter. The gradient is
   taken with respect to the per-leaf views (the loss function sees a plain ``{name:
-  tensor}`` dict) and packed into one buffer per dtype by one concatenation. Each
-  repeated block (``blocks.3.…``) has buffers of its own (``"float32@blocks.3"``,
-  :mod:`~functrain.core.flat_blocks`), so identical blocks have identical layouts.
+  tensor}`` dict) and packed into one buffer per dtype by one concatenation. Asked
+  (``blocks=True``), each repeated block (``blocks.3.…``) has buffers of its own
+  (``"float32@blocks.3"``, :mod:`~functrain.core.flat_blocks`), so identical blocks have
+  identical layouts.
 * **sharded data parallelism** (``world = N``): a *shard tree* ``{dtype name: 1-D tensor
   of S}`` is this rank's slice; sharded params, optimizer moments and params-shaped
   slot fields are held as shard trees. A sharded :class:`~functrain.TrainState`
@@ -487,19 +488,20 @@ def is_flat(x: Any) -> bool:
     return isinstance(x, FlatParams)
 
 
-def flat(tree: Any, *, blocks: bool = True) -> Any:
+def flat(tree: Any, *, blocks: bool = False) -> Any:
     """The flat form of a params tree, or of a state: one contiguous buffer per dtype (a copy).
 
     The values are the same; only the memory layout changes, and a step runs on either
-    form with the same results. Each repeated block (``blocks.0.…``, ``blocks.1.…``: the same names, dtypes
-    and shapes after the index, see :func:`~functrain.core.flat_blocks.blocks_by_name`) gets buffers of its own, so identical blocks have
-    identical layouts and a compiled step's trace handles them alike (what makes deep models compile in about
-    the time of shallow ones); ``blocks=False`` lays every leaf in its dtype's one buffer.
+    form with the same results. ``blocks=True`` gives each repeated block (``blocks.0.…``, ``blocks.1.…``: the
+    same names, dtypes and shapes after the index, see :func:`~functrain.core.flat_blocks.blocks_by_name`)
+    buffers of its own, so identical blocks have identical layouts and the trace's fake-tensor cache hits on
+    them; measured, that does not shorten a deep compile (inductor then emits an update per block: see
+    bench/README.md, "compile flat in depth"), so it is off by default.
 
     Args:
         tree: a params tree (floating tensors, one device), a :class:`FlatParams` (returned as it
             is), or a :class:`~functrain.TrainState` (not one sharded by ``data_parallel(shard=...)``).
-        blocks: a buffer per repeated block (default) or one buffer per dtype for all leaves.
+        blocks: a buffer per repeated block, or (default) one buffer per dtype for all leaves.
 
     Returns:
         For a params tree, a :class:`FlatParams`. For a state, the state with its params and every

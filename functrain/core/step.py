@@ -243,7 +243,7 @@ class Step:
         return f"Step({getattr(self.loss_fn, '__name__', 'loss_fn')}, transforms=[{names}])"
 
     # -- state ------------------------------------------------------------------------------
-    def init(self, params: Any, buffers: Any = None, *, seed: int | None = 0, flat: bool = False) -> TrainState:
+    def init(self, params: Any, buffers: Any = None, *, seed: int | None = 0, flat: bool | str = False) -> TrainState:
         """The initial state for ``params`` (and ``buffers``).
 
         ``seed`` seeds the random-number generator state carried in the state
@@ -251,8 +251,13 @@ class Step:
         same numbers); ``seed=None`` carries none and uses torch's global RNG.
         ``flat=True`` holds the params, the optimizer state and the EMA as one
         buffer per dtype (:func:`functrain.flat`; a copy of ``params``): same
-        results, fewer and larger kernels.
+        results, fewer and larger kernels. ``flat="blocks"`` gives each repeated
+        block buffers of its own (``ft.flat(..., blocks=True)``: identical blocks
+        trace alike; see docs/compiling.md for what it costs and gains).
         """
+        if flat not in (False, True, "blocks"):
+            raise ValueError(f"init: flat must be False, True (one buffer per dtype) or 'blocks' (a buffer per "
+                             f"repeated block); got {flat!r}")
         check_params(params)
         if not self._shards_state and any(x.is_meta for x in T.tree_leaves(params)):
             raise ValueError("init: the params are on the meta device (a model built under ft.init_empty() or "
@@ -263,7 +268,7 @@ class Step:
             if self._shards_state:
                 raise ValueError("init(flat=True): this step is a sharded data_parallel step, which holds the "
                                  "params, moments and EMA in its own flat shard layout already; drop flat=True")
-            params = to_flat(params)
+            params = to_flat(params, blocks=flat == "blocks")
         buffers = {} if buffers is None else buffers
         leaves = T.tree_leaves(params)
         device = leaves[0].device if leaves else torch.device("cpu")

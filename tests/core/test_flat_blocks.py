@@ -74,7 +74,7 @@ def _block_layout(layout, prefix):
 # -- the layout -------------------------------------------------------------------------------------
 def test_identical_blocks_get_identical_layouts_in_buffers_of_their_own():
     _, params, _ = _step(4)
-    flat = ft.flat(params)
+    flat = ft.flat(params, blocks=True)
     lay = flat.layout
     first = _block_layout(lay, "blocks.0.")
     assert first[0] and all(_block_layout(lay, f"blocks.{i}.") == first for i in range(1, 4))
@@ -93,7 +93,7 @@ def test_identical_blocks_get_identical_layouts_in_buffers_of_their_own():
 def test_a_state_made_flat_has_block_buffers_in_params_moments_and_ema():
     step, params, buffers = _step(3)
     step = ft.ema(0.9)(step)
-    state = step.init(params, buffers, flat=True)
+    state = step.init(params, buffers, flat="blocks")
     for node in (state.params, state.opt_state.exp_avg, state.slots["ema"].params):
         assert isinstance(node, FlatParams) and node.layout == state.params.layout
         assert len(node.buffers) == 4  # the rest, and one per block
@@ -122,7 +122,7 @@ def test_blocks_found_are_exactly_the_repeated_ones(block, depth, sep, odd, seed
               and n.split(sep)[1] != str(depth) else "" for n in names}
     found = blocks_by_name(names, [params[n].dtype for n in names], [tuple(params[n].shape) for n in names])
     assert dict(zip(names, found)) == expect
-    flat = ft.flat(params)
+    flat = ft.flat(params, blocks=True)
     assert all(torch.equal(flat[n], params[n]) and flat[n].dtype == params[n].dtype for n in params)
     assert ft.tree.tree_equal(ft.unflat(flat), params)
     lay = flat.layout
@@ -146,8 +146,8 @@ def compiled():
 def test_a_step_on_block_buffers_equals_the_plain_step_eager_and_compiled(compiled):
     step, params, buffers, cstep = compiled
     plain = step.init(clone_tree(params), buffers)
-    eager = step.init(clone_tree(params), buffers, flat=True)
-    state = step.init(clone_tree(params), buffers, flat=True)
+    eager = step.init(clone_tree(params), buffers, flat="blocks")
+    state = step.init(clone_tree(params), buffers, flat="blocks")
     for i in range(4):
         plain, mp = step(plain, _batch(i))
         eager, me = step(eager, _batch(i))
@@ -161,11 +161,11 @@ def test_a_step_on_block_buffers_equals_the_plain_step_eager_and_compiled(compil
 def test_checkpoints_are_by_name_and_load_into_either_layout(tmp_path):
     step, params, buffers = _step(3)
     old, _ = step(ft.flat(step.init(clone_tree(params), buffers), blocks=False), _batch())
-    new, _ = step(step.init(clone_tree(params), buffers, flat=True), _batch())
+    new, _ = step(step.init(clone_tree(params), buffers, flat="blocks"), _batch())
     named_old, named_new = ft.load(ft.save(tmp_path / "old", old)), ft.load(ft.save(tmp_path / "new", new))
     assert sorted(named_old.params) == sorted(named_new.params) == sorted(params)
     # a checkpoint of the one-buffer layout loads into the block layout, and back
-    into_new = ft.load(tmp_path / "old", step.init(clone_tree(params), buffers, flat=True))
+    into_new = ft.load(tmp_path / "old", step.init(clone_tree(params), buffers, flat="blocks"))
     assert into_new.params.layout == new.params.layout
     assert_same_state(into_new, old)
     into_old = ft.load(tmp_path / "new", ft.flat(step.init(clone_tree(params), buffers), blocks=False))
@@ -188,4 +188,12 @@ def test_identical_blocks_hit_the_fake_tensor_cache_while_traced():
     # the reference in the same test: one buffer per dtype, each block's parameters at other offsets: all miss
     assert fake_runs(ft.flat(step.init(clone_tree(params), buffers, seed=None), blocks=False)) == (8, 8)
     # block buffers: one fake run for the forward region and one for the backward; the other 6 calls hit
-    assert fake_runs(step.init(clone_tree(params), buffers, seed=None, flat=True)) == (2, 8)
+    assert fake_runs(step.init(clone_tree(params), buffers, seed=None, flat="blocks")) == (2, 8)
+
+
+def test_init_names_a_bad_flat_value():
+    step, params, buffers = _step(2)
+    with pytest.raises(ValueError, match=r"flat must be False, True .* or 'blocks'.*got 'block'"):
+        step.init(params, buffers, flat="block")
+    assert isinstance(step.init(clone_tree(params), buffers, flat=True).params, FlatParams)
+    assert len(step.init(clone_tree(params), buffers, flat=True).params.buffers) == 1  # one per dtype by default

@@ -10,7 +10,7 @@ Each variant runs in its own 2-process job (``ft.launch``), so that its memory h
 ``MALLOC_MMAP_THRESHOLD_`` is fixed at 1 MiB in the workers so freed tensors go back to the OS and RSS follows
 live memory. Variants:
 
-* ``replicated``: ``ft.compile(ft.data_parallel()(ft.ema(d)(step)))``
+* ``replicated``: ``ft.compile(ft.data_parallel()(ft.ema(d, warmup=False)(step)))``
 * ``optimizer`` / ``params``: the same with ``ft.data_parallel(shard="optimizer" | "params")``
 * ``blocks``: ``ft.data_parallel(shard="params", blocks=model)``, each block gathered when it runs (marked with
   ``ft.remat(model, "everything_saveable")``, or ``--remat POLICY``)
@@ -120,7 +120,7 @@ def _worker(variant: str, width: int, depth: int, batch: int, warmup: int, steps
         def loss_fn(p, b, xy):
             return torch.nn.functional.mse_loss(apply_fn(p, b, xy[0]), xy[1])
 
-        base = ft.ema(DECAY)(ft.train_step(loss_fn, ft.optim.adamw(LR, weight_decay=WD)))
+        base = ft.ema(DECAY, warmup=False)(ft.train_step(loss_fn, ft.optim.adamw(LR, weight_decay=WD)))
         shard = {"replicated": "none", "blocks": "params"}.get(variant, variant)
         step = ft.data_parallel(shard=shard, blocks=blocks if variant == "blocks" else None)(base)
         gc.collect()

@@ -220,5 +220,5 @@ def functrain_step(wl: Workload) -> tuple[ft.Step, dict, dict]:
     if wl.clip is not None:
         step = ft.clip(wl.clip)(step)
     if wl.ema is not None:
-        step = ft.ema(wl.ema)(step)
+        step = ft.ema(wl.ema, warmup=False)(step)
     return step, params, buffers

@@ -60,7 +60,7 @@ def main() -> float:
 
     schedule = ft.optim.schedules.warmup_cosine(args.lr, warmup_steps=args.steps // 10, total_steps=args.steps)
     step = ft.train_step(loss_fn, ft.optim.adamw(schedule, weight_decay=1e-4))
-    step = ft.ema(0.99)(ft.clip(1.0)(step))
+    step = ft.ema(0.99, warmup=False)(ft.clip(1.0)(step))
     state = step.init(params, buffers, seed=args.seed)
     run_step = step if args.no_compile else ft.compile(step)
 

@@ -274,7 +274,7 @@ POLICIES = {"nothing_saveable": "nothing_saveable", "dots_saveable": "dots_savea
             "ops": {aten.addmm.default, aten.gelu}, "torch_policy": torch_policy}
 TRANSFORMS = {"accumulate": lambda: ft.accumulate(2), "bf16": lambda: ft.mixed_precision("bf16"),
               "fp16": lambda: ft.mixed_precision("fp16", init_scale=2.0**8, growth_interval=2),
-              "clip": lambda: ft.clip(0.05), "ema": lambda: ft.ema(0.5), "skip_nonfinite": lambda: ft.skip_nonfinite()}
+              "clip": lambda: ft.clip(0.05), "ema": lambda: ft.ema(0.5, warmup=False), "skip_nonfinite": lambda: ft.skip_nonfinite()}
 
 
 def build(*, width=6, depth=2, norm="ln", dropout=False, policy=None, transforms=(), optimizer="adamw", seed=0):
@@ -381,10 +381,10 @@ class BlockwiseNet(torch.nn.Module):
 
 
 def _blockwise_transforms(config: str, micro: int) -> list:
-    return {"plain": [], "accumulate": [ft.accumulate(micro)], "clip": [ft.clip(0.05)], "ema": [ft.ema(0.5)],
+    return {"plain": [], "accumulate": [ft.accumulate(micro)], "clip": [ft.clip(0.05)], "ema": [ft.ema(0.5, warmup=False)],
             # (fp16 rounding depends on the rows grouped: the reference accumulates the same micro-batches)
             "fp16": [ft.accumulate(micro), ft.mixed_precision("fp16", init_scale=256.0)],
-            "all": [ft.accumulate(micro), ft.clip(0.05), ft.ema(0.5), ft.mixed_precision("bf16")]}[config]
+            "all": [ft.accumulate(micro), ft.clip(0.05), ft.ema(0.5, warmup=False), ft.mixed_precision("bf16")]}[config]
 
 
 def blockwise_problem(config: str, policies=("nothing_saveable", "everything_saveable", "dots_saveable"), micro: int = 2,

@@ -1,4 +1,4 @@
-"""Exponential moving average of the parameters (stage ``after``), with an optional warm-up."""
+"""Exponential moving average of the parameters (stage ``after``), with ema-pytorch's warm-up by default."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -11,7 +11,13 @@ from ..core.eager import TreespecCache, as_tensor, host_number, select
 from ..core.transform import StepContext, Transform
 from ..core.registry import register_checkpoint_type
 
-__all__ = ["ema", "EmaState"]
+__all__ = ["ema", "EmaState", "WARMUP_START_STEP", "WARMUP_POWER"]
+
+# ema-pytorch's defaults (EMA(update_after_step=100, power=2/3)), as denoising-diffusion-pytorch's Trainer uses them:
+# ft.ema's and TrainConfig's, so the same numbers mean the same EMA through either
+WARMUP_START_STEP = 100
+WARMUP_POWER = 2 / 3
+_UNSET: Any = object()
 
 
 @register_checkpoint_type("functrain.EmaState")
@@ -119,9 +125,13 @@ class EMA(Transform):
         return f"ema({self.decay}, every={self.every}, start_step={self.start_step}{warmup})"
 
 
-def ema(decay: float, every: int = 1, start_step: int = 0, *, power: float | None = None, inv_gamma: float = 1.0,
-        min_decay: float = 0.0) -> EMA:
-    """An EMA of the params in the state, read as ``state.ema``.
+def ema(decay: float, every: int = 1, start_step: int = _UNSET, *, warmup: bool = True, power: float | None = _UNSET,
+        inv_gamma: float = 1.0, min_decay: float = 0.0) -> EMA:
+    """An EMA of the params in the state, read as ``state.ema``: by default ema-pytorch's, warm-up included.
+
+    ``ft.ema(0.995, every=10)`` is the EMA denoising-diffusion-pytorch's Trainer keeps with ``ema_decay=0.995,
+    ema_update_every=10`` (ema-pytorch's ``update_after_step=100``, ``power=2/3``), and what ``ft.TrainConfig`` with
+    the same numbers gives. ``warmup=False`` is the plain EMA: ``d = decay`` from the first update.
 
     ema-pytorch decides on the count before the update (its ``step``) and functrain on the count
     including it: ``ema(b, every, start_step=N, power=p)`` after update ``k >= N`` (``N`` a multiple
@@ -132,12 +142,15 @@ def ema(decay: float, every: int = 1, start_step: int = 0, *, power: float | Non
         decay: the decay of a blend, in (0, 1); with a warm-up, its cap.
         every: blend on every ``every``-th applied update, an int >= 1 (default 1; updates, not calls:
             a skipped update does not count).
-        start_step: copy the params for the first ``start_step`` applied updates, an int >= 0 (default 0).
-        power: ``None`` (default: a constant ``decay``), or a number > 0 turning on the warm-up
+        start_step: copy the params for the first ``start_step`` applied updates, an int >= 0 (default 100,
+            ema-pytorch's ``update_after_step``; 0 with ``warmup=False``).
+        warmup: ``True`` (default): ema-pytorch's warm-up, ``power`` defaulting to 2/3; ``False``: the plain EMA
+            (``power`` and ``start_step`` default to ``None`` and 0; a ``power`` then is refused).
+        power: a number > 0: the warm-up
             ``d_k = clamp(1 - (1 + (k - start_step) / inv_gamma) ** -power, min_decay, decay)`` at
-            applied update ``k``: ema-pytorch's inverse-gamma ramp (its defaults, as
-            denoising-diffusion-pytorch's Trainer uses them: ``start_step=100``, ``power=2/3``,
-            ``inv_gamma=1``, ``min_decay=0``).
+            applied update ``k``, ema-pytorch's inverse-gamma ramp (default 2/3, its default, as
+            denoising-diffusion-pytorch's Trainer uses it, with ``inv_gamma=1``, ``min_decay=0``); ``None``:
+            a constant ``decay`` after ``start_step``.
         inv_gamma: the ramp's scale, a number > 0 (default 1.0; only with ``power``).
         min_decay: the ramp's floor, in [0, decay] (default 0.0; only with ``power``).
 
@@ -145,18 +158,30 @@ def ema(decay: float, every: int = 1, start_step: int = 0, *, power: float | Non
         The :class:`EMA` transform (stage ``after``, slot ``"ema"`` holding an :class:`EmaState`).
 
     Raises:
-        BadValue: an argument out of its range, or ``inv_gamma`` / ``min_decay`` changed without ``power``.
+        BadValue: an argument out of its range, ``inv_gamma`` / ``min_decay`` changed without ``power``, or a
+            ``power`` with ``warmup=False``.
 
     Example::
 
         >>> import torch, functrain as ft
-        >>> step = ft.ema(0.9)(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(1.0)))
+        >>> ft.ema(0.995, every=10)
+        ema(0.995, every=10, start_step=100, power=0.666667, inv_gamma=1, min_decay=0)
+        >>> step = ft.ema(0.9, warmup=False)(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(1.0)))
         >>> state, _ = step(step.init({"w": torch.zeros(1)}), torch.ones(1))
         >>> state.params["w"], state.ema["w"]
         (tensor([-1.]), tensor([-0.1000]))
-        >>> warm = ft.ema(0.999, power=1.0)(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(1.0)))
+        >>> warm = ft.ema(0.999, start_step=0, power=1.0)(ft.train_step(lambda p, b, x: (p["w"] * x).sum(),
+        ...                                                             ft.optim.sgd(1.0)))
         >>> state, _ = warm(warm.init({"w": torch.zeros(1)}), torch.ones(1))
         >>> state.ema["w"]   # d_1 = 1 - 2**-1: the mean of the initial and the updated params
         tensor([-0.5000])
     """
+    if not isinstance(warmup, bool):
+        raise BadValue(f"ema: warmup must be True (ema-pytorch's warm-up) or False (the plain EMA); got {warmup!r}")
+    if not warmup and power is not _UNSET and power is not None:
+        raise BadValue(f"ema: power={power!r} shapes the warm-up, which warmup=False turns off; drop one of them")
+    if start_step is _UNSET:
+        start_step = WARMUP_START_STEP if warmup else 0
+    if power is _UNSET:
+        power = WARMUP_POWER if warmup else None
     return EMA(decay, every, start_step, power=power, inv_gamma=inv_gamma, min_decay=min_decay)

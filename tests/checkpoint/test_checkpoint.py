@@ -48,7 +48,7 @@ def full_state(steps=3, width=512):
         return ((h.sum(-1, keepdim=True) - y) ** 2).mean()
 
     step = ft.train_step(loss_fn, ft.optim.adamw(1e-3))
-    step = ft.ema(0.9)(ft.mixed_precision("fp16")(ft.accumulate(2, streaming=True)(step)))
+    step = ft.ema(0.9, warmup=False)(ft.mixed_precision("fp16")(ft.accumulate(2, streaming=True)(step)))
     g = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(width, 512, generator=g) * 0.01, "b": torch.zeros(512)}  # w: 1 MiB (mapped on load)
     buffers = {"seen": torch.zeros((), dtype=torch.int64), "stat": torch.ones(3, dtype=torch.bfloat16)}

@@ -39,7 +39,7 @@ class Tied(torch.nn.Module):
 
 def _trained_state(model):
     apply_fn, params, buffers = ft.functionalize(model)
-    step = ft.ema(0.5)(ft.train_step(lambda p, b, batch: apply_fn(p, b, *batch), ft.optim.sgd(0.1)))
+    step = ft.ema(0.5, warmup=False)(ft.train_step(lambda p, b, batch: apply_fn(p, b, *batch), ft.optim.sgd(0.1)))
     state = step.init(params, buffers, seed=0)
     g = torch.Generator().manual_seed(0)
     for _ in range(3):

@@ -29,7 +29,7 @@ WORKER = textwrap.dedent("""
 
     def problem():
         params = {"w": torch.arange(15.0).reshape(5, 3), "b": torch.ones(3)}
-        step = ft.ema(0.9)(ft.train_step(lambda p, b, x: (p["w"].sum(0) * p["b"] * x).sum(), ft.optim.adamw(1e-2)))
+        step = ft.ema(0.9, warmup=False)(ft.train_step(lambda p, b, x: (p["w"].sum(0) * p["b"] * x).sum(), ft.optim.adamw(1e-2)))
         if mode != "replicated":
             step = ft.data_parallel(shard=mode)(step)
         return step, params

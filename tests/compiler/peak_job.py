@@ -149,7 +149,7 @@ def build(policy: str, args) -> tuple:
     optim = args.optim or ("sgd" if args.model == "lm" else "adamw+ema")
     step = ft.train_step(loss_fn, ft.optim.sgd(0.1) if optim == "sgd" else ft.optim.adamw(1e-3, weight_decay=0.01))
     if optim.endswith("+ema"):
-        step = ft.ema(0.99)(step)
+        step = ft.ema(0.99, warmup=False)(step)
     params, buffers, batch = ft.to_device((params, buffers, batch), torch.device(args.device))
     return step, step.init(params, buffers), batch
 

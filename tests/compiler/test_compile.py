@@ -127,7 +127,7 @@ def test_transformer_compiled_equals_eager():
 
 def test_donation_reuses_storage_and_invalidates_the_input():
     step, state, batches = mlp_problem()
-    step = ft.ema(0.9)(step)
+    step = ft.ema(0.9, warmup=False)(step)
     state = step.init(T.tree_map(torch.clone, state.params), state.buffers)
     expected, _ = run_steps(step, state, batches[:3])
     cstep = ft.compile(step, donate=True)  # the same law as test_fast_path's, through inductor

@@ -158,7 +158,7 @@ def test_guard_bad_inputs_keep_their_clear_errors(mlp):
 
 def test_donation_invalidates_the_donated_state():
     step, params, buffers, batches = problem()
-    step = ft.ema(0.9)(step)
+    step = ft.ema(0.9, warmup=False)(step)
     state = step.init(fresh(params), buffers)
     expected = state
     for b in batches[:4]:
@@ -281,7 +281,7 @@ def test_a_closed_over_tensor_is_read_at_call_time():
 
 def test_inductor_fast_path_matches_eager_and_donates():
     step, params, buffers, batches = problem()
-    step = ft.clip(1.0)(ft.ema(0.9)(step))
+    step = ft.clip(1.0)(ft.ema(0.9, warmup=False)(step))
     cstep = ft.compile(step)
     run = cstep.donating()
     e = step.init(fresh(params), buffers)
@@ -347,7 +347,7 @@ def test_inductor_fast_path_with_accumulate_clip_ema():
     """accumulate(n) splits the batch inside the graph: compiled with static shapes (a regression:
     a symbolic size from the compile's shape environment once broke inductor's scalar pass)."""
     step, params, buffers, batches = problem()
-    step = ft.ema(0.99)(ft.clip(1.0)(ft.accumulate(3)(step)))
+    step = ft.ema(0.99, warmup=False)(ft.clip(1.0)(ft.accumulate(3)(step)))
     big = [(torch.cat([b[0]] * 3), torch.cat([b[1]] * 3)) for b in batches[:3]]
     ftt_state = step.init(fresh(params), buffers)
     cstep = ft.compile(step)

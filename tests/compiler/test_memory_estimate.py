@@ -81,7 +81,7 @@ def _step(**kw):
     def loss_fn(p, b, batch):
         return torch.nn.functional.mse_loss(apply_fn(p, b, batch[0]), batch[1])
 
-    step = ft.ema(0.9)(ft.mixed_precision("fp16")(ft.train_step(loss_fn, ft.optim.adamw(1e-3))))
+    step = ft.ema(0.9, warmup=False)(ft.mixed_precision("fp16")(ft.train_step(loss_fn, ft.optim.adamw(1e-3))))
     return step, step.init(params, buffers, **kw), (torch.randn(32, 64), torch.randn(32, 8))
 
 

@@ -33,7 +33,7 @@ def state_of(*transforms, optimizer=None):
 
 CASES = {
     # name: (step transforms, the state given, the message it must raise)
-    "extra slot": (lambda: build(), lambda: state_of(ft.ema(0.9)),
+    "extra slot": (lambda: build(), lambda: state_of(ft.ema(0.9, warmup=False)),
                    r"state.slots has 'ema' but this step has no 'ema' transform; expected slots \[\]"),
     "missing slot": (lambda: build(ft.mixed_precision("fp16")), lambda: state_of(),
                      r"state.slots lacks 'mixed_precision': this step's mixed_precision.* keeps LossScaleState"),
@@ -41,8 +41,8 @@ CASES = {
         lambda: build(ft.mixed_precision("bf16")), lambda: state_of(ft.mixed_precision("fp16")),
         r"state.slots has 'mixed_precision' but this step's mixed_precision.*bfloat16.* keeps no state"),
     "differently typed slot": (
-        lambda: build(ft.ema(0.9)),
-        lambda: (lambda s: s.replace(slots={"ema": {"params": s.slots["ema"].params}}))(state_of(ft.ema(0.9))),
+        lambda: build(ft.ema(0.9, warmup=False)),
+        lambda: (lambda s: s.replace(slots={"ema": {"params": s.slots["ema"].params}}))(state_of(ft.ema(0.9, warmup=False))),
         r"state.slots\['ema'\] is dict but this step's ema\(0.9.* keeps EmaState"),
     "float step": (lambda: build(), lambda: state_of().replace(step=torch.zeros(())),
                    r"state.step must be an int64 scalar tensor .*got a torch.float32 tensor of shape \(\)"),
@@ -82,7 +82,7 @@ def test_mismatched_state_is_named(case, how):
 def test_every_difference_is_named_at_once():
     step = build(ft.mixed_precision("fp16"), optimizer=ft.optim.adamw(1e-3))
     with pytest.raises(BadValue) as info:
-        step(state_of(ft.ema(0.9)).replace(step=torch.zeros(())), X)
+        step(state_of(ft.ema(0.9, warmup=False)).replace(step=torch.zeros(())), X)
     text = str(info.value)
     for part in ("state.step must be", "state.opt_state is SGDState", "has 'ema'", "lacks 'mixed_precision'"):
         assert part in text, part
@@ -91,8 +91,8 @@ def test_every_difference_is_named_at_once():
 def test_matching_states_are_accepted():
     """States made by the step, returned by it, from another step object with the same transforms, with and
     without a seed, and loaded from a checkpoint, all run."""
-    step = build(ft.ema(0.9), ft.mixed_precision("fp16"), ft.accumulate(2, streaming=True), ft.skip_nonfinite())
-    twin = build(ft.ema(0.9), ft.mixed_precision("fp16"), ft.accumulate(2, streaming=True), ft.skip_nonfinite())
+    step = build(ft.ema(0.9, warmup=False), ft.mixed_precision("fp16"), ft.accumulate(2, streaming=True), ft.skip_nonfinite())
+    twin = build(ft.ema(0.9, warmup=False), ft.mixed_precision("fp16"), ft.accumulate(2, streaming=True), ft.skip_nonfinite())
     for state in (step.init(PARAMS), step.init(PARAMS, seed=None), step(step.init(PARAMS), X)[0]):
         step.check_state(state)
         twin.check_state(state)  # twin never ran init: its expectations come from meta tensors

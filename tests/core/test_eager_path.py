@@ -180,7 +180,7 @@ def test_eager_ema_decides_like_the_selects():
     batch = (torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen))
     for every in (1, 2, 3):
         for start in (0, 2):
-            step = ft.ema(0.8, every=every, start_step=start)(ft.train_step(_loss, ft.optim.adamw(1e-2)))
+            step = ft.ema(0.8, every=every, start_step=start, warmup=False)(ft.train_step(_loss, ft.optim.adamw(1e-2)))
             a = b = step.init(params)
             for _ in range(6):
                 a, _ = step(a, batch)
@@ -197,7 +197,7 @@ def test_eager_step_is_pure_with_accumulate_clip_ema():
     gen = torch.Generator().manual_seed(1)
     params = {"w": torch.randn(4, 3, generator=gen), "v": torch.randn(3, 1, generator=gen)}
     batch = (torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen))
-    step = ft.ema(0.9)(ft.clip(1.0)(ft.accumulate(4)(ft.train_step(_loss, ft.optim.adamw(1e-2)))))
+    step = ft.ema(0.9, warmup=False)(ft.clip(1.0)(ft.accumulate(4)(ft.train_step(_loss, ft.optim.adamw(1e-2)))))
     state = step.init(params)
     for _ in range(3):
         snapshot = optree.tree_map(lambda x: x.clone() if torch.is_tensor(x) else x, state)

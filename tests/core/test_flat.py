@@ -124,7 +124,7 @@ def test_adamw_on_a_flat_state_equals_the_plain_step(problem, lr, steps):
 def test_clip_accumulate_ema_on_a_flat_state_equal_the_plain_step(problem, max_norm, k):
     params, batch = problem.params, problem.batch
     k = k if problem.n % k == 0 else 1
-    step = ft.ema(0.9)(ft.clip(max_norm)(ft.accumulate(k)(ft.train_step(problem.loss_fn, ft.optim.adamw(1e-2)))))
+    step = ft.ema(0.9, warmup=False)(ft.clip(max_norm)(ft.accumulate(k)(ft.train_step(problem.loss_fn, ft.optim.adamw(1e-2)))))
     plain, flat = step.init(clone_tree(params)), step.init(clone_tree(params), flat=True)
     assert isinstance(flat.slots["ema"].params, FlatParams)
     for _ in range(2):
@@ -135,7 +135,7 @@ def test_clip_accumulate_ema_on_a_flat_state_equal_the_plain_step(problem, max_n
 
 
 def test_flat_of_a_state_flattens_params_moments_and_ema():
-    step = ft.ema(0.5)(ft.train_step(_loss, ft.optim.adamw(1e-2)))
+    step = ft.ema(0.5, warmup=False)(ft.train_step(_loss, ft.optim.adamw(1e-2)))
     plain = step.init(_plain_mlp())
     flat = ft.flat(plain)
     assert all(isinstance(t, FlatParams) for t in (flat.params, flat.opt_state.exp_avg, flat.opt_state.exp_avg_sq,
@@ -160,7 +160,7 @@ def test_bf16_mixed_precision_on_a_flat_state():
 # -- compiled ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def compiled():
-    step = ft.ema(0.9)(ft.clip(0.5)(ft.train_step(_loss, ft.optim.adamw(1e-2))))
+    step = ft.ema(0.9, warmup=False)(ft.clip(0.5)(ft.train_step(_loss, ft.optim.adamw(1e-2))))
     return step, ft.compile(step)  # one inductor graph for the module
 
 
@@ -229,7 +229,7 @@ def test_run_trains_a_flat_state(compiled):
 
 # -- checkpoints --------------------------------------------------------------------------------
 def test_checkpoint_of_a_flat_state_is_saved_by_name_and_loads_into_either_form(tmp_path):
-    step = ft.ema(0.9)(ft.train_step(_loss, ft.optim.adamw(1e-2)))
+    step = ft.ema(0.9, warmup=False)(ft.train_step(_loss, ft.optim.adamw(1e-2)))
     flat, _ = step(step.init(_plain_mlp(), flat=True), _batch())
     path = ft.save(tmp_path / "c", flat)
     named = ft.load(path)  # no template: the plain tree, by name

@@ -21,7 +21,7 @@ def test_one_stage_table():
     assert S.HOOKS == ("wrap_loss", "wrap_grad", "reduce", "check", "transform", "wrap_update", "commit", "after")
     for hook in S.HOOKS + ("init", "post_init", "rng_offset"):
         assert callable(getattr(ft.Transform, hook)), f"{hook} is not declared on Transform"
-    step = ft.ema(0.9)(ft.clip(1.0)(base()))
+    step = ft.ema(0.9, warmup=False)(ft.clip(1.0)(base()))
     assert len(step._stages) == len(S.PIPELINE)  # apply runs exactly the table's stages
 
 
@@ -153,7 +153,7 @@ def test_accessors_are_declared_by_transforms():
     with pytest.raises(ValueError, match="shadow"):
         type("Shadow", (ft.Transform,), {"name": "shadow", "accessors": {"params": lambda s: s}})
     # the built-in conveniences resolve through their transforms
-    s = ft.ema(0.9)(ft.mixed_precision("fp16")(base())).init(params)
+    s = ft.ema(0.9, warmup=False)(ft.mixed_precision("fp16")(base())).init(params)
     assert s.ema is s.slots["ema"].params and s.loss_scale is s.slots["mixed_precision"]
 
 
@@ -174,7 +174,7 @@ class SkipIfBad(ft.Transform):
 def test_skip_unless_finite_is_one_rule():
     """A user transform using ctx.skip_unless_finite decides exactly as skip_nonfinite (bitwise)."""
     params, batches = fixed_problem()
-    mine, theirs = SkipIfBad()(ft.ema(0.9)(base())), ft.skip_nonfinite()(ft.ema(0.9)(base()))
+    mine, theirs = SkipIfBad()(ft.ema(0.9, warmup=False)(base())), ft.skip_nonfinite()(ft.ema(0.9, warmup=False)(base()))
     a, b = mine.init(params), theirs.init(params)
     for i, batch in enumerate(batches[:4]):
         batch = with_value(batch, float("nan")) if i % 2 else batch

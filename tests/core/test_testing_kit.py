@@ -69,7 +69,7 @@ class Double(ft.Transform):
 
 def _builtins(problem, precision):
     step = ft.train_step(problem.loss_fn, ft.optim.adamw(1e-2))
-    for t in (ft.accumulate(problem.n), ft.clip(0.5), ft.ema(0.9), ft.mixed_precision(precision), Double()):
+    for t in (ft.accumulate(problem.n), ft.clip(0.5), ft.ema(0.9, warmup=False), ft.mixed_precision(precision), Double()):
         step = t(step)
     return step
 
@@ -198,7 +198,7 @@ def test_with_step_sets_the_counters_a_run_of_t_steps_reaches(problem, t):
     the EMA's count through slots=), and the same next step when nothing else moved (lr 0 before t); a schedule
     reads the count: the lr of the step from there is the schedule's at t."""
     lr = ft.optim.schedules.join([ft.optim.schedules.constant(0.0), ft.optim.schedules.constant(0.1)], [t])
-    step = ft.ema(0.5, start_step=10**6)(ft.train_step(problem.loss_fn, ft.optim.sgd(lr)))
+    step = ft.ema(0.5, start_step=10**6, warmup=False)(ft.train_step(problem.loss_fn, ft.optim.sgd(lr)))
     ran, _ = ftt.run_steps(step, step.init(problem.params), problem.batch, t)
     moved = ftt.state_at(step, problem.params, t, slots={"ema": lambda s, t: s._replace(count=torch.tensor(t))})
     ftt.assert_same_state(moved, ran, what=f"state_at(t={t}) vs {t} steps of lr 0")
@@ -378,7 +378,7 @@ def _nd_fixed(rows=8):
 def make_user_step():
     """Module level: the ranks of assert_data_parallel_equals_one_process import it by name."""
     step = ft.train_step(ftt.nd_loss, ft.optim.adamw(1e-2))
-    for t in (Double(), ft.clip(0.5), ft.ema(0.9), ft.accumulate(2)):
+    for t in (Double(), ft.clip(0.5), ft.ema(0.9, warmup=False), ft.accumulate(2)):
         step = t(step)
     return step
 

@@ -27,7 +27,7 @@ def _switch_worker(shard, backend):
     def loss_fn(p, b, batch):
         return torch.nn.functional.mse_loss(apply_fn(p, b, batch[0]), batch[1])
 
-    step = ft.data_parallel(shard=shard)(ft.ema(0.9)(ft.clip(1.0)(ft.train_step(loss_fn, ft.optim.adamw(1e-2)))))
+    step = ft.data_parallel(shard=shard)(ft.ema(0.9, warmup=False)(ft.clip(1.0)(ft.train_step(loss_fn, ft.optim.adamw(1e-2)))))
     state = T.tree_map(torch.clone, step.init(params, buffers))
     cstep = ft.compile(step, **({"backend": backend} if backend else {}))
     run = cstep.donating(background=True)  # what ft.run calls

@@ -39,10 +39,10 @@ def _problem(config: str, rank: int, micro: int = 2):
             apply_fn(params, buffers, batch[0]), batch[1])
         batch = (x, y)
     transforms = {
-        "plain": [], "accumulate": [ft.accumulate(micro)], "clip": [ft.clip(0.05)], "ema": [ft.ema(0.5)],
-        "fp16_overflow": [ft.mixed_precision("fp16"), ft.ema(0.5)],
+        "plain": [], "accumulate": [ft.accumulate(micro)], "clip": [ft.clip(0.05)], "ema": [ft.ema(0.5, warmup=False)],
+        "fp16_overflow": [ft.mixed_precision("fp16"), ft.ema(0.5, warmup=False)],
         "num_items": [ft.accumulate(micro), ft.clip(0.5)],
-        "all": [ft.accumulate(micro), ft.clip(0.05), ft.ema(0.5), ft.mixed_precision("fp16", init_scale=256.0)],
+        "all": [ft.accumulate(micro), ft.clip(0.05), ft.ema(0.5, warmup=False), ft.mixed_precision("fp16", init_scale=256.0)],
     }[config]
     step = ft.train_step(loss_fn, ft.optim.adamw(1e-2))
     for t in transforms:

@@ -69,10 +69,10 @@ def _problem(config: str, rank: int, micro: int = 2):
         loss_fn, batch = overflow_loss, (x, y, c)
     transforms = {
         "plain": [], "two_dtypes": [], "accumulate": [ft.accumulate(micro)], "clip": [ft.clip(MAX_NORM["clip"])],
-        "ema": [ft.ema(0.5)], "fp16_overflow": [ft.mixed_precision("fp16", init_scale=INIT_SCALE["fp16_overflow"]), ft.ema(0.5)],
-        "fp16_shard_overflow": [ft.mixed_precision("fp16", init_scale=INIT_SCALE["fp16_shard_overflow"]), ft.ema(0.5)],
+        "ema": [ft.ema(0.5, warmup=False)], "fp16_overflow": [ft.mixed_precision("fp16", init_scale=INIT_SCALE["fp16_overflow"]), ft.ema(0.5, warmup=False)],
+        "fp16_shard_overflow": [ft.mixed_precision("fp16", init_scale=INIT_SCALE["fp16_shard_overflow"]), ft.ema(0.5, warmup=False)],
         "num_items": [ft.accumulate(micro), ft.clip(MAX_NORM["num_items"])],
-        "all": [ft.accumulate(micro), ft.clip(MAX_NORM["all"]), ft.ema(0.5), ft.mixed_precision("fp16", init_scale=256.0)],
+        "all": [ft.accumulate(micro), ft.clip(MAX_NORM["all"]), ft.ema(0.5, warmup=False), ft.mixed_precision("fp16", init_scale=256.0)],
     }[config]
     step = ft.train_step(loss_fn, ft.optim.adamw(1e-2))
     for t in transforms:
@@ -375,7 +375,7 @@ import functrain as ft
 def make(step_no):
     g = torch.Generator().manual_seed(step_no % 3)
     params = {{"w": torch.randn(1024, 1024, generator=g), "b": torch.randn(1024, generator=g)}}
-    step = ft.data_parallel(shard="params")(ft.ema(0.9)(ft.train_step(lambda p, b, x: (p["b"] * x).sum(),
+    step = ft.data_parallel(shard="params")(ft.ema(0.9, warmup=False)(ft.train_step(lambda p, b, x: (p["b"] * x).sum(),
                                                                        ft.optim.adamw(1e-3))))
     return step.init(params)._replace(step=torch.tensor(step_no))
 

@@ -31,7 +31,7 @@ def _init_peak_worker(mode: str) -> dict:
     model = torch.nn.Sequential(*layers)
     apply_fn, params, buffers = ft.functionalize(model)
     loss = lambda p, b, x: apply_fn(p, b, x).square().mean()  # noqa: E731
-    step = ft.data_parallel(shard=mode)(ft.ema(0.99)(ft.train_step(loss, ft.optim.adamw(1e-3))))
+    step = ft.data_parallel(shard=mode)(ft.ema(0.99, warmup=False)(ft.train_step(loss, ft.optim.adamw(1e-3))))
     del model, layers
     gc.collect()
     rest = _status("VmRSS")

@@ -143,12 +143,12 @@ CASES: dict[str, tuple[Any, str]] = {
     "update_scale": (lambda: [UpdateScale(FACTORS)], "refused"),
     "grad_noise": (lambda: [GradNoise(1e-2)], "refused"),
     "lookahead": (lambda: [Lookahead()], "equal"),
-    "leaves_with_builtins": (lambda: [ft.clip(0.05), GradCentralLeaves(), LayerScale(FACTORS), ft.ema(0.5)],
+    "leaves_with_builtins": (lambda: [ft.clip(0.05), GradCentralLeaves(), LayerScale(FACTORS), ft.ema(0.5, warmup=False)],
                              "equal"),
     # the built-ins
     "clip": (lambda: [ft.clip(0.05)], "equal"),
     "clip_value": (lambda: [ft.clip_value(0.01)], "equal"),
-    "ema": (lambda: [ft.ema(0.5)], "equal"),
+    "ema": (lambda: [ft.ema(0.5, warmup=False)], "equal"),
     "accumulate": (lambda: [ft.accumulate(2)], "equal"),
     "streaming": (lambda: [ft.accumulate(2, streaming=True)], "equal"),
     "skip_nonfinite": (lambda: [ft.skip_nonfinite()], "equal"),
@@ -388,7 +388,7 @@ def test_builtins_declare_what_they_need():
     from functrain.distributed.data_parallel import DataParallel
     from functrain.distributed.sharding import ShardedDataParallel
 
-    builtins = [ft.clip(1.0), ft.clip_value(1.0), ft.ema(0.9), ft.accumulate(2), ft.accumulate(2, streaming=True),
+    builtins = [ft.clip(1.0), ft.clip_value(1.0), ft.ema(0.9, warmup=False), ft.accumulate(2), ft.accumulate(2, streaming=True),
                 ft.mixed_precision("fp16"), ft.skip_nonfinite(), ft.random_flip(), ft.data_parallel(),
                 ft.data_parallel(shard="optimizer")]
     needs = {type(t).__name__: t.needs for t in builtins}

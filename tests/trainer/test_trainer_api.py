@@ -38,7 +38,7 @@ def _data(n=64, d=4, seed=0):
 def _config(folder, **kw):
     base = dict(train_batch_size=8, train_num_steps=12, save_and_sample_every=6, results_folder=str(folder),
                 compile=False, log_every=1, ema_update_every=1, ema_decay=0.9, trackers=("jsonl",), train_lr=1e-2,
-                ema_update_after_step=0, ema_power=None)  # the plain ft.ema(0.9) the hand-built steps use
+                ema_update_after_step=0, ema_power=None)  # the plain ft.ema(0.9, warmup=False) the hand-built steps use
     return ft.TrainConfig(**{**base, **kw})
 
 
@@ -91,7 +91,7 @@ def test_optimizer_argument_is_the_optimizer_used(tmp_path):
     model = Linear()
     loss_fn, params, buffers = _module_loss(model)
     params = T.tree_map(torch.clone, params)
-    step = ft.skip_nonfinite()(ft.ema(0.9, every=1)(ft.clip(config.max_grad_norm)(ft.train_step(loss_fn, opt))))
+    step = ft.skip_nonfinite()(ft.ema(0.9, every=1, warmup=False)(ft.clip(config.max_grad_norm)(ft.train_step(loss_fn, opt))))
     expected = _reference(step, params, buffers, data, config)
     got = _train(Linear, data, config, optimizer=opt)
     assert isinstance(got.opt_state, ft.optim.LionState)
@@ -148,7 +148,7 @@ def test_transforms_are_added_to_the_composed_step(tmp_path):
     torch.manual_seed(0)
     loss_fn, params, buffers = _module_loss(Linear())
     params = T.tree_map(torch.clone, params)
-    step = ft.clip_value(1e-3)(ft.skip_nonfinite()(ft.ema(0.9, every=1)(ft.clip(1.0)(
+    step = ft.clip_value(1e-3)(ft.skip_nonfinite()(ft.ema(0.9, every=1, warmup=False)(ft.clip(1.0)(
         ft.train_step(loss_fn, ft.optim.adamw(1e-2, betas=(0.9, 0.99), weight_decay=0.0))))))
     expected = _reference(step, params, buffers, data, config)
     got = _train(Linear, data, config, transforms=[ft.clip_value(1e-3)])

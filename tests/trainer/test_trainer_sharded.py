@@ -164,7 +164,7 @@ def test_trainer_gathers_marked_blocks_one_at_a_time(tmp_path):
 def _state(mode, seed, wide=False):
     g = torch.Generator().manual_seed(seed)
     params = {"w": torch.randn(5, 3 if not wide else 4, generator=g), "b": torch.randn(3, generator=g)}
-    step = ft.data_parallel(shard=mode)(ft.ema(0.9)(ft.train_step(lambda p, b, x: (p["b"] * x).sum(),
+    step = ft.data_parallel(shard=mode)(ft.ema(0.9, warmup=False)(ft.train_step(lambda p, b, x: (p["b"] * x).sum(),
                                                                    ft.optim.adamw(1e-3))))
     return step, step.init(params)
 
@@ -260,7 +260,7 @@ def _node_problem():
     def loss_fn(params, buffers, batch):
         return torch.nn.functional.mse_loss(apply_fn(params, buffers, batch[0]), batch[1])
 
-    step = ft.ema(0.5)(ft.clip(0.05)(ft.train_step(loss_fn, ft.optim.adamw(1e-2))))
+    step = ft.ema(0.5, warmup=False)(ft.clip(0.05)(ft.train_step(loss_fn, ft.optim.adamw(1e-2))))
     return step, params, (x, y)
 
 

@@ -65,7 +65,7 @@ def test_num_items_reference_discriminates():
 @given(problem=ftt.mlp_problems(n=st.integers(2, 4)), opt=optimizers, windows=st.integers(1, 2))
 def test_streaming_equals_accumulate_and_big_batch(problem, opt, windows):
     n = problem.n
-    base = ft.ema(0.8)(ft.train_step(problem.loss_fn, OPTIMIZERS[opt]()))
+    base = ft.ema(0.8, warmup=False)(ft.train_step(problem.loss_fn, OPTIMIZERS[opt]()))
     acc = ft.accumulate(n)(base)
     stream = ft.accumulate(n, streaming=True)(base)
     ref, _ = ftt.run_steps(base, base.init(problem.params), problem.batch, windows)
@@ -95,7 +95,7 @@ def test_streaming_fp16_equals_accumulate_fp16_with_overflows(problem, windows):
 
     def build(streaming):
         mp = ft.mixed_precision("fp16", init_scale=2.0**6, growth_interval=2)
-        return ft.ema(0.9)(ft.accumulate(n, streaming=streaming)(mp(ft.train_step(problem.loss_fn, ft.optim.adamw(1e-2)))))
+        return ft.ema(0.9, warmup=False)(ft.accumulate(n, streaming=streaming)(mp(ft.train_step(problem.loss_fn, ft.optim.adamw(1e-2)))))
 
     stream, acc = build(True), build(False)
     s_state, a_state = stream.init(problem.params), acc.init(problem.params)

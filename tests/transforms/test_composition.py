@@ -15,7 +15,7 @@ from conftest import FAST, OPTIMIZERS, GradNoise, ScaleGrads, fixed_problem, opt
 @given(problem=ftt.mlp_problems(n=2), precision=st.sampled_from(["bf16", "fp16"]), opt=optimizers)
 def test_wrapping_order_does_not_matter(problem, precision, opt):
     transforms = [ft.accumulate(2), ft.mixed_precision(precision, init_scale=2.0**8, growth_interval=2),
-                  ft.clip(0.3), ft.ema(0.9)]
+                  ft.clip(0.3), ft.ema(0.9, warmup=False)]
     # step 1 overflows fp16 (exercises skip and backoff); in bf16 it is just a large input
     batch = lambda i: with_value(problem.batch, 1e5) if i == 1 and precision == "fp16" else shifted(problem.batch, i)  # noqa: E731
     base = ft.train_step(problem.loss_fn, OPTIMIZERS[opt]())
@@ -30,7 +30,7 @@ def test_every_combination_is_pure(problem, acc, precision, clip, clip_value, em
     step = ft.train_step(problem.loss_fn, ft.optim.adamw(1e-2))
     wanted = [acc == "accumulate" and ft.accumulate(problem.n), acc == "streaming" and ft.accumulate(2, streaming=True),
               precision and ft.mixed_precision(precision), clip and ft.clip(0.5), clip_value and ft.clip_value(0.1),
-              ema and ft.ema(0.9), skip and ft.skip_nonfinite(), GradNoise(1e-3) if seed is not None else None]
+              ema and ft.ema(0.9, warmup=False), skip and ft.skip_nonfinite(), GradNoise(1e-3) if seed is not None else None]
     for t in filter(None, wanted):
         step = t(step)
     state = step.init(problem.params, seed=seed)
@@ -40,7 +40,7 @@ def test_every_combination_is_pure(problem, acc, precision, clip, clip_value, em
 
 @pytest.mark.parametrize("first, second, name", [
     (lambda: ft.clip(1.0), lambda: ft.clip(2.0), "clip"),
-    (lambda: ft.ema(0.9), lambda: ft.ema(0.9), "ema"),
+    (lambda: ft.ema(0.9, warmup=False), lambda: ft.ema(0.9, warmup=False), "ema"),
     (lambda: ft.accumulate(2), lambda: ft.accumulate(2, streaming=True), "accumulate"),
     (lambda: ft.mixed_precision("bf16"), lambda: ft.mixed_precision("fp16"), "mixed_precision"),
     (lambda: ScaleGrads(2.0), lambda: ScaleGrads(3.0), "scale_grads"),
@@ -60,7 +60,7 @@ def test_custom_transform_composes_and_is_order_independent(problem, factor, ord
     batch = lambda i: shifted(problem.batch, i)  # noqa: E731
     ftt.assert_order_independent(base, [ScaleGrads(factor, order), ft.clip(max_norm)], (problem.params,), batch, 2)
     # ... and with all the built-ins (5! = 120 orders would be slow: rotate instead)
-    ts = [ScaleGrads(factor, order), ft.clip(max_norm), ft.accumulate(problem.n), ft.ema(0.9),
+    ts = [ScaleGrads(factor, order), ft.clip(max_norm), ft.accumulate(problem.n), ft.ema(0.9, warmup=False),
           ft.mixed_precision("bf16")]
     states = []
     for r in range(len(ts)):

@@ -1,4 +1,4 @@
-"""ema(decay, every, start_step, power, inv_gamma, min_decay): the hand-computed average, the closed form for
+"""ema(decay, every, start_step, power, inv_gamma, min_decay, warmup=False): the hand-computed average, the closed form for
 constant params, the warm-up ramp (its closed forms: the plain mean for power = 1, the ramp for constant params)."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_ema_matches_hand_computed_average(problem, decay, every, start_step, st
     """Trained with AdamW, the EMA equals the average computed by hand from the sequence of params:
     copy while k <= start_step, blend on multiples of every after it, unchanged (bitwise)
     otherwise. rtol = atol = 1e-6: <= 8 fp32 lerps of O(1) values, each within an ulp (1.2e-7)."""
-    step = ft.ema(decay, every=every, start_step=start_step)(ft.train_step(problem.loss_fn, ft.optim.adamw(1e-2)))
+    step = ft.ema(decay, every=every, start_step=start_step, warmup=False)(ft.train_step(problem.loss_fn, ft.optim.adamw(1e-2)))
     state = step.init(problem.params)
     ref = ft.tree.tree_map(lambda p: p.double(), problem.params)
     for k in range(1, steps + 1):
@@ -43,7 +43,7 @@ def test_ema_matches_hand_computed_average(problem, decay, every, start_step, st
 def test_ema_closed_form_for_constant_params(problem, decay, every, steps, seed):
     """lr = 0 keeps the params p constant; starting the EMA from e0 != p, after m = steps // every
     blends it is decay**m * e0 + (1 - decay**m) * p. rtol 1e-5, atol 1e-6: <= 10 fp32 lerps."""
-    step = ft.ema(decay, every=every)(ft.train_step(problem.loss_fn, ft.optim.sgd(0.0)))
+    step = ft.ema(decay, every=every, warmup=False)(ft.train_step(problem.loss_fn, ft.optim.sgd(0.0)))
     state = step.init(problem.params)
     gen = torch.Generator().manual_seed(seed)
     e0 = ft.tree.tree_map(lambda p: torch.randn(p.shape, generator=gen), problem.params)
@@ -99,7 +99,7 @@ def test_ema_warmup_with_power_one_is_the_running_mean(problem, steps, lr):
     products telescope: after k updates the EMA is the plain mean of the initial params and the k updated ones
     (crowsonkb's "simple average"). The mean is taken here over the params the step returned, in float64.
     rtol = atol = 1e-5: <= 12 fp32 lerps, each within an ulp, of O(1) values."""
-    step = ft.ema(0.9999, power=1.0)(ft.train_step(problem.loss_fn, ft.optim.adamw(lr)))
+    step = ft.ema(0.9999, start_step=0, power=1.0)(ft.train_step(problem.loss_fn, ft.optim.adamw(lr)))
     state = step.init(problem.params)
     seen = [ft.tree.tree_map(torch.Tensor.double, problem.params)]
     for k in range(1, steps + 1):
@@ -138,7 +138,7 @@ def test_ema_every_counts_applied_updates_not_calls():
     """A skipped (non-finite) update does not count: with every=2 the EMA blends on the 2nd and 4th *applied*
     update, so an inf batch at call 2 moves the blends to calls 3 and 5. The same holds traced (aot_eager)."""
     params, batches = fixed_problem()
-    step = ft.skip_nonfinite()(ft.ema(0.5, every=2)(ft.train_step(ftt.mlp_loss, ft.optim.adamw(1e-2))))
+    step = ft.skip_nonfinite()(ft.ema(0.5, every=2, warmup=False)(ft.train_step(ftt.mlp_loss, ft.optim.adamw(1e-2))))
     batch = lambda i: with_value(batches[i], float("inf")) if i == 1 else batches[i]  # noqa: E731
     for run in (step, ft.compile(step, backend="aot_eager")):
         state = step.init(params)
@@ -166,11 +166,12 @@ def test_ema_decay_at_and_the_trainer_default_is_the_package_ramp():
 
 
 @pytest.mark.parametrize("make, value", [
-    (lambda: ft.ema(1.5), "1.5"), (lambda: ft.ema(0.9, every=0), "0"), (lambda: ft.ema(0.9, start_step=-1), "-1"),
+    (lambda: ft.ema(1.5, warmup=False), "1.5"), (lambda: ft.ema(0.9, every=0, warmup=False), "0"),
+    (lambda: ft.ema(0.9, start_step=-1, warmup=False), "-1"),
     (lambda: ft.ema(0.9, power=0.0), "power must be a number > 0"), (lambda: ft.ema(0.9, power=1, inv_gamma=-1),
                                                                        "inv_gamma must be a number > 0"),
     (lambda: ft.ema(0.9, power=1, min_decay=0.95), "min_decay must be a number in [0, decay=0.9]; got 0.95"),
-    (lambda: ft.ema(0.9, inv_gamma=2.0), "with power=None they would be unused"),
+    (lambda: ft.ema(0.9, inv_gamma=2.0, warmup=False), "with power=None they would be unused"),
 ])
 def test_ema_invalid_arguments_raise_with_value(make, value):
     with pytest.raises(ValueError) as info:

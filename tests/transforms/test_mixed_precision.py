@@ -115,7 +115,7 @@ def test_fp16_loss_scale_skip_backoff_growth(problem, bad, growth_interval, wher
     and EMA bitwise unchanged, reports skipped and halves the scale; growth_interval finite steps in a
     row double it. The reference scale is simulated by hand."""
     init = 2.0**4
-    step = ft.ema(0.9)(ft.accumulate(problem.n)(ft.mixed_precision("fp16", init_scale=init, growth_interval=growth_interval)(
+    step = ft.ema(0.9, warmup=False)(ft.accumulate(problem.n)(ft.mixed_precision("fp16", init_scale=init, growth_interval=growth_interval)(
         ft.train_step(problem.loss_fn, ft.optim.adamw(1e-2)))))
     state = step.init(problem.params)
     scale, good, updates = init, 0, 0

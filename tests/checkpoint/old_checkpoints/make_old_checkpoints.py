@@ -24,7 +24,7 @@ def problem(rank=0):
 
     g = torch.Generator().manual_seed(1)
     batch = (torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g))
-    step = ft.ema(0.5)(ft.clip(1.0)(ft.train_step(loss_fn, ft.optim.adamw(1e-2))))
+    step = ft.ema(0.5, warmup=False)(ft.clip(1.0)(ft.train_step(loss_fn, ft.optim.adamw(1e-2))))
     if rank:
         params = {k: v + 1.0 for k, v in params.items()}
     return step, params, buffers, batch

@@ -16,8 +16,12 @@ The data: scikit-learn's 1797 bundled 8x8 digits (no download), written once as 
 center crop, horizontal flips, here inside the compiled step). At the end it prints the held-out loss of the
 params and of the EMA: the diffusion loss of every held-out image at fixed timesteps and noise.
 
-    python examples/ddpm.py --steps 200
-    python examples/ddpm.py --steps 200 --self-condition --no-compile    # p_losses flips a Python coin
+    python examples/ddpm.py --steps 200                        # Unet(self_condition=True), compiled
+    python examples/ddpm.py --steps 200 --no-self-condition    # the Unet of bench/ddpm_reference.json
+
+Self-conditioning is on, as many of the package's users train it: ``p_losses`` flips ``random() < 0.5`` from Python's
+generator, which functrain seeds from the state's key at each step, eagerly and compiled (one compiled graph per side
+of the coin, picked at each call from the key: docs/randomness.md). The run is reproducible and resumes exactly.
     python -m functrain.launch --nproc 2 examples/ddpm.py --steps 200   # the same updates, half a batch per rank
 """
 from __future__ import annotations
@@ -119,8 +123,9 @@ def main() -> None:
     parser.add_argument("--results", default="results/ddpm")
     parser.add_argument("--data", default="results/ddpm-digits", help="where the digits are written as PNGs")
     parser.add_argument("--dim", type=int, default=16, help="the Unet's base width")
-    parser.add_argument("--self-condition", action="store_true", help="Unet(self_condition=True): p_losses draws "
-                        "from Python's random, which a compiled step cannot (use --no-compile)")
+    parser.add_argument("--no-self-condition", dest="self_condition", action="store_false",
+                        help="Unet(self_condition=False) (default: on; p_losses then flips a Python coin, drawn from "
+                        "the state's key, compiled or not)")
     parser.add_argument("--precision", default="no", choices=["no", "bf16", "fp16"])
     parser.add_argument("--no-compile", action="store_true")
     args = parser.parse_args()

@@ -180,6 +180,8 @@ class BackgroundCompiler:
             # every call until the switch, on every rank: is every rank's compiled code ready? (their MIN; a rank
             # whose policy declined says DECLINED, and then no rank compiles this signature)
             mine = (DECLINED if key in self._decisions else RUNNING) if entry is None else self._poll(entry[1])
+            if mine == READY and start is _traced and not isinstance(entry[1], LoadedJob):
+                mine = RUNNING  # compiled at this call's trace (not found in the caches): the switch is at the next
             status = self.step.agree(mine)
             if status == DECLINED:
                 self._decline(key, entry)
@@ -232,10 +234,24 @@ class BackgroundCompiler:
     def _decide(self, key: Any) -> tuple | None:
         """This process's decision for signature ``key`` (the inputs measured now); a compile decided is started
         now (the job entry), a decline returns ``None`` (the ranks agree on it at this call)."""
+        cap = self._held.pop(key, None)
+        d = self._judge(key, cap)
+        if not d.compile:
+            return None
+        if leads_at_once():
+            _console(f"functrain: {d.why}")
+        job = self._job(cap)
+        job.started = time.perf_counter()
+        self.jobs[key] = (cap, job)
+        self.progress.phase = "compiling"
+        self.progress.worker_pid = getattr(job, "pid", None)
+        return self.jobs[key]
+
+    def _judge(self, key: Any, cap: Captured | None) -> Decision:
+        """The policy's decision for signature ``key`` (traced as ``cap``), from the inputs measured now; kept."""
         import os
         from .policy import Inputs, decide
 
-        cap = self._held.pop(key, None)
         nodes = len(cap.gm.graph.nodes) if cap is not None else 0
         if cap is not None:
             pred = self.history().predict(self._kind(cap), nodes)
@@ -262,20 +278,13 @@ class BackgroundCompiler:
         self._decisions[key] = d
         if self.decision is None:
             self.decision = d
-        if not d.compile:
-            return None
-        if leads_at_once():
-            _console(f"functrain: {d.why}")
-        job = self._job(cap)
-        job.started = time.perf_counter()
-        self.jobs[key] = (cap, job)
-        self.progress.phase = "compiling"
-        self.progress.worker_pid = getattr(job, "pid", None)
-        return self.jobs[key]
+        return d
 
     def _decline(self, key: Any, entry: tuple | None) -> None:
         """Every rank agreed: this signature runs eagerly for the rest of this run (said once, with why)."""
         self.declined.add(key)
+        if key not in self._decisions and key in self._held:  # another rank decided first: this one's numbers too
+            self._judge(key, self._held[key])
         self._held.pop(key, None)
         if entry is not None:
             self.jobs.pop(key, None)

@@ -129,6 +129,9 @@ class RunClock:
             took = f" in {p.compile_s:.1f} s" if p.compile_s is not None else ""
             at = self.start + rates.switched_at
             return said + [f"compiled in the background{took}; the compiled step took over at step {at}{speeds}"]
+        if d is None and p.phase == "eager" and not p.workers and self.policy.total is not None:
+            return [f"every step ran eagerly: the run ended before its compile was decided (the compiler's imports "
+                    f"and the trace come first){speeds}"]
         if rates.steps["eager"] and not rates.steps["compiled"]:
             return said + [f"the background compile had not finished: every step ran eagerly{speeds}"]
         return said + ([f"compiled{speeds}"] if speeds else [])

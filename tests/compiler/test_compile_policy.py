@@ -211,6 +211,49 @@ def test_the_run_clock_reports_the_decision_once(tmp_path):
     del torch
 
 
+def test_a_trainer_run_records_its_decision(tmp_path, monkeypatch):
+    """A short compiled Trainer run on a machine whose history says compiling costs a day: it trains eagerly, and
+    metrics.jsonl (once) and the summary say what was decided and why."""
+    import torch
+
+    import functrain as ft
+    from functrain.compiler import background
+
+    pytest.importorskip("safetensors")
+    h = History(str(tmp_path / "history.json"))
+    h.add_compile("cpu:default", 100, 1e5)
+    monkeypatch.setattr(background.BackgroundCompiler, "history", lambda self: h)
+    monkeypatch.setenv("FUNCTRAIN_COMPILE_POLICY", "auto")
+    from functrain.compiler import capture
+    capture.preload()  # the compiler imported (as in a run past its first seconds): the first call traces
+    capture.wait_for_imports()
+    import secrets
+
+    width = 5 + secrets.randbelow(5000)  # a graph no earlier process compiled (this process's cache folder is
+    g = torch.Generator().manual_seed(0)  # inductor's shared default: a cached graph would load, not be decided)
+    x = torch.randn(64, width, generator=g)
+    data = torch.utils.data.TensorDataset(x, x[:, :1] * 0.7)
+
+    class Linear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(width, 1)
+
+        def forward(self, a, b):
+            return torch.nn.functional.mse_loss(self.fc(a), b)
+
+    config = ft.TrainConfig(train_batch_size=8, train_num_steps=12, save_and_sample_every=12, log_every=1,
+                            results_folder=str(tmp_path / "run"), trackers=("jsonl",), compile=True)
+    trainer = ft.Trainer(Linear(), data, config)
+    trainer.train()
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    decided = [r for r in records if "compile_decision" in r]
+    assert len(decided) == 1 and decided[0]["compile_decision"] == 0, records
+    assert decided[0]["compile_predicted_cpu_s"] > 1000 and decided[0]["compile_steps_left"] > 0, decided
+    assert trainer.run_step.progress.workers == 0 and trainer.run_step.progress.phase == "eager"
+    assert "compiling would not pay in this run" in trainer.summary()
+
+
 # -- real processes ------------------------------------------------------------------------------------
 def _env(cache, **extra):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TORCHINDUCTOR_CACHE_DIR": str(cache),
@@ -326,3 +369,51 @@ def test_no_process_of_a_run_outlives_it(tmp_path, how):
             proc.wait(timeout=30)
         if worker is not None and _group_alive(worker):
             os.killpg(worker, signal.SIGKILL)
+
+
+def _two_ranks_worker(steps_by_rank):
+    """One rank of a data-parallel run whose ranks see different run lengths: rank 0's compile would pay, rank 1's
+    would not."""
+    import torch
+    import torch.distributed as dist
+
+    import functrain as ft
+    from functrain.compiler import capture
+
+    rank = dist.get_rank()
+    capture.preload()  # the compiler imported first: the first call traces
+    capture.wait_for_imports()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    apply_fn, params, buffers = ft.functionalize(model)
+
+    def loss_fn(p, b, batch):
+        return torch.nn.functional.mse_loss(apply_fn(p, b, batch[0]), batch[1])
+
+    step = ft.data_parallel()(ft.train_step(loss_fn, ft.optim.adamw(1e-2)))
+    run = ft.compile(step).runner(donate=True, background=True)
+    run.expect(steps_by_rank[rank])
+    state = ft.tree.tree_map(torch.clone, step.init(params, buffers))
+    g = torch.Generator().manual_seed(1)
+    paths = []
+    for i in range(40):
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
+        before = run.progress.eager_calls
+        state, _ = run(state, (x[rank::2], y[rank::2]))
+        paths.append("eager" if run.progress.eager_calls != before else "compiled")
+    d = run.background.decision
+    return {"paths": paths, "decided": d.compile if d is not None else None, "phase": run.progress.phase,
+            "declined": len(run.background.declined), "worker_pid": run.progress.worker_pid}
+
+
+def test_ranks_agree_a_decline_no_rank_compiles(tmp_path):
+    """Two gloo ranks: rank 0's numbers say compile (a long run), rank 1's say it would not pay (40 steps): they
+    agree at one step, and no rank compiles (rank 0's worker is stopped)."""
+    import functrain as ft
+
+    cache = _cache(tmp_path, compile_cpu_s=0.01, ratio=0.5)
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache), "FUNCTRAIN_COMPILE_POLICY": "auto", "OMP_NUM_THREADS": "1"}
+    a, b = ft.launch(_two_ranks_worker, nprocs=2, args=({0: 10**7, 1: 40},), timeout=600, env=env)
+    assert a["decided"] is True and b["decided"] is False, (a, b)
+    assert a["paths"] == b["paths"] == ["eager"] * 40, (a, b)
+    assert a["declined"] == b["declined"] == 1 and a["worker_pid"] is None, (a, b)

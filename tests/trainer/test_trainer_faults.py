@@ -230,7 +230,8 @@ def test_a_second_run_on_the_same_folder_is_refused_and_the_first_is_intact(tmp_
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     run = tmp_path / "run"
-    first = subprocess.Popen(_cmd(run, 1, "--no-compile", "--steps", 30, "--precision", "no", "--step-sleep", 0.2),
+    hold = tmp_path / "go-on"  # the first run waits for it after step 2: alive while the second one tries
+    first = subprocess.Popen(_cmd(run, 1, "--no-compile", "--steps", 30, "--precision", "no", "--hold", hold),
                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
     try:
@@ -238,6 +239,7 @@ def test_a_second_run_on_the_same_folder_is_refused_and_the_first_is_intact(tmp_
         second = subprocess.run(_cmd(run, 1, "--no-compile", "--steps", 30, "--precision", "no"), env=_env(),
                                 capture_output=True, text=True, timeout=120)
         assert first.poll() is None, "the first run ended before the second was started"
+        hold.touch()
         out, _ = first.communicate(timeout=240)
     finally:
         _kill(first)

@@ -2,9 +2,10 @@
 
     python tests/trainer_job.py RESULTS [--steps N] [--save-every K] [--precision fp16] [--no-compile]
                                         [--log-every L] [--step-sleep S] [--slow S] [--shard MODE]
-                                        [--switch-at N] [--no-background] [--slow-after N]
+                                        [--switch-at N] [--no-background] [--slow-after N] [--hold FILE]
 """
 import argparse
+import os
 import sys
 import time
 
@@ -22,9 +23,16 @@ class Model(torch.nn.Module):
     step_sleep = 0.0  # seconds each step sleeps (eager only): a slow step, for the SIGTERM tests
     slow_after = 0  # ... from this step on (steps before it are fast)
     calls = 0
+    hold = None  # a file: steps after the second wait for it (eager only), so a test acts while this run is alive
 
     def forward(self, x, y):
         self.calls += 1  # (once per micro-batch: 2 per step)
+        if self.hold and self.calls > 4:
+            deadline = time.monotonic() + 120
+            while not os.path.exists(self.hold):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"trainer_job: {self.hold} did not appear within 120 s")
+                time.sleep(0.02)
         if self.step_sleep and self.calls > 2 * self.slow_after:
             time.sleep(self.step_sleep / 2)
         noise = 0.01 * torch.randn_like(x)  # randomness in the loss too, drawn from the state's generator
@@ -47,6 +55,7 @@ def main():
                    help="TrainConfig.compile_switch_at: the compiled step takes over after this many (eager) steps")
     p.add_argument("--no-background", action="store_true", help="TrainConfig.compile_background=False")
     p.add_argument("--slow-after", type=int, default=0, help="--step-sleep only after this many fast steps")
+    p.add_argument("--hold", default=None, help="steps after the second wait until this file exists (--no-compile)")
     a = p.parse_args()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(72, 6, generator=g)
@@ -66,7 +75,7 @@ def main():
         return torch.sigmoid(w[: n * 4].reshape(n, 1, 4, 6))
 
     model = Model()
-    model.step_sleep, model.slow_after = a.step_sleep, a.slow_after
+    model.step_sleep, model.slow_after, model.hold = a.step_sleep, a.slow_after, a.hold
     state = ft.Trainer(model, data, config, sample_fn=sample_fn).train()
     sys.stdout.write(f"DONE step={int(state.step)} rank={ft.distributed.rank()}\n")
 

@@ -49,8 +49,8 @@ import torch
 
 from . import regions
 
-__all__ = ["tracing", "host_number", "double", "as_tensor", "per_step", "select", "divide", "Sum", "sub_scaled",
-           "sub_scaled_ratio", "grad_with_aux", "has_grad", "TreespecCache"]
+__all__ = ["tracing", "host_number", "double", "as_tensor", "per_step", "select", "divide", "all_reduce_sum", "Sum",
+           "sub_scaled", "sub_scaled_ratio", "grad_with_aux", "has_grad", "TreespecCache"]
 
 Tensors = Any  # a tensor or a list of tensors
 
@@ -183,6 +183,21 @@ def divide(x: torch.Tensor, d: Any) -> torch.Tensor:
     if isinstance(d, (int, float)) and d == 1 and not tracing():
         return x
     return x / d
+
+
+def all_reduce_sum(flat: torch.Tensor, group: Any) -> torch.Tensor:
+    """``flat`` (a buffer the caller made, not shared) summed over the ranks of ``group``. Traced: torch's functional
+    all-reduce, a node of the graph. Eagerly: c10d's all-reduce of ``flat`` in place, the same sum by the same
+    backend, returned; torch's eager functional all-reduce imports Dynamo and inductor at its first call
+    (``torch._disable_dynamo``: seconds of an eager run's first step, for a compiler it never uses)."""
+    if tracing():
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.wait_tensor(funcol.all_reduce(flat, "sum", group))
+    import torch.distributed as dist
+
+    dist.all_reduce(flat, dist.ReduceOp.SUM, group=group)
+    return flat
 
 
 class Sum:

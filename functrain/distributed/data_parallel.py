@@ -11,7 +11,7 @@ from ..core.validate import BadValue, check_choice
 from .blockwise import check_blocks
 from . import group as G
 from ..core.state import TrainState
-from ..core.eager import tracing
+from ..core.eager import all_reduce_sum, tracing
 from ..core.step import Step
 from ..core.transform import StepContext, Transform
 from .sharding import MODES, ShardedDataParallel
@@ -50,7 +50,7 @@ def _ensure_group() -> None:
 
 
 def sum_over_ranks(tree: Any, group: Any) -> Any:
-    """``tree`` with every leaf summed over the ranks of ``group``: one functional all-reduce per dtype over
+    """``tree`` with every leaf summed over the ranks of ``group``: one all-reduce per dtype over
     one flat buffer of the leaves (in the graph when traced)."""
     leaves, spec = T.tree_flatten(tree)
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -59,23 +59,10 @@ def sum_over_ranks(tree: Any, group: Any) -> Any:
     out = list(leaves)
     for dtype, idx in by_dtype.items():
         flat = torch.cat([leaves[i].reshape(-1) for i in idx])
-        flat = _summed(flat, group)
+        flat = all_reduce_sum(flat, group)
         for i, part in zip(idx, flat.split([leaves[i].numel() for i in idx])):
             out[i] = part.view(leaves[i].shape)
     return T.tree_unflatten(spec, out)
-
-
-def _summed(flat: torch.Tensor, group: Any) -> torch.Tensor:
-    """``flat`` (a buffer the caller just made) summed over the ranks of ``group``. Traced: a functional all-reduce,
-    in the graph. Eager: c10d's all-reduce of ``flat`` in place, the same sum by the same backend; torch's eager
-    functional collective imports Dynamo and inductor at its first call (``torch._disable_dynamo``: 3 s of a
-    first eager step on a loaded 2-core machine), which an eager run never uses otherwise."""
-    if tracing():
-        from torch.distributed import _functional_collectives as funcol
-
-        return funcol.wait_tensor(funcol.all_reduce(flat, "sum", group))
-    dist.all_reduce(flat, dist.ReduceOp.SUM, group=group)
-    return flat
 
 
 COMPRESS = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -106,7 +93,7 @@ def compressed_sum_over_ranks(tree: Any, group: Any, dtype: torch.dtype, world: 
             out[i] = v
     for wide_dtype, idx in wide.items():
         flat = (torch.cat([leaves[i].reshape(-1) for i in idx]) / world).to(dtype)
-        flat = _summed(flat, group).to(wide_dtype) * world
+        flat = all_reduce_sum(flat, group).to(wide_dtype) * world
         for i, part in zip(idx, flat.split([leaves[i].numel() for i in idx])):
             out[i] = part.view(leaves[i].shape)
     return T.tree_unflatten(spec, out)

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from ..core import tree as T
-from ..core.eager import host_number, select, tracing
+from ..core.eager import all_reduce_sum, host_number, select, tracing
 from ..core.step import Step
 from ..core.transform import StepContext, Transform
 from ..core.validate import check_int
@@ -87,15 +87,13 @@ def mean_over_ranks(leaves: list, group: Any, world: int) -> list:
     buffer a new tensor: inductor otherwise let the concatenated buffer alias the first leaf, which the in-place
     all-reduce then overwrote, so the params kept on a step without sync came out summed (torch 2.13).
     """
-    from torch.distributed import _functional_collectives as funcol
-
     out = list(leaves)
     by_dtype: dict[Any, list[int]] = {}
     for i, leaf in enumerate(leaves):
         by_dtype.setdefault(leaf.dtype, []).append(i)
     for idx in by_dtype.values():
         flat = torch.cat([leaves[i].reshape(-1) for i in idx]) / world
-        flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", group))
+        flat = all_reduce_sum(flat, group)
         for i, part in zip(idx, flat.split([leaves[i].numel() for i in idx])):
             out[i] = part.view(leaves[i].shape)
     return out

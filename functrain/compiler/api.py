@@ -196,7 +196,8 @@ class CompiledStep:
 
     def precompile(self, state: TrainState, batch: Any, *, donate: bool = True, quiet: bool = False) -> float:
         """Compile ahead: trace the step for ``(state, batch)`` and compile it now into the compile caches (and this
-        step's graphs), without stepping; a later process tracing the same graph (the run itself) loads it at its
+        step's graphs), without stepping (its CPU seconds go into this machine's compile history,
+        :mod:`functrain.compiler.history`); a later process tracing the same graph (the run itself) loads it at its
         first trace (its first call, once the compiler is imported) and runs compiled from then on. Says what it
         does on stderr, then the time it took (``quiet=True``: silent). Returns the seconds (0 when this process had compiled it already).
 
@@ -219,7 +220,13 @@ class CompiledStep:
             raise ValueError("precompile: the Dynamo path (fullgraph=False, dynamic=True, capture='dynamo' or extra "
                              "torch.compile arguments) compiles at its first call; precompile needs the direct path "
                              "(capture='auto' or 'direct')")
-        seconds = made.precompile(state, batch)
+        from .history import History, cpu_seconds, kind_of
+        from .jobs import leads_at_once
+
+        cpu0 = cpu_seconds()
+        seconds, nodes, metas = made.precompile(state, batch)
+        if seconds > 0 and leads_at_once():  # the compile's outcome, for the compile policy
+            History.beside_caches().add_compile(kind_of(metas, self.options.mode), nodes, cpu_seconds() - cpu0)
         if not quiet:
             print(f"functrain: compiled ahead in {seconds:.1f} s; a run of this step loads it from the caches at its "
                   f"first trace and runs compiled from then on", file=sys.stderr, flush=True)

@@ -217,12 +217,8 @@ class BackgroundCompiler:
         return key in self._held and (self.total is None or len(self._timed) >= DECIDE_AFTER)
 
     def _kind(self, cap: Captured | None) -> str:
-        device = "cpu"
-        for meta in (cap.metas if cap is not None else ()):
-            if len(meta) == 4 and meta[3] is not None:
-                device = getattr(meta[3], "type", str(meta[3]))
-                break
-        return f"{device}:{self.inductor['mode'] or 'default'}"
+        from .history import kind_of
+        return kind_of(cap.metas if cap is not None else (), self.inductor["mode"])
 
     def history(self) -> Any:
         """This machine's compile history (:class:`~functrain.compiler.history.History`), read once."""

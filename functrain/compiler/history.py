@@ -21,7 +21,7 @@ import tempfile
 import warnings
 from typing import Any, NamedTuple
 
-__all__ = ["History", "Prediction", "FILENAME", "KEEP", "DEFAULT_BASE_S", "DEFAULT_PER_NODE_S", "DEFAULT_RATIO"]
+__all__ = ["History", "Prediction", "kind_of", "cpu_seconds", "FILENAME", "KEEP", "DEFAULT_BASE_S", "DEFAULT_PER_NODE_S", "DEFAULT_RATIO"]
 
 FILENAME = "functrain_history.json"
 FORMAT = 1
@@ -169,6 +169,27 @@ class History:
         except OSError as e:
             warnings.warn(f"ft.compile: the compile history {self.path!r} was not written ({e}); later runs "
                           f"predict from what it held", RuntimeWarning, stacklevel=3)
+
+
+def kind_of(metas: Any, mode: Any) -> str:
+    """The history's key for a graph: its inputs' device type and the inductor mode (``"cpu:default"``)."""
+    device = "cpu"
+    for meta in metas or ():
+        if len(meta) == 4 and meta[3] is not None:
+            device = getattr(meta[3], "type", str(meta[3]))
+            break
+    return f"{device}:{mode or 'default'}"
+
+
+def cpu_seconds() -> float:
+    """The CPU seconds this process and its reaped children (the compiler's gcc runs) have used so far."""
+    import resource
+
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
 
 
 def _log(n: float) -> float:

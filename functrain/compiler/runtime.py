@@ -99,7 +99,7 @@ class Graphs:
         raises :class:`~functrain.compiler.errors.GraphBreakError` (a user error raises itself)."""
         try:
             return trace(self.step.apply, s, batch, self.memory, reuse_blocks=self.reuse_blocks,
-                         host_seed=host_seed(getattr(state, "rng", None)))
+                         host_seed=self.draws.trace_seed(getattr(state, "rng", None)))
         except CaptureError as e:
             raise explain(self.step, e.__cause__ or e, state, batch, tracer="make_fx") from e
 
@@ -269,19 +269,22 @@ class Runner:
         if self.background is not None:
             self.background.expect(steps)
 
-    def precompile(self, state: Any, batch: Any) -> float:
+    def precompile(self, state: Any, batch: Any) -> tuple[float, int, tuple]:
         """Trace and compile the graph for ``(state, batch)`` now, on the caller's thread, into the caches (and
         install it in the step's graphs); nothing is stepped. Returns the seconds it took (0 when it was
-        compiled already)."""
+        compiled already), the traced graph's node count and its inputs' metadata (what the compile history keys
+        on)."""
         s = _without_rng(state)
         self.step.check_state(state)
         check_batch(batch)
         _, key = signature_key(s, batch)
         if key in self.graphs.captures:
-            return 0.0
+            return 0.0, 0, ()
         t0 = time.perf_counter()
-        self.graphs.compiled(key, s, state, batch)
-        return time.perf_counter() - t0
+        cap = self.graphs.take_pending(key) or self.graphs.trace(s, state, batch)
+        nodes, metas = len(cap.gm.graph.nodes), cap.metas
+        self.graphs.install(key, cap, None)  # (compiled here, now)
+        return time.perf_counter() - t0, nodes, metas
 
     def close(self) -> None:
         """Stop this runner's background compiles that still run; their signatures run eagerly from now on."""

@@ -226,19 +226,11 @@ def _run(data: bytes) -> dict:
         t0 = time.perf_counter()
         notes: list = []  # (a damaged cache file set aside and rebuilt: the parent says it)
         compile_graph(backend, gm, tuple(job["metas"]), notes)
-    return {"ok": True, "seconds": time.perf_counter() - t0, "cpu_s": _cpu_s(), "notes": notes}
+    from .history import cpu_seconds
 
-
-def _cpu_s() -> float:
-    """The CPU seconds this worker used, its compiler subprocesses' included (what the machine paid for the
-    compile, its imports counted: the compile policy's history records it)."""
-    import resource
-
-    total = 0.0
-    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-        usage = resource.getrusage(who)
-        total += usage.ru_utime + usage.ru_stime
-    return total
+    # the CPU seconds this worker used, its imports and its compiler subprocesses included (what the machine paid
+    # for the compile: the compile policy's history records it)
+    return {"ok": True, "seconds": time.perf_counter() - t0, "cpu_s": cpu_seconds(), "notes": notes}
 
 
 def _group_dies_with_parent(parent: int) -> Any:

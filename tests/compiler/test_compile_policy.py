@@ -311,6 +311,8 @@ def test_compiled_ahead_a_run_starts_compiled(tmp_path):
     env = _env(cache, FUNCTRAIN_COMPILE_POLICY="auto")
     r, out = _job(["precompile"], env)
     assert r["seconds"] > 0 and "functrain: compiled ahead in" in out.stderr, out.stderr[-2000:]
+    compiles = json.loads((cache / history_mod.FILENAME).read_text())["kinds"]["cpu:default"]["compiles"]
+    assert len(compiles) == 1 and compiles[0]["cpu_s"] > 0.5 and compiles[0]["nodes"] > 10, compiles
     r, _ = _job(["run", "5"], env)
     assert r["phases"] == ["compiled"] * 5 and r["source"] == "cache" and r["workers"] == 0, r
 

@@ -44,6 +44,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -102,6 +103,16 @@ PHASES = (
     ("cache load", "load_start", "load"),
     ("compile (blocking)", "compile_start", "compile"),
 )
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Kill the run's whole session (launcher, ranks) if it is still running; reap the launcher."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+        proc.wait(30)
 
 
 def read_phases(folder: str, launch: float) -> dict:
@@ -167,7 +178,9 @@ def one_run(results: str, cache: str, steps: int, nproc: int, timeout: float, va
     seen: dict[str, float] = {}
     launch = time.time()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=root)
+    # its own session: a timeout or an interrupted bench ends the launcher and its ranks together (_end)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=root,
+                            start_new_session=True)
     tail = bytearray()
 
     def reader() -> None:
@@ -185,20 +198,24 @@ def one_run(results: str, cache: str, steps: int, nproc: int, timeout: float, va
     th = threading.Thread(target=reader, daemon=True)
     th.start()
     first_line = None
-    while proc.poll() is None:
-        if "metrics" not in seen:
-            try:
-                with open(metrics) as f:
-                    line = f.readline()
-                if line.endswith("\n"):
-                    seen["metrics"] = time.perf_counter() - t0
-                    first_line = json.loads(line)
-            except (OSError, ValueError):
-                pass
-        if time.perf_counter() - t0 > timeout:
-            proc.kill()
-            break
-        time.sleep(0.02)
+    try:
+        while proc.poll() is None:
+            if "metrics" not in seen:
+                try:
+                    with open(metrics) as f:
+                        line = f.readline()
+                    if line.endswith("\n"):
+                        seen["metrics"] = time.perf_counter() - t0
+                        first_line = json.loads(line)
+                except (OSError, ValueError):
+                    pass
+            if time.perf_counter() - t0 > timeout:
+                break
+            time.sleep(0.02)
+    finally:  # (a timeout, or this script interrupted: nothing of the run is left running)
+        _end(proc)
+        if stamps is not None and sys.exc_info()[0] is not None:
+            shutil.rmtree(stamps, ignore_errors=True)
     total = time.perf_counter() - t0
     th.join(5)
     out = {"rc": proc.returncode, "first_loss_on_bar_s": seen.get("bar"), "first_metrics_line_s": seen.get("metrics"),

@@ -234,7 +234,7 @@ class BackgroundCompiler:
         d = self._judge(key, cap)
         if not d.compile:
             return None
-        if leads_at_once():
+        if leads_at_once() and self.decision is d:  # (said once: a later signature's compile is not)
             _console(f"functrain: {d.why}")
         job = self._job(cap)
         job.started = time.perf_counter()

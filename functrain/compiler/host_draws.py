@@ -285,24 +285,44 @@ class DrawCases:
 
     def __init__(self) -> None:
         self.plans: dict = {}  # signature key -> [(full key, DrawPlan)]
+        self.seeds: dict = {}  # cache key -> the seed of the first call that asked for it
+        self.last: Any = None  # the cache key of the latest call that asked (the one a trace now is for)
 
     def key(self, key: Any, rng: dict | None) -> Any:
         """The cache key of a call with signature key ``key`` and ``state.rng`` ``rng``: ``key`` itself while no
         capture of it branched on a draw (or for an unseeded state); else the key of the capture whose guards all
         hold for the call's seed, or, if none does, an :class:`OutcomeKey` ``(key, outcome)``: the results of the
-        guards up to the first that no known capture holds."""
-        entries = self.plans.get(key)
-        if not entries or rng is None:
+        guards up to the first that no known capture holds. Asked on a miss of the runner's last capture only."""
+        if rng is None:
+            self.last = None
             return key
         seed = host_seed(rng)
-        best, best_n = None, -1
-        for full, plan in entries:
-            n = plan.agreeing(seed)
-            if n == len(plan.guards):
-                return full
-            if n > best_n:
-                best, best_n = plan, n
-        return OutcomeKey((key, best.outcome(seed, best_n + 1)))
+        full = key
+        entries = self.plans.get(key)
+        if entries:
+            best, best_n = None, -1
+            for known, plan in entries:
+                n = plan.agreeing(seed)
+                if n == len(plan.guards):
+                    best = None
+                    full = known
+                    break
+                if n > best_n:
+                    best, best_n = plan, n
+            if best is not None:
+                full = OutcomeKey((key, best.outcome(seed, best_n + 1)))
+        self.seeds.setdefault(full, seed)
+        self.last = full
+        return full
+
+    def trace_seed(self, rng: dict | None) -> int | None:
+        """The seed a trace for the latest call's key uses: the seed of the first call that asked for that key.
+        Every rank asks for the same keys at the same calls, so every rank traces the same outcome, whichever call
+        its trace comes in (a background trace waits for the compiler's imports, which differ by process)."""
+        if rng is None:
+            return None
+        seed = self.seeds.get(self.last) if self.last is not None else None
+        return seed if seed is not None else host_seed(rng)
 
     def add(self, full: Any, cap: Any) -> None:
         """Register an installed capture under its cache key ``full`` (a capture with no draw: nothing)."""

@@ -153,3 +153,32 @@ def test_the_trainer_trains_self_conditioning_compiled_and_equal_to_eager(tmp_pa
     assert progress.phase == "compiled" and progress.reason is None, progress
     assert trainers[True].run_step.rates.calls["compiled"] >= 7
     assert T.tree_equal(trainers[True].state.params, trainers[False].state.params)
+
+
+def _two_ranks(seed):
+    """Rank r: the data-parallel coin step, compiled in the background with the switch at step 3 (the ranks agree
+    there, and again on every new outcome's compile: a call whose capture one rank had and the other not would hang
+    in that agreement), 10 steps on its own data, and the eager step alongside."""
+    import torch.distributed as dist
+
+    step = ft.data_parallel()(_step())
+    runner = ft.compile(step, backend="aot_eager", switch_at=3).runner(background=True)
+    state = eager = step.init({"w": torch.ones(4, 3)}, seed=seed)
+    for i in range(10):
+        batch = _batch(100 * dist.get_rank() + i)
+        state, _ = runner(state, batch)
+        eager, _ = step(eager, batch)
+    runner.close()
+    return {"params": state.params["w"].tolist(), "eager": eager.params["w"].tolist(),
+            "compiled_calls": runner.rates.calls["compiled"], "phase": runner.progress.phase,
+            "reason": runner.progress.reason}
+
+
+def test_two_ranks_take_the_same_branch_and_switch_together():
+    """2 gloo processes: no hang, both run compiled calls, their params are the same (replicated) and equal the eager
+    data-parallel step's (Python's coin is drawn alike on every rank from the replicated key)."""
+    outs = ft.launch(_two_ranks, nprocs=2, args=(5,), timeout=600)
+    assert outs[0]["params"] == outs[1]["params"]
+    for out in outs:
+        assert out["compiled_calls"] > 0 and out["phase"] != "failed", out
+        torch.testing.assert_close(torch.tensor(out["params"]), torch.tensor(out["eager"]), rtol=1e-6, atol=1e-7)

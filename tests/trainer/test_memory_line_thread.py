@@ -61,3 +61,33 @@ def test_no_trace_or_walk_for_the_memory_line_on_the_training_thread(tmp_path, c
     main = threading.main_thread().name
     assert traces.count(main) == 1, traces  # the background compile's trace, and no other
     assert walks == ["functrain-memory-line"], walks
+
+
+class Breaks(Model):
+    def forward(self, x, y):
+        loss = torch.nn.functional.mse_loss(self.fc(x), y)
+        return loss * (1.0 if float(loss) < 1e9 else 0.0)  # a host read: the background trace fails
+
+
+def test_a_failed_background_compile_is_said_in_the_memory_line(tmp_path, capsys):
+    """The background trace fails (a graph break): the line gives the state's bytes and says the compile failed (not
+    that the peak needs compile=True, which is on), like Progress and the summary."""
+    import functrain.compiler.capture as capture
+
+    capture.preload()
+    capture.wait_for_imports()
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    data = torch.utils.data.TensorDataset(x, x[:, :1] * 0.5)
+    config = ft.TrainConfig(train_batch_size=8, train_num_steps=4, save_and_sample_every=4, log_every=4,
+                            results_folder=str(tmp_path), trackers=("jsonl",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = ft.Trainer(Breaks(), data, config)
+        trainer.train()
+    out = capsys.readouterr().out.splitlines()
+    lines = [line for line in out if line.startswith("memory per rank on cpu: state ")]
+    assert trainer.run_step.progress.phase == "failed"
+    assert len(lines) == 1 and lines[0].endswith("(the step's peak unknown: the background compile failed, the steps "
+                                                 "run eagerly)"), lines
+    assert any("the background compile failed" in line for line in out), out

@@ -77,6 +77,8 @@ def test_a_background_compile_prints_the_line_from_its_own_trace_after_the_step_
 
     preload()
     wait_for_imports()
+    # an empty inductor cache: this module's other tests compiled the same graph, which would load at step 1
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     eager_steps, traces = [], []
     real, host_call = runtime.trace, ft.Step.host_call
     monkeypatch.setattr(ft.Step, "host_call", lambda *a, **k: eager_steps.append(1) or host_call(*a, **k))

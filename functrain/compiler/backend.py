@@ -25,6 +25,7 @@ import torch
 
 from . import cache
 from .codegen import refuse_codegen
+from .fx_tracing import FX_TRACING
 from .graph_lock import compile_lock, graph_key
 from .probe_memo import probe_memo
 from .capture import tensor_metas  # noqa: F401 - re-exported: what a graph is compiled for
@@ -172,6 +173,11 @@ def compile_graph(backend: Callable, gm: torch.fx.GraphModule, metas: tuple, not
     run) is retried once with that file moved aside (:func:`~functrain.compiler.cache.set_aside_damaged`); what
     was moved is said in a warning, or appended to ``notes`` (a worker: its parent says it). A second failure
     raises :class:`~functrain.compiler.cache.CacheDamaged`, naming the folder to delete."""
+    with FX_TRACING:  # (torch's tracer is one per process: another thread's trace or graph walk waits)
+        return _compile_graph(backend, gm, metas, notes)
+
+
+def _compile_graph(backend: Callable, gm: torch.fx.GraphModule, metas: tuple, notes: list | None) -> Callable:
     try:
         return _compile_once(backend, gm, metas)
     except Exception as first:  # noqa: BLE001 - a damaged cache file, or the compile's own failure (re-raised)
@@ -192,7 +198,7 @@ def compile_graph(backend: Callable, gm: torch.fx.GraphModule, metas: tuple, not
     note = (f"a damaged compile cache file was moved aside and rebuilt: {', '.join(moved)} (renamed *.damaged; the "
             f"compile failed on it with {why})")
     if notes is None:
-        warnings.warn(f"ft.compile: {note}", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"ft.compile: {note}", RuntimeWarning, stacklevel=3)
     else:
         notes.append(note)
     return fn

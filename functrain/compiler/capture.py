@@ -28,6 +28,7 @@ import torch
 from ..core import regions
 from ..core.rng import HostRandomError, host_random_refused
 from .host_draws import RECORDER_CODES, recording
+from .fx_tracing import FX_TRACING
 from .host_sync import HostSync, data_dependent, no_print
 from .memory import Memory, Written
 
@@ -241,12 +242,13 @@ def trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse_block
     capture holds the branch they decide (:mod:`functrain.compiler.host_draws`); ``None``: a draw is refused.
     """
     wait_for_imports()
-    if reuse_blocks and regions.wanted():
-        try:
-            return _trace(apply, state, batch, memory_kind, True, host_seed)
-        except CaptureError:
-            pass  # (a block that is not a region: flat; a step that is not one graph fails again below)
-    return _trace(apply, state, batch, memory_kind, False, host_seed)
+    with FX_TRACING:  # (torch's tracer is one per process: another thread's trace or compile waits)
+        if reuse_blocks and regions.wanted():
+            try:
+                return _trace(apply, state, batch, memory_kind, True, host_seed)
+            except CaptureError:
+                pass  # (a block that is not a region: flat; a step that is not one graph fails again below)
+        return _trace(apply, state, batch, memory_kind, False, host_seed)
 
 
 def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: bool,

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from .fx_tracing import FX_TRACING
+
 __all__ = ["estimate_graph"]
 
 
@@ -87,7 +89,7 @@ def _inductor_graph(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, fro
         return gm, frozenset()
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     try:
-        with detect_fake_mode(vals) or contextlib.nullcontext(), fx_traceback.preserve_node_meta():
+        with FX_TRACING, detect_fake_mode(vals) or contextlib.nullcontext(), fx_traceback.preserve_node_meta():
             return make_fx(torch.fx.Interpreter(gm).run, decomposition_table=select_decomp_table())(*vals), extern
     except Exception:  # noqa: BLE001 - an op the retrace cannot take (the capture's own classes are close)
         return gm, extern

@@ -1,9 +1,9 @@
 """What a resume promises with the Trainer's default config (compile=True, compile_background=True,
 compile_switch_at=None), as docs/trainer.md says it: the checkpoint restores the saved state bit-exactly; the
 continuation equals an uninterrupted run bitwise when both run the same path (eager or compiled) at each step,
-as with ``compile_switch_at=N``; with the default switch-when-ready the resumed run's first step runs eagerly again
-(its compiled code loads from the cache at the next call) where the uninterrupted run ran compiled: they agree to
-float rounding.
+as with ``compile_switch_at=N``; with the default switch-when-ready the resumed run's first steps may run eagerly
+again (in a fresh process, until the compiler's modules are imported; then its compiled code loads from the cache)
+where the uninterrupted run ran compiled: they agree to float rounding.
 
 One cold compile for the whole module (the ``warm`` fixture: a run that waits for its compile at step 0); every
 later Trainer of the same model loads that code from the caches at its second call."""
@@ -84,15 +84,21 @@ def test_with_the_default_switch_when_ready_the_saved_state_reloads_bitwise_and_
     whole_trainer = _trainer(tmp_path / "whole")
     whole = whole_trainer.train()
     progress = whole_trainer.run_step.progress
-    assert progress.phase == "compiled" and progress.eager_calls >= 1  # it switched, when ready
+    assert progress.phase == "compiled"  # it switched, when ready
     stopped, restored, final, resumed = _stopped_then_resumed(tmp_path / "parts")
     assert T.tree_equal(restored, stopped)  # the saved state, bitwise
     again = resumed.run_step.progress
-    assert again.phase == "compiled" and again.eager_calls >= 1  # step 4 ran eagerly, where `whole` ran compiled
+    assert again.phase == "compiled"
     assert int(final.step) == int(whole.step) == 6
-    # eager and compiled steps agree to float rounding (bitwise only by chance)
-    assert T.tree_allclose(final.params, whole.params, rtol=1e-5, atol=1e-6)
-    assert T.tree_allclose(final.ema, whole.ema, rtol=1e-5, atol=1e-6)
+    # Where the compiler's modules are imported by the first call (here: this process compiled before), the
+    # cached code runs from the first call of each run (the compile policy's order since issue 29): the same path,
+    # bitwise. Where they are not yet (a fresh process), the resumed run's first steps run eagerly, where `whole`
+    # ran compiled: eager and compiled steps agree to float rounding (bitwise only by chance).
+    if progress.eager_calls == again.eager_calls == 0:
+        assert T.tree_equal(final, whole)
+    else:
+        assert T.tree_allclose(final.params, whole.params, rtol=1e-5, atol=1e-6)
+        assert T.tree_allclose(final.ema, whole.ema, rtol=1e-5, atol=1e-6)
 
 
 def test_docs_say_which_resume_promise_holds():

@@ -128,8 +128,7 @@ def main() -> None:
     train, held_out = digits_dataset()
     trainer = ft.Trainer(model, train, config, sample_fn=sample_fn, eval_dataset=held_out)
     if args.precompile:
-        from functrain.trainer.compiling import precompile
-        precompile(trainer)
+        trainer.precompile()
         return
     trainer.train()
 

@@ -269,7 +269,7 @@ class Steps:
         self.metrics: dict | None = None
         self.batches: Any = None
         self.bar: Any = None
-        self.shown = [0.0]  # when the bar's description was last refreshed
+        self.shown = [0.0, None]  # when the bar's description was last refreshed, and the phase it showed
         self.ctrl_c: _CtrlC | None = None
         self.console = contextlib.ExitStack()  # while the bar is up: printed lines go above it
         self.opened = self.closed = False
@@ -418,15 +418,16 @@ def _donates(runner: Any) -> bool:
 
 def _show(bar: Any, runner: Any, shown: list, final: bool = False) -> None:
     """Leave a call that did compile work out of the bar's time; refresh its description (at most twice a second:
-    ``shown[0]``, when it was last; and at the end, ``final``) from the runner's rate meter and progress: each
+    ``shown[0]``, when it was last; at once when the phase changed, ``shown[1]``; and at the end, ``final``)
+    from the runner's rate meter and progress: each
     path's label with its rate, and an ETA only from the rate of the path that will run (none while a compile
     is pending, since the compiled rate is not known yet; the eager rate's while nothing compiles)."""
-    rates = runner.rates
+    rates, progress = runner.rates, runner.progress
     if rates.paused:
         bar.unpause()  # tqdm: the time since its last print is not counted
-    if final or rates.last - shown[0] >= 0.5 or rates.paused:
-        shown[0] = rates.last
-        progress = runner.progress
+    changed = progress.phase != shown[1]
+    if final or rates.last - shown[0] >= 0.5 or rates.paused or changed:
+        shown[0], shown[1] = rates.last, progress.phase  # (a new phase is drawn at once, however brief)
         text = rates.describe(progress if progress.background else None)
         if not text and rates.path is not None:  # one path so far
             rate = rates.rate(rates.path)

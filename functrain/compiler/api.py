@@ -13,6 +13,7 @@ properties of the captures, never branches here.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from typing import Any
@@ -25,6 +26,7 @@ from .backend import make_backend
 from .errors import GraphBreakError
 from .options import Options
 from .progress import Progress
+from .policy import FORCES as POLICIES
 from .runtime import DynamoRunner, Graphs, Runner
 from .settings import WorkerSettings
 
@@ -251,7 +253,8 @@ class CompiledStep:
 
 def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture: str = "auto",
             cache_dir: str | os.PathLike | None = None, package: bool = False, background: bool | None = None,
-            switch_at: int | None = None, reuse_blocks: bool = False, **torch_compile_kwargs: Any) -> CompiledStep:
+            switch_at: int | None = None, reuse_blocks: bool = False, policy: str | None = None,
+            **torch_compile_kwargs: Any) -> CompiledStep:
     """Compile the whole step with ``torch.compile`` (``fullgraph=True`` by default).
 
     The result is called like the step and gives the same results (to float
@@ -321,6 +324,10 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture
         switch_at: with background compilation, switch at this step count (waiting for the compile there).
         reuse_blocks: trace each repeated block (a transformer's layers) once, reuse it at every depth
             (default ``False``: the flat graph, the faster step).
+        policy: whether a background compile of a run of known length waits for the compile policy's
+            decision (``"auto"``), always compiles (``"always"``) or never does (``"never"``: the step runs
+            eagerly); ``None``: ``FUNCTRAIN_COMPILE_POLICY`` (default ``"auto"``). See
+            :mod:`functrain.compiler.policy`.
         **torch_compile_kwargs: ``backend``, ``mode``, ``options``, ``dynamic`` and any other
             ``torch.compile`` argument.
 
@@ -352,4 +359,10 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture
     options = Options(donate=donate, fullgraph=fullgraph, capture=capture, cache_dir=cache_dir, package=package,
                       background=background, switch_at=switch_at, reuse_blocks=reuse_blocks,
                       extra=torch_compile_kwargs, **named)
-    return CompiledStep(step, options)
+    settings = WorkerSettings.from_env()
+    if policy is not None:
+        if policy not in POLICIES:
+            raise ValueError(f"ft.compile: policy must be one of {', '.join(map(repr, POLICIES))} or None (the "
+                             f"FUNCTRAIN_COMPILE_POLICY setting); got {policy!r}")
+        settings = dataclasses.replace(settings, policy=policy)
+    return CompiledStep(step, options, settings)

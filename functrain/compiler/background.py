@@ -66,9 +66,13 @@ and unless ``FUNCTRAIN_COMPILE_POLICY=always``; a run of unknown length compiles
 """
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from typing import Any, Callable, NamedTuple
+
+import optree
+import torch
 
 from ..core.state import TrainState
 from .capture import Captured, importing as _importing, preload as _preload, wait_for_imports
@@ -145,7 +149,11 @@ class BackgroundCompiler:
                           f"only: torch's compiler saves and restores the global random generator and patches "
                           f"nn.Module while it works, so eager steps that run meanwhile may draw other random "
                           f"numbers than the state's key gives", RuntimeWarning, stacklevel=5)
-        _preload()
+        # the compiler's imports (seconds of CPU) start now, unless the policy may decline this run's compile
+        # from its first timed steps alone (a run of known length: see _bound), before anything is imported
+        self._imported = not self._decides
+        if self._imported:
+            _preload()
 
     # -- the decision -----------------------------------------------------------------------------
     def on_miss(self, state: TrainState, batch: Any, s: Any, key: Any, graphs: Any) -> Eager | Ready:
@@ -159,7 +167,8 @@ class BackgroundCompiler:
         # the trace starts once the compiler's modules are imported (a thread imports them: seconds the eager
         # steps do not wait for), so its call differs between processes: nothing collective may depend on it
         never = self._decides and self.settings.policy == "never"  # (declined before anything is traced)
-        start = None if entry is not None or key in self._held or never or _importing() else \
+        wait = not self._imported and not never and self._bound(key, state)  # (no import, no trace yet)
+        start = None if entry is not None or key in self._held or never or wait or _importing() else \
             (lambda: self._start(s, state, batch, key, graphs))
         if start is not None and at is None:
             # the compiler is imported: trace before this call's eager step (the same work on this thread, in the
@@ -207,6 +216,35 @@ class BackgroundCompiler:
             raise ValueError(f"expect: steps must be an int >= 0 or None; got {steps!r}")
         self.total = None if steps is None else self._done + steps
 
+    def _bound(self, key: Any, state: TrainState) -> bool:
+        """Before the compiler is imported (a run of known length under the policy, in a process that has not
+        imported the compiler, on a machine whose history holds no compile of this kind: the caches hold no
+        such graph): whether to wait. The first :data:`~functrain.compiler.policy.DECIDE_AFTER` timed eager
+        calls are waited for; then the policy judges the compile without a trace, from the default's base cost
+        (:meth:`~functrain.compiler.history.History.untraced`) and the measured step. A decline there is this
+        process's decision (no import, no trace, no worker: the ranks agree on it at this call); otherwise the
+        imports start now and the graph is traced and judged as usual. Returns ``True`` while waiting."""
+        if key in self._decisions:
+            return True
+        bound = None
+        if self.total is not None and not _compiler_imported():
+            bound = self.history().untraced(self._state_kind(state))
+        if bound is not None and len(self._timed) < DECIDE_AFTER:
+            return True
+        if bound is not None and not self._judge(key, None, bound=bound).compile:
+            return True
+        self._decisions.pop(key, None)  # (the bound's; the traced graph is judged again)
+        self.decision = None
+        self._imported = True
+        _preload()
+        return False
+
+    def _state_kind(self, state: TrainState) -> str:
+        from .history import kind_of
+        leaves = [x for x in optree.tree_leaves(state) if isinstance(x, torch.Tensor)]
+        device = leaves[0].device if leaves else None
+        return kind_of(((None, None, None, device),), self.inductor["mode"])
+
     def _ready_to_decide(self, key: Any) -> bool:
         """Decide now? Once the graph is traced (and not in the caches), after :data:`~functrain.compiler.policy.
         DECIDE_AFTER` timed eager steps (at once when forced never, or when the run's length is unknown)."""
@@ -243,8 +281,9 @@ class BackgroundCompiler:
         self.progress.worker_pid = getattr(job, "pid", None)
         return self.jobs[key]
 
-    def _judge(self, key: Any, cap: Captured | None) -> Decision:
-        """The policy's decision for signature ``key`` (traced as ``cap``), from the inputs measured now; kept."""
+    def _judge(self, key: Any, cap: Captured | None, bound: Any = None) -> Decision:
+        """The policy's decision for signature ``key`` (traced as ``cap``), from the inputs measured now; kept.
+        ``cap=None`` with ``bound`` (a history prediction): before a trace, from that lower bound."""
         import os
         from .policy import Inputs, decide
 
@@ -252,6 +291,8 @@ class BackgroundCompiler:
         if cap is not None:
             pred = self.history().predict(self._kind(cap), nodes)
             cpu_s, ratio, source = pred
+        elif bound is not None:  # no graph yet: the cheapest compile a new machine predicts
+            cpu_s, ratio, source = bound
         else:  # (forced never: nothing traced)
             cpu_s, ratio, source = 1.0, 1.0, "default"
         timed = sorted(self._timed)
@@ -537,6 +578,12 @@ class BackgroundCompiler:
         p.worker_pid = None
         if p.phase in ("compiling", "ready"):
             p.phase, p.reason = ("compiled" if self._installed else "failed"), "stopped by close()"
+
+
+def _compiler_imported() -> bool:
+    """Whether this process has imported the compiler already (another step compiled here, a precompile): then
+    a trace costs no imports and is how a graph in the caches is found."""
+    return "torch._inductor.compile_fx" in sys.modules
 
 
 def _traced() -> None:

@@ -131,6 +131,16 @@ class History:
             source = "history"
         return Prediction(cpu, ratio, source)
 
+    def untraced(self, kind: str) -> Prediction | None:
+        """A lower bound on a compile of ``kind`` judged before its graph is traced, where this machine never
+        compiled a graph of that kind (so the caches beside this history hold none, and a trace could only find
+        nothing): the default's base cost, with the ratio :meth:`predict` gives. ``None`` once a compile of that
+        kind is recorded (a worker's or a precompile's: the graph may be in the caches, only a trace can tell)."""
+        entry = self.data["kinds"].get(kind) or {}
+        if entry.get("compiles"):
+            return None
+        return Prediction(DEFAULT_BASE_S, self.predict(kind, 0).compiled_ratio, "default")
+
     def add_compile(self, kind: str, nodes: int, cpu_s: float) -> None:
         """Record a compile of a graph of ``nodes`` nodes that took ``cpu_s`` CPU seconds (and write the file)."""
         rows = self._kind(kind)["compiles"]

@@ -32,7 +32,7 @@ FORCES = ("auto", "always", "never")
 DECIDE_AFTER = 3
 """Eager steps measured before the decision (the first is not timed: it pays the imports and the trace)."""
 PRECOMPILE_HINT = ("compile it ahead once with `cstep.precompile(state, batch)` (a Trainer: "
-                   "`functrain.trainer.compiling.precompile(trainer)`; examples/diffusion.py: `--precompile`) and "
+                   "`trainer.precompile()`; examples/diffusion.py: `--precompile`) and "
                    "later runs start compiled")
 
 

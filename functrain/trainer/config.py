@@ -87,7 +87,9 @@ class TrainConfig:
     step at which the switch happened. ``compile_switch_at=N`` makes that step fixed, for a run that
     must be reproducible bit for bit (its resume included): steps up to ``N`` run eagerly, step
     ``N + 1`` on waits for the compiled code. ``compile_background=False``: the first step compiles
-    and training waits for it.
+    and training waits for it. Whether a background compile starts at all is the compile policy's
+    decision after the first steps (``compile_policy``: ``"auto"``; ``"always"`` or ``"never"`` force
+    it; ``None``: ``FUNCTRAIN_COMPILE_POLICY``, default ``"auto"``; see docs/compiling.md).
 
     Args:
         **fields: keyword arguments, one per field (the dataclass fields below: ``train_batch_size``, ``train_lr``,
@@ -140,6 +142,7 @@ class TrainConfig:
     shard: str = "none"
     compile_background: bool = True
     compile_switch_at: int | None = None
+    compile_policy: str | None = None
     split_batches: bool = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "TrainConfig":
@@ -205,6 +208,7 @@ class TrainConfig:
                 raise BadValue(f"TrainConfig.compile_switch_at={self.compile_switch_at} is when a background compile "
                                f"takes over; it needs compile=True and compile_background=True (got compile="
                                f"{self.compile}, compile_background={self.compile_background})")
+        check_choice(name("compile_policy"), self.compile_policy, (None, "auto", "always", "never"))
         check_choice(name("lr_schedule"), self.lr_schedule, _SCHEDULES)
         check_choice(name("shard"), self.shard, _SHARDS)
         object.__setattr__(self, "warmup_steps", check_int(name("warmup_steps"), self.warmup_steps, minimum=0,

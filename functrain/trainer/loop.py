@@ -30,7 +30,7 @@ from ..driver import run_steps
 from ..core.module import functionalize
 from ..core.state import TrainState
 from .components import Checkpointing, Evaluation, MetricsLog, MetricsPlot, Sampling, SkippedUpdates
-from .compiling import RunClock
+from .compiling import RunClock, precompile
 from .config import FOLDER_OPTIONS, TrainConfig, package_config
 from .evaluator import Evaluator
 from .hooks import Hooks
@@ -222,7 +222,7 @@ class Trainer:
                                          step=step, module=self.module)
         if compiled is None and config.compile:
             compiled = compile_step(self.step, background=config.compile_background,
-                                    switch_at=config.compile_switch_at)
+                                    switch_at=config.compile_switch_at, policy=config.compile_policy)
         self.compiled = compiled  # the CompiledStep, or None; run_step: what the loop runs (its runner, owned here)
         self.run_step = compiled.runner(donate=True, background=True) if compiled is not None else self.step
         per_process = process_batch(config, self.world)  # TrainConfig.split_batches: the one batch-size rule
@@ -372,6 +372,15 @@ class Trainer:
             self.stopping.request()
         return record
 
+
+    def precompile(self) -> float:
+        """Compile the step ahead into the compile caches, without training; returns the seconds it took.
+
+        The step of :meth:`initial_state` and one batch of the loader (whose position is put back) are traced and
+        compiled on this thread, with a progress line. A later :meth:`train` (this process's or a later run's)
+        then runs compiled from its first steps instead of asking the compile policy. ``TrainConfig(compile=False)``:
+        ``ValueError``. What ``--precompile`` does in examples/diffusion.py."""
+        return precompile(self)
 
     # -- state ---------------------------------------------------------------------------------
     def initial_state(self) -> TrainState:

@@ -5,6 +5,8 @@
 Prints ``WORKER <pid>`` as soon as a compile worker has its graph and one line ``RESULT {...}`` at the end. Modes:
 
 * ``run N``: ``ft.run`` of N steps on a runner of its own, the phase of every step recorded; the decision.
+* ``fresh N``: the same in a process that has not imported the compiler (as a user's first run): whether the run
+  imported it.
 * ``until N``: ``ft.run`` of N steps, stopped once the compiled step has taken over (or after 400 s).
 * ``precompile``: ``cstep.precompile(state, batch)``, then exits.
 * ``exit`` / ``raise`` / ``hold``: ``ft.run`` whose worker compiles a slow (cold) graph; ``exit``: 3 steps then a
@@ -25,12 +27,13 @@ import functrain as ft  # noqa: E402
 from background_job import problem  # noqa: E402
 
 
-def _setup():
+def _setup(imported=True):
     from functrain.compiler import capture
 
     step, params, buffers, batches, calls = problem()
-    capture.preload()  # the compiler imported first: the first call traces (as a long-running job's would)
-    capture.wait_for_imports()
+    if imported:
+        capture.preload()  # the compiler imported first: the first call traces (as a long-running job's would)
+        capture.wait_for_imports()
     cstep = ft.compile(step)
     return step, cstep, step.init(params, buffers), batches
 
@@ -44,8 +47,8 @@ def announce(runner, said=[False]):  # noqa: B006 - once per process
     return False
 
 
-def run(n: int, until: bool = False) -> dict:
-    step, cstep, state, batches = _setup()
+def run(n: int, until: bool = False, imported: bool = True) -> dict:
+    step, cstep, state, batches = _setup(imported)
     runner = cstep.runner(donate=True, background=True)
     seen, pids = [], set()
     deadline = time.monotonic() + 400
@@ -61,7 +64,8 @@ def run(n: int, until: bool = False) -> dict:
     d = runner.background.decision
     p = runner.progress
     return {"phases": seen, "workers": p.workers, "pids": sorted(pids), "phase": p.phase, "source": p.source,
-            "decision": d.record() if d is not None else None, "steps": len(seen)}
+            "decision": d.record() if d is not None else None, "steps": len(seen),
+            "compiler_imported": "torch._inductor.compile_fx" in sys.modules, "dynamo": "torch._dynamo" in sys.modules}
 
 
 def precompile() -> dict:
@@ -90,8 +94,8 @@ def outlive(how: str) -> dict:
 
 def main() -> None:
     mode = sys.argv[1]
-    if mode in ("run", "until"):
-        result = run(int(sys.argv[2]), until=mode == "until")
+    if mode in ("run", "until", "fresh"):
+        result = run(int(sys.argv[2]), until=mode == "until", imported=mode != "fresh")
     elif mode == "precompile":
         result = precompile()
     else:

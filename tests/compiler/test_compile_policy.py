@@ -290,6 +290,18 @@ def test_a_short_run_that_would_not_pay_trains_eagerly_and_says_so_once(tmp_path
     assert "WORKER" not in out.stdout
 
 
+def test_a_first_run_that_would_not_pay_declines_before_importing_the_compiler(tmp_path):
+    """A new machine (no history: the caches hold no graph of this kind) and a process that has not imported the
+    compiler: after its first timed eager steps the policy judges the compile from the default's base cost
+    alone and declines a 40-step run's compile without importing Dynamo or inductor (seconds of CPU the ranks'
+    cores would have paid) and without a trace; said once."""
+    r, out = _job(["fresh", "40"], _env(_cache(tmp_path), FUNCTRAIN_COMPILE_POLICY="auto"))
+    assert r["decision"]["compile"] is False and r["decision"]["source"] == "default", r
+    assert r["workers"] == 0 and set(r["phases"]) == {"eager"} and r["steps"] == 40, r
+    assert not r["compiler_imported"] and not r["dynamo"], r
+    assert out.stderr.count("compiling would not pay in this run") == 1, out.stderr[-3000:]
+
+
 def test_a_long_run_compiles(tmp_path):
     """The history says this graph compiles in a moment and runs twice as fast: a 200000-step run compiles (the
     job stops once the compiled step has taken over)."""

@@ -31,7 +31,7 @@ def test_no_eta_while_a_compile_is_pending_and_every_label_has_its_rate(capsys):
     progress, rates = Progress(), PhaseRates()
     runner = types.SimpleNamespace(progress=progress, rates=rates)
     bar = _progress(100, 0, phases=True)
-    shown = [0.0]
+    shown = [0.0, None]
     rates.record("eager", False)
     rates.record("eager", False)
     bar.update(2)
@@ -39,7 +39,7 @@ def test_no_eta_while_a_compile_is_pending_and_every_label_has_its_rate(capsys):
     assert bar.desc.startswith("eager ") and " it/s · ETA " in bar.desc, bar.desc
     progress, rates = Progress(), PhaseRates()
     runner = types.SimpleNamespace(progress=progress, rates=rates)
-    shown = [0.0]
+    shown = [0.0, None]
     progress.phase = "compiling"
     rates.record("eager", False)
     _show(bar, runner, shown, final=False)

@@ -317,6 +317,17 @@ class BackgroundCompiler:
             self.decision = d
         return d
 
+    @property
+    def eager_only(self) -> bool:
+        """Whether this run compiles nothing: every rank agreed the policy's decline and nothing was compiled or
+        loaded. The runner then calls :meth:`eager` straight away (no signature key, no decision per call): the
+        decline is for the run, a later signature's too."""
+        return bool(self.declined) and not self.jobs and not self._installed
+
+    def eager(self, state: TrainState, batch: Any) -> Eager:
+        """One eager call of a run that compiles nothing (:attr:`eager_only`)."""
+        return self._eager(state, batch)
+
     def _decline(self, key: Any, entry: tuple | None) -> None:
         """Every rank agreed: this signature runs eagerly for the rest of this run (said once, with why)."""
         self.declined.add(key)

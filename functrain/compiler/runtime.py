@@ -170,6 +170,13 @@ class Runner:
         self.recaptures: list[tuple[Signature, Signature]] = []
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, dict]:
+        bg = self.background
+        if bg is not None and bg.eager_only:  # the policy declined this run's compile: the eager step, no key
+            self.step.check_state(state)
+            done = bg.eager(state, batch)
+            self.progress.eager_calls += 1
+            self.rates.record("eager", False)
+            return done.new, done.metrics
         rng = getattr(state, "rng", None)
         s = state._replace(rng=None) if rng is not None else state
         cap = self.last

@@ -382,7 +382,7 @@ def write_metrics_plot(path: str | os.PathLike, history: Any, *, title: str | No
 
 
 # the trainer's plot: the headline metrics first, then the rest but bookkeeping (kept in metrics.jsonl and the
-# history, not curves)
+# history, not curves; the compile policy's decision, compile_*, too)
 _FIRST = ("loss", "eval_loss", "eval_loss_ema", "grad_norm", "lr")
 _NOT_PLOTTED = ("steps_per_s", "compile_s", "skipped", "skipped_updates", "eval_samples", "switched_at",
                 "steps_per_s_eager", "steps_per_s_compiled")
@@ -393,7 +393,7 @@ def write_run_plot(folder: str, history: "MetricHistory") -> str | None:
     rates left out; ``None`` (nothing written) before the first logged metric."""
     present = history.as_dict()
     first = [m for m in _FIRST if m in present]
-    rest = [m for m in present if m not in first and m not in _NOT_PLOTTED]
+    rest = [m for m in present if m not in first and m not in _NOT_PLOTTED and not m.startswith("compile_")]
     if not first + rest:
         return None
     return write_metrics_plot(os.path.join(folder, "metrics.png"), history,

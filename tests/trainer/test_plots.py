@@ -232,3 +232,18 @@ def test_run_summary_lists_what_exists(tmp_path):
     assert lines[-1] == "  W&B run abc (offline): wandb sync here"
     assert format_duration(7620) == "2 h 07 min" and format_duration(float("nan")) == "?"
     assert re.match(r"finished step 3$", run_summary(results_folder=".", step=3).splitlines()[0])
+
+
+def test_the_run_plot_leaves_out_the_compile_policys_record(tmp_path, monkeypatch):
+    """The compile policy's decision goes to metrics.jsonl once (compile_decision, compile_cost_s, ...): numbers
+    of bookkeeping, not curves; drawn as eight one-point panels they cost a run 0.7 s of plotting at each save."""
+    from functrain.trainer import plots
+
+    drawn = []
+    monkeypatch.setattr(plots, "write_metrics_plot", lambda path, history, title=None, metrics=None: drawn.extend(
+        metrics) or path)
+    history = plots.MetricHistory()
+    history.add(10, {"loss": 1.0, "lr": 0.1, "compile_decision": 0.0, "compile_cost_s": 20.0, "compile_gain_s": 0.5,
+                     "compile_cores": 2, "steps_per_s_eager": 150.0, "custom": 3.0})
+    plots.write_run_plot(str(tmp_path), history)
+    assert drawn == ["loss", "lr", "custom"], drawn

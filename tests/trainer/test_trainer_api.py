@@ -486,6 +486,39 @@ def test_bad_trackers_are_refused_before_training(tmp_path):
         ft.Trainer(Linear(), _data(), _config(tmp_path), trackers=[object()])
 
 
+def test_a_run_after_a_precompile_reports_itself_compiled(tmp_path, capsys):
+    """A precompile, then train() in the same process: no step runs eagerly (the module's Python forward is never
+    called). The run said "every step ran eagerly", logged no switched_at or compile_s, and its
+    steps_per_s_compiled counted the precompile's time (the runner's meter starts when the Trainer is made). Now:
+    switched_at is its first step, compile_s what that step spent getting the code, the summary says it ran compiled
+    from step 1, and the compiled rate counts only the run's own steps."""
+    data, config = _data(), _config(tmp_path, train_num_steps=12, log_every=1, trackers=("jsonl",))
+    torch.manual_seed(0)
+    model = Linear()
+    loss_fn, params, buffers = _module_loss(model)
+    step = ft.train_step(loss_fn, ft.optim.sgd(0.05))
+    cstep = ft.compile(step, backend="aot_eager")
+    expected = _reference(step, T.tree_map(torch.clone, params), buffers, data, config)
+    trainer = ft.Trainer(model, data, config, step=cstep)
+    trainer.precompile()
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    got = trainer.train()
+    assert calls == []  # every step ran the compiled code
+    assert T.tree_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    log = _log(tmp_path)
+    assert [r["step"] for r in log if "switched_at" in r] == [1] and log[0]["switched_at"] == 1
+    assert [r["step"] for r in log if "compile_s" in r] == [1] and 0 <= log[0]["compile_s"] < 60
+    assert not any("steps_per_s_eager" in r for r in log)
+    # this run's compiled steps over their own time: at least the run's overall rate (the precompile left out)
+    last = log[-1]
+    assert last["steps_per_s_compiled"] >= 0.99 * last["steps_per_s"], last
+    out = capsys.readouterr().out
+    assert "every step ran eagerly" not in out, out
+    assert ("compiled from step 1, no step ran eagerly: its code was compiled before this train() call, in this "
+            "process (precompile, or an earlier train())") in out, out
+
+
 def test_a_background_compile_is_logged_once_with_each_paths_throughput(tmp_path, capsys):
     """metrics.jsonl says when the compiled step took over (switched_at), how long the compile took (compile_s,
     once) and the steps per second on each path; the summary says it too."""

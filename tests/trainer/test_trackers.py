@@ -304,8 +304,8 @@ def test_the_test_extra_installs_mlflows_client_not_its_server():
     and the sqlite store: mlflow-skinny, SQLAlchemy and alembic, against which the MLflow tests above run (checked
     with only mlflow-skinny's files importable as ``mlflow`` and the full package's own dependencies hidden)."""
     import re
-    import tomllib
 
+    tomllib = pytest.importorskip("tomllib")  # (Python >= 3.11)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(os.path.join(root, "pyproject.toml"), "rb") as f:
         extras = tomllib.load(f)["project"]["optional-dependencies"]

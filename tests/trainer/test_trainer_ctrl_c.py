@@ -330,6 +330,42 @@ def test_a_second_ctrl_c_under_ft_launch_stops_at_once_and_says_what_is_lost(tmp
     assert ft.CheckpointManager(run / "checkpoints").steps() == [2]
 
 
+PLAIN = textwrap.dedent("""
+    import pathlib, sys, time
+    import functrain as ft
+
+    def work(folder):
+        import torch, torch.distributed as dist
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        pathlib.Path(folder, f"ready{dist.get_rank()}").write_text("ok")
+        while True:  # no Ctrl-C handler of its own
+            time.sleep(0.05)
+
+    if __name__ == "__main__":
+        try:
+            ft.launch(work, nprocs=2, args=(sys.argv[1],), timeout=300)
+        except KeyboardInterrupt as e:
+            print(f"CALLER KeyboardInterrupt: {e}", flush=True)
+            sys.exit(3)
+""")
+
+
+def test_ctrl_c_under_ft_launch_of_a_function_without_a_handler_says_nothing_was_saved(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    job = Job([sys.executable, str(script), str(tmp_path)], env=_env(), cwd=tmp_path)
+    job.wait_for(lambda: (tmp_path / "ready0").exists() and (tmp_path / "ready1").exists())
+    job.proc.send_signal(signal.SIGINT)
+    code = job.finish(timeout=60)
+    out = job.out
+    assert code == 3, out[-3000:]
+    assert [ln for ln in job.lines if ln.startswith("CALLER")] == [
+        "CALLER KeyboardInterrupt: ft.launch: stopped by Ctrl-C; rank(s) 0, 1 raised KeyboardInterrupt (the Ctrl-C "
+        "came where the function does not handle it, e.g. before ft.Trainer's loop): no checkpoint of the stop is "
+        "written"], out[-3000:]
+
+
 # ------------------------------------------------------------------------------------------ the rules, ft.run
 
 def test_the_launchers_verdict():

@@ -31,6 +31,11 @@ from ..compiler import Runner
 __all__ = ["RunClock", "precompile"]
 
 
+_SOURCES = {"cache": "loaded from the compile caches", "peer": "loaded from another process's compile",
+            "worker": "compiled by a worker process", "thread": "compiled on a thread",
+            "here": "compiled on the training thread"}  # (Progress.source: where the first graph's code came from)
+
+
 class RunClock:
     """One ``train()`` call's steps and times: :meth:`tick` after each step, :meth:`fields` at each log step,
     :meth:`notes` and :meth:`wall_s` for the summary.
@@ -166,8 +171,7 @@ class RunClock:
         if self.ready_before:
             took = self._compile_s()
             where = ("compiled before this train() call, in this process (precompile, or an earlier train())"
-                     if self.compiled_before or p.source is None else
-                     "loaded from the compile caches" if p.source == "cache" else f"compiled ({p.source})")
+                     if self.compiled_before or p.source is None else _SOURCES.get(p.source, f"compiled ({p.source})"))
             how = f"{where} in {took:.1f} s" if took else where
             return said + [f"compiled from step {self.switched_at}, no step ran eagerly: its code was {how}{speeds}"]
         if p.phase == "failed":

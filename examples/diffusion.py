@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 import torch
 
@@ -125,12 +126,29 @@ def main() -> None:
         ft.to_module(model, ema_params)  # the module is only a skeleton here: training state lives in the trainer
         return model.sample(n, generator=torch.Generator(device=model.bar.device).manual_seed(0))
 
+    if not args.precompile and (hint := finished(args.results, args.steps)) is not None:
+        if os.environ.get("RANK", "0") == "0":
+            print(hint, flush=True)
+        return
     train, held_out = digits_dataset()
     trainer = ft.Trainer(model, train, config, sample_fn=sample_fn, eval_dataset=held_out)
     if args.precompile:
         trainer.precompile()
         return
     trainer.train()
+
+
+def finished(results: str, steps: int) -> str | None:
+    """This script's words for a job already at ``--steps`` (the Trainer's own name the config field,
+    ``train_num_steps``, which this script sets from ``--steps``); ``None`` if there is training left."""
+    done = ft.CheckpointManager(os.path.join(results, "checkpoints")).steps() \
+        if os.path.isdir(os.path.join(results, "checkpoints")) else []
+    if not done or done[-1] < steps:
+        return None
+    return (f"{os.path.abspath(results)} is at step {done[-1]} of --steps {steps}: nothing to train. To train on, run "
+            f"again with a larger --steps (e.g. --steps {2 * done[-1]}): it resumes at step {done[-1]}, and the lr "
+            f"schedule (warm-up, then cosine over --steps) is recomputed over the new length, so the lr goes back up "
+            f"near its peak and decays again (the resume line gives both numbers)")
 
 
 if __name__ == "__main__":

@@ -1,17 +1,20 @@
 """What :func:`functrain.bench.benchmark` measured: a :class:`Report` of one :class:`VariantResult` per variant.
 
-``str(report)`` is a markdown table (and the lines under it: warm compiles, recompiles, notes);
+``str(report)`` is two markdown tables, times then compiles and memory, under a line saying how loaded the machine
+was (the times of a loaded machine mean little on their own) and over the lines of warm compiles, recompiles and
+notes, every line at most :data:`WIDTH` (120) characters;
 ``report.to_dict()`` / ``report.to_json()`` hold every number (every round's time too), for a machine.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import textwrap
 from typing import Any
 
 from .stats import fmt_bytes, fmt_time
 
-__all__ = ["Report", "VariantResult", "PHASES"]
+__all__ = ["Report", "VariantResult", "PHASES", "WIDTH", "machine_line"]
 
 # the compile's phases, in order (seconds each; see functrain.bench.phases)
 PHASES = ("trace", "aot_autograd", "inductor", "kernels", "cache_load", "other")
@@ -76,7 +79,9 @@ class Report:
 
     Attributes:
         meta: how it was measured (``steps``, ``rounds``, ``warmup``, ``batches``, ``device``, ``threads``,
-            ``torch``, ``backend``, ``path``, ``cache``, ``date``).
+            ``torch``, ``backend``, ``path``, ``cache``, ``date``) and how loaded the machine was (``cores``,
+            ``load_before``, ``load_after``: the 1-minute load average when the timing started and ended;
+            ``cpu_share``: this process's CPU seconds over the timed rounds' wall seconds; :func:`machine_line`).
         variants: ``{name: VariantResult}`` in the order given.
         notes: sentences about what was measured and anything unusual (a recompile during the rounds).
     """
@@ -99,47 +104,102 @@ class Report:
 
     def __str__(self) -> str:
         m = self.meta
-        out = [f"ft.benchmark: {m['rounds']} rounds x {m['steps']} steps per variant, interleaved (warm-up "
-               f"{m['warmup']}, {m['batches']} batch{'es' if m['batches'] != 1 else ''}); {m['device']}, "
-               f"{m['threads']} threads, torch {m['torch']}; backend {m['backend']} ({m['path']} path); "
-               f"compile cache: {m['cache']}", ""]
-        phases = " + ".join(_PHASE_TITLES[p] for p in PHASES)
-        out.append(f"| variant | call | per step: median [IQR] (min–max) | x eager: median [IQR] (min–max) "
-                   f"| compile s: total = {phases} | graphs | syncs/step | a call allocates: estimated · measured |")
-        out.append("|" + "---|" * 8)
+        head = (f"ft.benchmark: {m['rounds']} rounds x {m['steps']} steps per variant, interleaved (warm-up "
+                f"{m['warmup']}, {m['batches']} batch{'es' if m['batches'] != 1 else ''}); {m['device']}, "
+                f"{m['threads']} threads, torch {m['torch']}; backend {m['backend']} ({m['path']} path); "
+                f"compile cache: {m['cache']}")
+        out = _wrap(head) + _wrap(machine_line(m)) + [""]
+        out += ["| variant | per step: median [IQR] (min–max) | x eager: median [IQR] (min–max) | graphs | syncs/step |",
+                "|---|---|---|---|---|"]
         for v in self.variants.values():
             t = v.time
             per = (f"{fmt_time(t['median'])} [{fmt_time(t['q1'])}–{fmt_time(t['q3'])}] "
                    f"({fmt_time(t['min'])}–{fmt_time(t['max'])})") if t else "-"
             if v.ratio is not None:
                 r = v.ratio
-                ratio = f"{r['median']:.2f} [{r['q1']:.2f}–{r['q3']:.2f}] ({r['min']:.2f}–{r['max']:.2f})"
+                ratio = f"{_x(r['median'])} [{_x(r['q1'])}–{_x(r['q3'])}] ({_x(r['min'])}–{_x(r['max'])})"
             else:
                 ratio = "1" if v.name == "eager" else "-"
             syncs = "-" if v.syncs_per_step is None else f"{v.syncs_per_step:g}"
-            est = "-" if v.memory_estimated is None else fmt_bytes(v.memory_estimated["allocated"])
             graphs = "-" if v.graphs is None else str(v.graphs)
-            out.append(f"| {v.name} | `{v.call}` | {per} | {ratio} | {_compile_cell(v.compile)} | {graphs} "
-                       f"| {syncs} | {est} · {fmt_bytes(v.memory_measured)} |")
+            out.append(f"| {v.name} | {per} | {ratio} | {graphs} | {syncs} |")
+        if any(v.compile or v.memory_estimated or v.memory_measured is not None for v in self.variants.values()):
+            phases = " + ".join(_PHASE_TITLES[p] for p in PHASES)
+            out += ["", f"| variant | compile s = {phases} | allocates: est. · measured |", "|---|---|---|"]
+            for v in self.variants.values():
+                est = "-" if v.memory_estimated is None else fmt_bytes(v.memory_estimated["allocated"])
+                out.append(f"| {v.name} | {_compile_cell(v.compile)} | {est} · {fmt_bytes(v.memory_measured)} |")
+        out.append("")
+        out += _wrap("calls: " + "; ".join(f"{v.name} `{v.call}`" for v in self.variants.values()))
+        hits = [f"{v.name} {_hits(v.compile)}" for v in self.variants.values() if _hits(v.compile)]
+        if hits:
+            out += _wrap("compile cache hits and misses: " + "; ".join(hits))
         warm = [v for v in self.variants.values() if v.warm_compile is not None]
         if warm:
             out.append("")
-            out += [f"warm compile of {v.name} (the caches the first compile filled): {_compile_cell(v.warm_compile)} s"
-                    for v in warm]
+            for v in warm:
+                cell = _compile_cell(v.warm_compile) + (f" ({_hits(v.warm_compile)})" if _hits(v.warm_compile) else "")
+                out += _wrap(f"warm compile of {v.name} (the caches the first compile filled): {cell} s")
         again = [(v.name, r["reason"]) for v in self.variants.values() for r in v.recompiles]
         if again:
             out.append("")
-            out += [f"recompile of {name}: {reason}" for name, reason in again]
+            for name, reason in again:
+                out += _wrap(f"recompile of {name}: {reason}")
         if self.notes:
             out.append("")
-            out += [f"- {n}" for n in self.notes]
+            for n in self.notes:
+                out += _wrap(f"- {n}")
         return "\n".join(out)
+
+
+WIDTH = 120  # the text's widest line: a terminal or a notebook cell shows it without wrapping
+
+
+def _wrap(text: str) -> list[str]:
+    """``text`` as lines of at most :data:`WIDTH` characters (continuations indented)."""
+    return textwrap.wrap(text, WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False) or [""]
+
+
+def machine_line(meta: dict) -> str:
+    """How loaded the machine was while the benchmark ran, from ``meta``'s ``cores``, ``load_before`` /
+    ``load_after`` (the 1-minute load average when the timing started and ended) and ``cpu_share`` (the CPU
+    seconds this process used over the timed rounds' wall seconds): other work on the machine then makes the
+    times longer and noisier than the step's own, so the line says so.
+
+    Example::
+
+        >>> machine_line({"cores": 2, "load_before": 9.7, "load_after": 9.9, "cpu_share": 0.41, "device": "cpu"})[:96]
+        'machine: LOADED: the 1-minute load average was 9.7 at the start and 9.9 at the end, on 2 cores; '
+    """
+    cores, before, after = meta.get("cores"), meta.get("load_before"), meta.get("load_after")
+    share = meta.get("cpu_share")
+    if cores is None or before is None or after is None:
+        return "machine: its load is unknown (no load average on this system)"
+    loaded = max(before, after) > cores or (share is not None and meta.get("device") == "cpu"
+                                            and share < 0.8 * min(meta.get("threads", 1) or 1, cores))
+    text = (f"machine: {'LOADED: ' if loaded else ''}the 1-minute load average was {before:.1f} at the start and "
+            f"{after:.1f} at the end, on {cores} cores")
+    if share is not None:
+        text += f"; this process used the CPU for {share:.0%} of the timed rounds' wall time"
+    if loaded:
+        text += (" (other work ran beside the benchmark: its times are longer and noisier than the step's own; "
+                 "compare paired ratios, or measure again on an idle machine)")
+    return text
+
+
+def _x(ratio: float) -> str:
+    """A ratio to eager in at most four characters below 1000: ``"0.06"``, ``"10.6"``, ``"123"``."""
+    return f"{ratio:.2f}" if abs(ratio) < 10 else f"{ratio:.1f}" if abs(ratio) < 100 else f"{ratio:.0f}"
 
 
 def _compile_cell(c: dict | None) -> str:
     if c is None:
         return "-"
     parts = " + ".join("-" if c["phases"].get(p) is None else f"{c['phases'][p]:.2f}" for p in PHASES)
-    cache = c.get("cache") or {}
-    hits = ", ".join(f"{k} {n}" for k, n in cache.items() if n)
-    return f"{c['total']:.2f} = {parts}" + (f" ({hits})" if hits else "")
+    return f"{c['total']:.2f} = {parts}"
+
+
+def _hits(c: dict | None) -> str:
+    """A compile's cache hits and misses, ``"fxgraph_hit 1, aot_hit 1"`` (``""``: none counted)."""
+    cache = (c or {}).get("cache") or {}
+    return ", ".join(f"{k} {n}" for k, n in cache.items() if n)

@@ -6,14 +6,16 @@ captured again), :mod:`.report` (the table and the JSON).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
+import re
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Callable
 
 import optree
@@ -161,14 +163,19 @@ def benchmark(step: Step | CompiledStep, state: TrainState, batch: Any, *, steps
         b = all_batches[cursor % len(all_batches)]
         for n in names:
             try:
-                results[n].memory_measured, (states[n], _) = allocated_peak(calls[n], states[n], b)
+                with _without_profiler_lines():
+                    results[n].memory_measured, (states[n], _) = allocated_peak(calls[n], states[n], b)
             except Exception as error:  # noqa: BLE001 - a profiler that fails here is reported, the timing goes on
                 notes.append(f"{n}: the allocator's peak could not be measured ({type(error).__name__}: {error})")
                 states[n], _ = calls[n](states[n], b)
         cursor += 1
 
     pauses = {n: r.pauses for n, r in runners.items()}
+    load_before = _load()
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     _rounds(names, calls, states, all_batches, results, steps=steps, rounds=rounds, cursor=cursor, sync=sync)
+    cpu_share = (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)
+    load_after = _load()
     for n, runner in runners.items():
         res = results[n]
         res.graphs = runner.pauses  # (every capture made on this runner's thread)
@@ -192,8 +199,58 @@ def benchmark(step: Step | CompiledStep, state: TrainState, batch: Any, *, steps
             "cache": ("cold (an empty cache_dir), then warm" if folder is not None else
                       "as configured (see each compile's cache hits)"),
             "cache_dir": cstep.cache_dir if cstep is not None else None, "cold_dir": folder,
-            "date": datetime.datetime.now().isoformat(timespec="seconds"), "python": sys.version.split()[0]}
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "python": sys.version.split()[0],
+            "cores": _cores(), "load_before": load_before, "load_after": load_after, "cpu_share": round(cpu_share, 3)}
     return Report(meta=meta, variants=results, notes=notes)
+
+
+def _load() -> float | None:
+    """The 1-minute load average (``None`` where the system has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+# what torch's profiler (kineto) prints on stderr at every start and stop, at its lowest levels: a trace of its
+# stages, not a message for the user (its warnings and errors have other prefixes and are passed on)
+_PROFILER_LINE = re.compile(r"^(USDT|STAGE):\S+ \S+ \d+:\d+ \S+:\d+\] ")
+
+
+@contextlib.contextmanager
+def _without_profiler_lines() -> Iterator[None]:
+    """While the block runs, file descriptor 2 goes to a temporary file; after it, every line written there except
+    the profiler's stage lines (:data:`_PROFILER_LINE`) is written to stderr, in order. (The profiler writes from
+    C++, below ``sys.stderr``; its level setting is read once per process, so the lines are taken out here.)"""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no file descriptor 2 to redirect: as it is
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [ln for ln in tmp.read().decode(errors="replace").splitlines(keepends=True)
+                    if not _PROFILER_LINE.match(ln)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 def _recaptures(runner: Any) -> list:

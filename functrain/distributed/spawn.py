@@ -10,14 +10,19 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
+import signal
 import socket
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable, Iterator
 
 from ..core.validate import check_int, check_real, describe
-from .faults import RankEnd, cause_of, describe_end, die_with_parent, root_cause
+from .faults import (STOP_REPORT, RankEnd, cause_of, describe_end, die_with_parent, lost_steps, read_stop_reports,
+                     root_cause)
 
 __all__ = ["launch", "free_port", "LaunchError"]
 
@@ -59,9 +64,143 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+AT_ONCE_S = 3.0  # after a second Ctrl-C: how long the ranks get to say what is lost before they are killed
+
+
+class _Interrupts:
+    """Ctrl-C (SIGINT) to the process that called :func:`launch` while its ranks run, passed on to the ranks.
+
+    A notebook's interrupt and a terminal's Ctrl-C reach the caller (the ranks lead process groups of their own,
+    so they are not signalled twice). Without this the caller raised ``KeyboardInterrupt`` where it waited and
+    killed the ranks: an ``ft.Trainer`` never got to save. Here the first Ctrl-C is sent to every rank still
+    running (a Trainer stops every rank at the same step and saves it; a function without a handler raises
+    ``KeyboardInterrupt`` there) and the caller waits for them as before; a second is sent on too (a Trainer
+    then stops at once and says what is lost) and the ranks still running ``AT_ONCE_S`` seconds later are
+    killed; a third kills them at once. In place only where Python's own Ctrl-C handler is (the main thread,
+    no handler of the user's): elsewhere the caller's Ctrl-C behaves as it did.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0  # Ctrl-Cs that came
+        self.passed = 0  # ... of them passed on
+        self.killed: list[int] = []  # ranks killed after a second or third Ctrl-C
+        self._kill_at: float | None = None
+        self._previous: Any = None
+
+    def __enter__(self) -> "_Interrupts":
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._previous = signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.count += 1  # (only noted: the waiting loop passes it on, never a handler in the middle of a read)
+
+    def pass_on(self, procs: list, returned: dict) -> None:
+        """Send the Ctrl-Cs that came since the last call to the ranks that have not returned; kill them once the
+        time a second Ctrl-C gives them is over."""
+        running = [(r, p) for r, p in enumerate(procs) if p.is_alive() and r not in returned]
+        while self.passed < self.count:
+            self.passed += 1
+            if self.passed == 1:
+                _say(f"ft.launch: Ctrl-C: passed on to rank(s) {', '.join(str(r) for r, _ in running)} (an "
+                     f"ft.Trainer stops every rank at the same step and saves it); Ctrl-C again stops them at once")
+            if self.passed <= 2:
+                for _, p in running:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(p.pid, signal.SIGINT)
+                if self.passed == 2:
+                    self._kill_at = time.monotonic() + AT_ONCE_S
+            else:
+                self._kill_at = time.monotonic()
+        if self._kill_at is not None and time.monotonic() >= self._kill_at:
+            for r, p in running:
+                p.kill()
+                self.killed.append(r)
+            self._kill_at = None
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _after_interrupt(interrupts: _Interrupts, ends: list[RankEnd] | None, errors: dict, reports: dict,
+                     nprocs: int) -> None:
+    """After a Ctrl-C was passed on and the ranks ended: say how (one line on stderr) and raise
+    ``KeyboardInterrupt`` if they stopped without returning; return if every rank returned (a Trainer that saved:
+    the caller gets its values, as ``train()`` returns after a Ctrl-C on one process). A rank that failed for a
+    reason of its own is left to :func:`launch`'s usual report."""
+    saved = {r: rep for r, rep in reports.items() if rep.get("saved") is True}
+    if ends is None:
+        steps = sorted({rep.get("checkpoint_step") for rep in saved.values()}, key=str)
+        if len(saved) == nprocs and len(steps) == 1:
+            path = next(iter(saved.values())).get("checkpoint")
+            _say(f"ft.launch: stopped by Ctrl-C; every rank saved step {steps[0]} ({path}) and returned")
+        elif saved:
+            _say("ft.launch: stopped by Ctrl-C; every rank returned; the ranks saved different steps ("
+                 + ", ".join(f"rank {r}: step {rep.get('checkpoint_step')}" for r, rep in sorted(saved.items()))
+                 + ")")
+        else:
+            _say("ft.launch: stopped by Ctrl-C; every rank returned (none said it saved a checkpoint; an "
+                 "ft.Trainer does)")
+        return
+
+    def interrupted(end: RankEnd) -> bool:
+        if end.how == "signal":
+            return end.code in (int(signal.SIGINT), int(signal.SIGKILL))
+        if end.how == "error":
+            exc = errors[end.rank][0]
+            return isinstance(exc, KeyboardInterrupt) or errors[end.rank][2] != "own" or (
+                exc is None and "KeyboardInterrupt" in (errors[end.rank][1] or ""))
+        return end.how in ("done", "running")
+
+    if not all(interrupted(e) for e in ends):
+        return  # a failure of a rank's own: launch() raises it as usual
+    parts = []
+    if interrupts.passed >= 2:
+        parts.append("a second Ctrl-C stopped the ranks at once, without waiting for them to save")
+    at_once = sorted(r for r, rep in reports.items() if rep.get("how") == "at_once" and r not in saved)
+    if at_once:
+        at = sorted({reports[r].get("step") for r in at_once if isinstance(reports[r].get("step"), int)})
+        parts.append(f"rank(s) {', '.join(map(str, at_once))} stopped without saving"
+                     + (f" at step {', '.join(map(str, at))}" if at else ""))
+    keyboard = sorted(e.rank for e in ends if e.how == "error" and (isinstance(errors[e.rank][0], KeyboardInterrupt)
+                                                                   or "KeyboardInterrupt" in (errors[e.rank][1] or "")))
+    if keyboard:
+        parts.append(f"rank(s) {', '.join(map(str, keyboard))} raised KeyboardInterrupt (the Ctrl-C came where the "
+                     f"function does not handle it, e.g. before ft.Trainer's loop)")
+    if interrupts.killed:
+        parts.append(f"rank(s) {', '.join(map(str, sorted(interrupts.killed)))} were killed")
+    known = [rep for rep in reports.values() if isinstance(rep.get("checkpoint_step"), int)]
+    if len(saved) == nprocs and len({rep.get("checkpoint_step") for rep in saved.values()}) == 1:
+        rep = next(iter(saved.values()))
+        tail = f": the checkpoint of step {rep['checkpoint_step']} is written ({rep.get('checkpoint')})"
+    elif known:
+        newest = max(known, key=lambda rep: rep["checkpoint_step"])
+        done = max((rep.get("step") for rep in reports.values() if isinstance(rep.get("step"), int)),
+                   default=newest["checkpoint_step"])
+        tail = (f": the last checkpoint is step {newest['checkpoint_step']} ({newest.get('checkpoint')}); "
+                f"{lost_steps(newest['checkpoint_step'], done)}")
+    else:
+        tail = ": no checkpoint of the stop is written"
+    message = f"ft.launch: stopped by Ctrl-C; {'; '.join(parts) or 'the ranks ended'}{tail}"
+    _say(message)
+    raise KeyboardInterrupt(message)
+
+
 def _worker(fn: Callable, args: tuple, rank: int, nprocs: int, port: int, backend: str | None,
             results: Any, env: dict, parent: int, safe_path_added: bool = False) -> None:
     die_with_parent(parent)  # first: a SIGKILLed caller must not leave this rank running
+    with contextlib.suppress(OSError):
+        # a process group of its own (as torchrun starts each rank): a terminal's Ctrl-C, or a notebook's interrupt
+        # sent to the caller's group, reaches the caller only, which passes it on exactly once (_Interrupts)
+        os.setpgid(0, 0)
     if safe_path_added:  # set by launch() for this process's start only: not for the processes fn starts
         os.environ.pop(_SAFE_PATH, None)
     os.environ.update(env)
@@ -165,6 +304,12 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | No
     * A job that runs longer than ``timeout`` seconds is killed (:class:`LaunchError`).
     * The ranks die with the calling process, even if it is SIGKILLed (Linux
       parent-death signal).
+    * Ctrl-C (a notebook's interrupt, a terminal's) is passed on to the ranks, as
+      ``python -m functrain.launch`` does: an ``ft.Trainer`` stops every rank at the
+      same step, saves it and returns, and so does ``launch`` (its values; a line on
+      stderr names the checkpoint). A second Ctrl-C stops the ranks at once
+      (``KeyboardInterrupt`` here, its message naming the last checkpoint and the steps
+      lost); ranks that do not handle Ctrl-C end with ``KeyboardInterrupt``, raised here.
 
     A job of two ranks (each spawned process imports torch: seconds)::
 
@@ -199,6 +344,7 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | No
         TypeError: ``fn`` is not callable, or a rank's value cannot be pickled (the message names the rank).
         LaunchError: a rank was killed, hung, left early, or the job passed ``timeout``; the script's call is
             not guarded by ``if __name__ == "__main__":``.
+        KeyboardInterrupt: a Ctrl-C stopped the ranks before they returned (the message says what is saved).
         Exception: the first failing rank's own exception, re-raised here.
 
     Example::
@@ -218,6 +364,18 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | No
     if dist_timeout is not None:
         dist_timeout = check_real("launch: dist_timeout", dist_timeout, lo=0, lo_open=True)
         child_env["FUNCTRAIN_DIST_TIMEOUT"] = f"{dist_timeout:g}"
+    stops = tempfile.mkdtemp(prefix="functrain-launch-")  # where each rank says how a Ctrl-C stop ended for it
+    child_env[STOP_REPORT] = stops
+    try:
+        with _Interrupts() as interrupts:
+            return _run(fn, args, nprocs, backend, timeout, child_env, interrupts, stops)
+    finally:
+        shutil.rmtree(stops, ignore_errors=True)
+
+
+def _run(fn: Callable, args: tuple, nprocs: int, backend: str | None, timeout: float, child_env: dict,
+         interrupts: "_Interrupts", stops: str) -> list:
+    """:func:`launch` once its arguments are checked: start the ranks, wait for them, pass Ctrl-C on."""
     ctx = mp.get_context("spawn")
     added = sys.version_info >= (3, 11) and _SAFE_PATH not in os.environ
     with _safe_path(added):  # (the queue may start multiprocessing's resource tracker: a process too)
@@ -248,6 +406,7 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | No
 
     try:
         while len(values) < nprocs:
+            interrupts.pass_on(procs, values)
             receive(0.2)
             dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
             if errors or dead:
@@ -255,9 +414,12 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | No
                 # a peer that dies of the same cause a moment later
                 settle = time.monotonic() + 2.0
                 while time.monotonic() < settle:
+                    interrupts.pass_on(procs, values)
                     if receive(0.1):
                         continue
-                    if any(e[2] == "own" for e in errors.values()) or not any(p.is_alive() for p in procs):
+                    # (after a Ctrl-C every rank has its own KeyboardInterrupt to report: wait for all of them)
+                    if ((not interrupts.passed and any(e[2] == "own" for e in errors.values()))
+                            or not any(p.is_alive() for p in procs)):
                         break
                 ends = _ends(procs, finished, errors)
                 break
@@ -273,6 +435,12 @@ def launch(fn: Callable, nprocs: int = 2, args: tuple = (), *, backend: str | No
                 p.kill()
             p.join(timeout=5.0)
         results.close()
+        # nothing of the queue stays referenced from this frame (and the processes' arguments): an exception's
+        # traceback keeps the frame, and its semaphores would then be reported leaked when the interpreter exits
+        del receive, results
+        procs.clear()
+    if interrupts.count:
+        _after_interrupt(interrupts, ends, errors, read_stop_reports(stops), nprocs)
     if ends is not None:
         if any(e.how == "exit" and e.code == _NO_MAIN_GUARD for e in ends):
             main = getattr(sys.modules.get("__main__"), "__file__", None) or "the script"

@@ -8,7 +8,12 @@ compiled step is built, and takes over when it is ready: the runner's own rate m
 (:class:`~functrain.compiler.PhaseRates`, recorded by the runner at each call) and its
 :class:`~functrain.compiler.progress.Progress` say when the switch happened (``switched_at``), how long the
 compile took (``compile_s``, once) and the throughput on each path so far (``steps_per_s_eager``,
-``steps_per_s_compiled``).
+``steps_per_s_compiled``). All of it is this ``train()`` call's: the runner lives as long as the Trainer (its own
+meter counts from when it was made, through a :func:`precompile` or an earlier ``train()``), so the clock notes
+which path each of this call's steps ran (the runner's ``rates.path`` after the call) on its own timer. A run
+whose compiled code was ready before its first step (compiled ahead in this process, or by an earlier call) runs
+no step eagerly: it reports ``switched_at`` = its first step and ``compile_s`` = what its first step spent getting
+that code (a load, or nothing).
 
 Whether a background compile starts at all is the compile policy's decision (:mod:`functrain.compiler.policy`),
 made after the first few eager steps: it goes to ``metrics.jsonl`` once (``compile_decision``: 1 compile, 0 train
@@ -24,6 +29,11 @@ from typing import Any
 from ..compiler import Runner
 
 __all__ = ["RunClock", "precompile"]
+
+
+_SOURCES = {"cache": "loaded from the compile caches", "peer": "loaded from another process's compile",
+            "worker": "compiled by a worker process", "thread": "compiled on a thread",
+            "here": "compiled on the training thread"}  # (Progress.source: where the first graph's code came from)
 
 
 class RunClock:
@@ -54,13 +64,48 @@ class RunClock:
         self.first_at: float | None = None  # when the first step returned (after compiling)
         self.compile_s = 0.0  # a blocking compile: the first step's time
         self.reported: set = set()  # the fields logged once that were logged
+        # a background runner: this call's steps on each path, the seconds of those that did no compile work (the
+        # runner's meter also counts its calls before this train(): a precompile's time would be in its first)
+        self.steps = {"eager": 0, "compiled": 0}
+        self.seconds = {"eager": 0.0, "compiled": 0.0}
+        self.switched_at: int | None = None  # this call's first step that ran compiled
+        self.ready_before = False  # ... was its first step: the compiled code was there before the run
+        self.first_compiled_s: float | None = None  # that step's time if it did compile work (a load), else 0
+        self._last = self.t0
+        self.compiled_before = background and runner.progress.compile_s is not None  # by an earlier train() call
 
     def tick(self, step: int) -> None:
         """Step ``step`` has returned (its host values not read): note it, and when the first one did."""
         self.step = step
+        now = time.perf_counter()
         if self.first_at is None:
-            self.first_at = time.perf_counter()
+            self.first_at = now
             self.compile_s = self.first_at - self.t0
+        dt, self._last = now - self._last, now
+        rates = self.rates
+        if rates is None or rates.path not in self.steps:
+            return
+        path = rates.path
+        if path == "compiled" and self.switched_at is None:
+            self.switched_at = step
+            self.ready_before = step == self.start + 1
+            self.first_compiled_s = dt if rates.paused else 0.0
+        if not rates.paused:
+            self.steps[path] += 1
+            self.seconds[path] += dt
+
+    def rate(self, path: str) -> float | None:
+        """This call's steps per second on ``path`` (``"eager"``, ``"compiled"``) so far, from its steps that did
+        no compile work; ``None`` before two of them (or without a background compile)."""
+        n = self.steps[path]
+        return n / self.seconds[path] if n >= 2 and self.seconds[path] > 0 else None
+
+    def _compile_s(self) -> float | None:
+        """The compile's seconds as this call saw them: the runner's compile or load; for code that was ready
+        before the run, what its first step spent getting it (0: in this process already)."""
+        if self.progress.compile_s is not None and not self.compiled_before:
+            return self.progress.compile_s
+        return self.first_compiled_s if self.ready_before else None
 
     def fields(self, step: int, host: dict) -> None:
         """Add to log step ``step``'s record ``host``: the throughput (``steps_per_s``: compiled, from the first step
@@ -80,15 +125,15 @@ class RunClock:
             host["steps_per_s"] = (step - self.start) / max(now - self.t0, 1e-9)
 
     def _background(self, host: dict) -> None:
-        p, rates = self.progress, self.rates
-        if p.compile_s is not None and "compile_s" not in self.reported:
-            host["compile_s"] = p.compile_s
+        compile_s = self._compile_s()
+        if compile_s is not None and "compile_s" not in self.reported:
+            host["compile_s"] = compile_s
             self.reported.add("compile_s")
-        if rates.switched_at is not None and "switched_at" not in self.reported:
-            host["switched_at"] = self.start + rates.switched_at  # (the runner counts its calls; the run, its steps)
+        if self.switched_at is not None and "switched_at" not in self.reported:
+            host["switched_at"] = self.switched_at
             self.reported.add("switched_at")
         for path in ("eager", "compiled"):
-            rate = rates.rate(path)
+            rate = self.rate(path)
             if rate is not None:
                 host[f"steps_per_s_{path}"] = rate
 
@@ -116,23 +161,29 @@ class RunClock:
         """The summary's line about a background compile (``[]`` when there was none)."""
         if self.rates is None:
             return []
-        p, rates = self.progress, self.rates
+        p = self.progress
         d = self.policy.decision
         said = [f"compile policy ({d.inputs.source} predictions): {d.why}"] if d is not None else []
         if d is not None and not d.compile or self.policy.declined:
             return said
-        speeds = ", ".join(f"{k} {v:.1f} steps/s" for k in ("eager", "compiled") if (v := rates.rate(k)))
+        speeds = ", ".join(f"{k} {v:.1f} steps/s" for k in ("eager", "compiled") if (v := self.rate(k)))
         speeds = f" ({speeds})" if speeds else ""
+        if self.ready_before:
+            took = self._compile_s()
+            where = ("compiled before this train() call, in this process (precompile, or an earlier train())"
+                     if self.compiled_before or p.source is None else _SOURCES.get(p.source, f"compiled ({p.source})"))
+            how = f"{where} in {took:.1f} s" if took else where
+            return said + [f"compiled from step {self.switched_at}, no step ran eagerly: its code was {how}{speeds}"]
         if p.phase == "failed":
             return said + [f"the background compile failed, every step ran eagerly{speeds}: {str(p.reason)[:200]}"]
-        if rates.switched_at is not None:
+        if self.switched_at is not None:
             took = f" in {p.compile_s:.1f} s" if p.compile_s is not None else ""
-            at = self.start + rates.switched_at
-            return said + [f"compiled in the background{took}; the compiled step took over at step {at}{speeds}"]
+            return said + [f"compiled in the background{took}; the compiled step took over at step "
+                           f"{self.switched_at}{speeds}"]
         if d is None and p.phase == "eager" and not p.workers and self.policy.total is not None:
             return [f"every step ran eagerly: the run ended before its compile was decided (the compiler's imports "
                     f"and the trace come first){speeds}"]
-        if rates.steps["eager"] and not rates.steps["compiled"]:
+        if self.steps["eager"] and not self.steps["compiled"]:
             return said + [f"the background compile had not finished: every step ran eagerly{speeds}"]
         return said + ([f"compiled{speeds}"] if speeds else [])
 

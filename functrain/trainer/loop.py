@@ -36,7 +36,7 @@ from .evaluator import Evaluator
 from .hooks import Hooks
 from .plots import MetricHistory
 from .stopping import StopAgreement
-from .summary import FirstBatch, MemoryLine, run_summary
+from .summary import FirstBatch, MemoryLine, run_summary, schedule_change
 from .build import build_step, checked_loss, model_loss
 from .inputs import batch_line, ema_copy, load_weights, process_batch, resolve_dataset, with_augmentation
 from .trackers import check_trackers, make_trackers
@@ -411,8 +411,11 @@ class Trainer:
         if saved is not None:
             changed = TrainConfig.from_dict(saved).diff(self.config)
             if changed and self.rank == 0:  # one plain line: a resume with a changed config is a choice, not a fault
+                logged = MetricHistory.from_json(extra["history"]).last("lr") if "history" in extra else None
+                lr = schedule_change(TrainConfig.from_dict(saved), self.config, restored.step, logged)
                 print(f"resuming with a changed config: "
-                      f"{', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changed.items())}", flush=True)
+                      f"{', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changed.items())}"
+                      + (f"; {lr}" if lr else ""), flush=True)
         if "data" not in extra:
             raise CheckpointError(f"{restored.path}: its extra.json has no data position; it was not written by "
                                   f"ft.Trainer")

@@ -9,7 +9,9 @@ import threading
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-__all__ = ["run_summary", "format_duration", "memory_line", "MemoryLine", "FirstBatch"]
+__all__ = ["run_summary", "format_duration", "memory_line", "MemoryLine", "FirstBatch", "schedule_change"]
+
+_SCHEDULE = ("train_lr", "lr_schedule", "warmup_steps", "min_lr", "train_num_steps")  # what the built-in lr follows
 
 
 def memory_line(run_step: Any, state: Any, batch: Any) -> str:
@@ -186,10 +188,61 @@ def run_summary(*, results_folder: str, step: int, total_steps: int | None = Non
     lines.append(f"results in {os.path.abspath(results_folder)}")
     for label, path in (outputs or {}).items():
         if path and os.path.exists(path):
-            lines.append(f"  {label}: {path}")
+            lines.append(f"  {label}: {os.path.abspath(path)}")  # (every path absolute, as the folder's line)
     for tracker in trackers:
         where = getattr(tracker, "where", None)
         text = where() if callable(where) else None
         if text:
             lines.append(f"  {text}")
     return "\n".join(lines)
+
+
+def schedule_change(saved: Any, config: Any, step: int, logged: tuple | None = None) -> str | None:
+    """What a resume with a changed schedule does to the lr, in words, or ``None`` when the lr at ``step`` is the
+    same: the built-in lr (:func:`~functrain.trainer.build.config_lr`) is a function of the step and of the run's
+    length (``train_num_steps``), so a run resumed with another length follows the schedule of the new length from
+    ``step`` on, as a run started with it would be there: its warm-up is not run again (``step`` is past it), but
+    the decay is stretched over the new length, so the lr goes back up near its peak (the convention of Hugging
+    Face's Trainer, which rebuilds its scheduler for the new ``max_steps`` on resume). ``saved``, ``config``: the
+    checkpoint's :class:`~functrain.TrainConfig` and this run's; ``logged``: the last ``(step, lr)`` the run logged,
+    if known: an lr that is not the config's schedule's (``Trainer(optimizer=...)`` brings its own) says nothing.
+
+    Example::
+
+        >>> import functrain as ft
+        >>> old = ft.TrainConfig(train_num_steps=400, lr_schedule="warmup_cosine", warmup_steps=40, train_lr=1e-3,
+        ...                      min_lr=1e-4)
+        >>> print(schedule_change(old, old.replace(train_num_steps=3000), 400))
+        lr schedule: warmup_cosine over train_num_steps 3000 (was 400): the next update's lr is 0.000968 (the old \
+schedule's: 0.0001), decaying to min_lr 0.0001 at step 3000 (the schedule is a function of the step and the run's \
+length: a longer run does not go on from the end of the shorter one's)
+    """
+    if all(getattr(saved, k) == getattr(config, k) for k in _SCHEDULE):
+        return None
+    if logged is not None:
+        at, lr = logged  # (the lr logged at step n is the schedule's at count n - 1: the update that made step n)
+        expected = _lr_at(saved, int(at) - 1)
+        if expected is None or not math.isclose(float(lr), expected, rel_tol=1e-4, abs_tol=1e-12):
+            return None  # (not the built-in schedule: the lr is the user's optimizer's)
+    before, after = _lr_at(saved, step), _lr_at(config, step)
+    if before is None or after is None or math.isclose(before, after, rel_tol=1e-6, abs_tol=0.0):
+        return None
+    if config.lr_schedule == "constant":
+        return f"lr: {config.train_lr:.3g} (was {before:.3g} at step {step})"
+    was = f" (was {saved.train_num_steps})" if saved.train_num_steps != config.train_num_steps else ""
+    return (f"lr schedule: {config.lr_schedule} over train_num_steps {config.train_num_steps}{was}: the next "
+            f"update's lr is {after:.3g} (the old schedule's: {before:.3g}), decaying to min_lr {config.min_lr:.3g} "
+            f"at step {config.train_num_steps} (the schedule is a function of the step and the run's length: a "
+            f"longer run does not go on from the end of the shorter one's)")
+
+
+def _lr_at(config: Any, step: int) -> float | None:
+    """The built-in lr of ``config`` at count ``step`` (the update after step ``step``; ``None`` if it cannot be
+    computed)."""
+    from .build import config_lr
+
+    try:
+        lr = config_lr(config)
+        return float(lr(step)) if callable(lr) else float(lr)
+    except Exception:  # noqa: BLE001 - a schedule the config cannot make: nothing to say
+        return None

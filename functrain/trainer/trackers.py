@@ -172,7 +172,7 @@ class JsonlTracker(Tracker):
         self._file.close()
 
     def where(self) -> str:
-        return f"metrics: {self.path}"
+        return f"metrics: {os.path.abspath(self.path)}"  # (absolute, as the summary's other paths)
 
 
 _LINE_MAX = 1 << 20  # one record is a few hundred bytes
@@ -211,7 +211,7 @@ class TensorBoardTracker(Tracker):
         self.writer.close()
 
     def where(self) -> str:
-        return f"TensorBoard: tensorboard --logdir {self.logdir}"
+        return f"TensorBoard: tensorboard --logdir {os.path.abspath(self.logdir)}"
 
 
 def _wait_for_a_new_run_folder(root: str, run_id: str) -> None:

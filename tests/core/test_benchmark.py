@@ -18,7 +18,7 @@ import torch
 import functrain as ft
 from functrain.bench import VARIANTS, Report, signature_changes
 from functrain.bench.__main__ import main
-from functrain.bench.report import PHASES
+from functrain.bench.report import PHASES, WIDTH
 from functrain.bench.stats import bootstrap_ci, paired_ratios, spread
 from conftest import CountHostPulls
 
@@ -42,10 +42,15 @@ def tiny(sync: bool = False):
     return step, step.init(params, buffers, seed=0), (torch.randn(8, 4), torch.randn(8, 1))
 
 
-def test_the_report_has_every_field_and_leaves_the_state_alone():
+def test_the_report_has_every_field_and_leaves_the_state_alone(capfd):
     step, state, batch = tiny()
     before = {k: v.clone() for k, v in state.params.items()}
+    capfd.readouterr()
     report = ft.benchmark(step, state, batch, steps=2, warmup=1, rounds=3, compile_kwargs=FAST)
+    # the profiler behind the measured memory printed its stages on stderr at every start and stop (six lines for
+    # three variants); they are not the user's business, and nothing else it wrote is lost (see the next test)
+    err = capfd.readouterr().err
+    assert "profiler_start" not in err and "profiler_stop" not in err and "SyncActivityProfilerHandler" not in err, err
     assert isinstance(report, Report) and list(report.variants) == list(VARIANTS)
     for k, v in before.items():  # the donating variant stepped a copy
         assert torch.equal(state.params[k], v)
@@ -73,7 +78,68 @@ def test_the_report_has_every_field_and_leaves_the_state_alone():
     assert data["meta"]["backend"] == "aot_eager" and data["meta"]["rounds"] == 3 and data["meta"]["steps"] == 2
     text = str(report)
     for name in VARIANTS:
-        assert f"| {name} | `{VARIANTS[name]}` |" in text
+        assert f"| {name} | " in text and f"{name} `{VARIANTS[name]}`" in text  # its row, and the call it timed
+    assert all(len(line) <= WIDTH for line in text.splitlines()), max(text.splitlines(), key=len)
+    meta = data["meta"]
+    assert meta["cores"] >= 1 and meta["load_before"] >= 0 and meta["load_after"] >= 0 and meta["cpu_share"] > 0
+    assert f"the 1-minute load average was {meta['load_before']:.1f} at the start and {meta['load_after']:.1f}" in text
+
+
+def test_only_the_profilers_stage_lines_are_taken_out_of_stderr(capfd):
+    """What else is written to file descriptor 2 while the memory is measured (a C++ warning, Python's stderr)
+    comes out, in order; only kineto's USDT/STAGE lines are dropped."""
+    from functrain.bench.timing import _without_profiler_lines
+
+    capfd.readouterr()
+    with _without_profiler_lines():
+        os.write(2, b"USDT:2026-12-06 22:11:12 24348:24348 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"[W kineto] a real warning\n")
+        sys.stderr.write("python's own line\n")
+        os.write(2, b"STAGE:2026-12-06 22:12:18 25746:25746 SyncActivityProfilerHandler.cpp:60] Completed Stage\n")
+    out = capfd.readouterr()
+    # (under pytest's capture Python's sys.stderr bypasses descriptor 2, so only the set of lines is compared)
+    assert sorted(out.err.splitlines()) == ["[W kineto] a real warning", "python's own line"], out.err
+
+
+def _busy_meta(**changes):
+    meta = {"rounds": 10, "steps": 50, "warmup": 2, "batches": 1, "device": "cpu", "threads": 1,
+            "torch": "2.13.0+cpu", "backend": "inductor", "path": "direct", "cache": "cold (an empty cache_dir), "
+            "then warm", "cores": 2, "load_before": 9.7, "load_after": 9.9, "cpu_share": 0.41}
+    return {**meta, **changes}
+
+
+def test_the_table_fits_120_columns_and_says_when_the_machine_was_loaded():
+    """The table wrapped at 120 columns (one row of eight columns) and said nothing of the machine's load. Now two
+    tables and lines of at most 120 characters, with long numbers in every cell, and a line that says LOADED when
+    the load average passed the cores or the process had the CPU for less than 80% of the rounds."""
+    from functrain.bench import VariantResult
+
+    def variant(name, ratio):
+        t = {"median": 123.45e-3, "q1": 123.45e-3, "q3": 999.99e-3, "min": 100.01e-3, "max": 999.99e-3}
+        compile_ = {"total": 1234.56, "phases": dict.fromkeys(PHASES, 123.45),
+                    "cache": {"fxgraph_miss": 12, "aot_miss": 12, "fxgraph_hit": 3}}
+        return VariantResult(name=name, call=VARIANTS[name], time=t, graphs=12, syncs_per_step=12.5,
+                             ratio=None if ratio is None else {"median": ratio, "q1": ratio, "q3": ratio, "min": ratio,
+                                                               "max": ratio},
+                             compile=None if ratio is None else compile_, warm_compile=compile_,
+                             memory_estimated=None if ratio is None else {"allocated": 1023 << 30},
+                             memory_measured=1023 << 30,
+                             recompiles=[{"reason": "batch[0]: shape (8, 4) -> (5, 4); " * 5, "changes": []}])
+
+    report = Report(meta=_busy_meta(), variants={"eager": variant("eager", None),
+                                                 "compiled": variant("compiled", 123.45),
+                                                 "donating": variant("donating", 10.57)},
+                    notes=["a long note " * 30])
+    text = str(report)
+    assert all(len(line) <= WIDTH for line in text.splitlines()), max(text.splitlines(), key=len)
+    machine = " ".join(ln.strip() for ln in text.split("\n\n")[0].splitlines()[2:])
+    assert machine.startswith("machine: LOADED: the 1-minute load average was 9.7 at the start and 9.9 at the end, "
+                              "on 2 cores; this process used the CPU for 41% of the timed rounds' wall time"), machine
+    quiet = str(Report(meta=_busy_meta(load_before=0.4, load_after=0.6, cpu_share=0.99), variants={}))
+    assert "machine: the 1-minute load average was 0.4 at the start and 0.6 at the end, on 2 cores" in quiet
+    assert "LOADED" not in quiet
+    starved = str(Report(meta=_busy_meta(load_before=1.0, load_after=1.2, cpu_share=0.5), variants={}))
+    assert "machine: LOADED:" in starved  # the load average lags; the process's own CPU share does not
 
 
 def test_the_paired_ratios_are_per_round_then_summarised():
@@ -266,7 +332,9 @@ def test_the_command_prints_the_report_and_its_json(tmp_path):
                                       "--steps", "1", "--rounds", "1", "--no-memory"],
                           cwd=tmp_path.parent, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "| eager | `step(state, batch)` |" in done.stdout and done.stdout.startswith("ft.benchmark: 1 rounds")
+    assert "\n| eager | " in done.stdout and "calls: eager `step(state, batch)`" in done.stdout
+    assert done.stdout.startswith("ft.benchmark: 1 rounds")
+    assert "compile s =" not in done.stdout  # (no compile and no memory: no second table)
 
 
 @pytest.mark.parametrize("argv, match", [

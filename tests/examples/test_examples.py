@@ -48,6 +48,12 @@ def test_diffusion_trainer_on_two_processes_resumes(tmp_path):
     out = _run(args + ["--steps", "60"])  # run again, longer: it resumes
     assert "resumed from" in out and "at step 40" in out
     assert (results / "sample-60.png").exists()
+    # the resume line says that the lr goes back up (a 60-step cosine at step 40), and a finished job's hint names
+    # the script's flag, not the config field it sets
+    assert "lr schedule: warmup_cosine over train_num_steps 60 (was 40): the next update's lr is " in out, out[-2000:]
+    out = _run(args + ["--steps", "60"])
+    assert f"{results} is at step 60 of --steps 60: nothing to train. To train on, run again with a larger --steps " \
+           "(e.g. --steps 120)" in out and "train_num_steps" not in out, out[-2000:]
 
 
 def test_language_model_with_token_normalisation():

@@ -296,3 +296,19 @@ def test_tensorboard_resume_after_kill_purges_the_rewound_steps(tmp_path):
     events = acc.Scalars("loss")
     assert [e.step for e in events] == list(range(1, 11))
     assert [e.value for e in events] == pytest.approx([1.0 / s for s in range(1, 11)])
+
+
+def test_the_test_extra_installs_mlflows_client_not_its_server():
+    """``[test]`` pulled the full ``mlflow`` (its server and UI: Flask, FastAPI, SQLAlchemy's migrations, gunicorn,
+    docker, graphene, huey): 160 packages resolved for the extra, 139 with the client. The tracker needs the client
+    and the sqlite store: mlflow-skinny, SQLAlchemy and alembic, against which the MLflow tests above run (checked
+    with only mlflow-skinny's files importable as ``mlflow`` and the full package's own dependencies hidden)."""
+    import re
+
+    tomllib = pytest.importorskip("tomllib")  # (Python >= 3.11)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    names = {re.split(r"[<>=!~\[ ;]", req, maxsplit=1)[0].lower() for req in extras["test"]}
+    assert "mlflow" not in names and {"mlflow-skinny", "sqlalchemy", "alembic"} <= names, sorted(names)
+    assert "mlflow" in {re.split(r"[<>=!~\[ ;]", r, maxsplit=1)[0] for r in extras["mlflow"]}  # (users: the UI too)

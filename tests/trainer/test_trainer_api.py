@@ -486,6 +486,39 @@ def test_bad_trackers_are_refused_before_training(tmp_path):
         ft.Trainer(Linear(), _data(), _config(tmp_path), trackers=[object()])
 
 
+def test_a_run_after_a_precompile_reports_itself_compiled(tmp_path, capsys):
+    """A precompile, then train() in the same process: no step runs eagerly (the module's Python forward is never
+    called). The run said "every step ran eagerly", logged no switched_at or compile_s, and its
+    steps_per_s_compiled counted the precompile's time (the runner's meter starts when the Trainer is made). Now:
+    switched_at is its first step, compile_s what that step spent getting the code, the summary says it ran compiled
+    from step 1, and the compiled rate counts only the run's own steps."""
+    data, config = _data(), _config(tmp_path, train_num_steps=12, log_every=1, trackers=("jsonl",))
+    torch.manual_seed(0)
+    model = Linear()
+    loss_fn, params, buffers = _module_loss(model)
+    step = ft.train_step(loss_fn, ft.optim.sgd(0.05))
+    cstep = ft.compile(step, backend="aot_eager")
+    expected = _reference(step, T.tree_map(torch.clone, params), buffers, data, config)
+    trainer = ft.Trainer(model, data, config, step=cstep)
+    trainer.precompile()
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    got = trainer.train()
+    assert calls == []  # every step ran the compiled code
+    assert T.tree_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    log = _log(tmp_path)
+    assert [r["step"] for r in log if "switched_at" in r] == [1] and log[0]["switched_at"] == 1
+    assert [r["step"] for r in log if "compile_s" in r] == [1] and 0 <= log[0]["compile_s"] < 60
+    assert not any("steps_per_s_eager" in r for r in log)
+    # this run's compiled steps over their own time: at least the run's overall rate (the precompile left out)
+    last = log[-1]
+    assert last["steps_per_s_compiled"] >= 0.99 * last["steps_per_s"], last
+    out = capsys.readouterr().out
+    assert "every step ran eagerly" not in out, out
+    assert ("compiled from step 1, no step ran eagerly: its code was compiled before this train() call, in this "
+            "process (precompile, or an earlier train())") in out, out
+
+
 def test_a_background_compile_is_logged_once_with_each_paths_throughput(tmp_path, capsys):
     """metrics.jsonl says when the compiled step took over (switched_at), how long the compile took (compile_s,
     once) and the steps per second on each path; the summary says it too."""
@@ -506,3 +539,43 @@ def test_a_background_compile_is_logged_once_with_each_paths_throughput(tmp_path
     assert "steps_per_s_compiled" in log[-1] and log[-1]["steps_per_s_compiled"] > 0
     out = capsys.readouterr().out
     assert "compiled in the background in " in out and "the compiled step took over at step 6" in out, out
+
+
+def test_a_longer_resume_says_what_the_lr_schedule_does_and_the_summary_paths_are_absolute(tmp_path, capsys,
+                                                                                              monkeypatch):
+    """A finished 8-step warm-up + cosine job run again for 20 steps: the lr went from min_lr back up near its peak
+    without a word. The resume line now says so with both numbers (the lr the run then logs at the next step is
+    the new schedule's); a Trainer with an optimizer of its own (the config's lr unused) gets no such words. The
+    summary's paths were relative where the folder's line was absolute: all are absolute now."""
+    from functrain.trainer.build import config_lr
+
+    monkeypatch.chdir(tmp_path)
+    kw = dict(lr_schedule="warmup_cosine", warmup_steps=2, min_lr=1e-3, train_lr=1e-2, save_and_sample_every=4)
+    short = _config("run", train_num_steps=8, **kw)
+    ft.Trainer(Linear(), _data(), short).train()
+    out = capsys.readouterr().out
+    assert "results in " + str(tmp_path / "run") in out
+    paths = [ln.split(": ", 1)[1] for ln in out.splitlines() if ln.startswith("  ") and ": " in ln]
+    assert paths and all(os.path.isabs(p) for p in paths), out
+
+    longer = _config("run", train_num_steps=20, **kw)
+    ft.Trainer(Linear(), _data(), longer).train()
+    out = capsys.readouterr().out
+    before, after = float(config_lr(short)(8)), float(config_lr(longer)(8))
+    assert after > 5 * before  # (the cosine over 20 steps is near its peak at step 8)
+    line = next(ln for ln in out.splitlines() if ln.startswith("resuming with a changed config"))
+    assert line.endswith(f"; lr schedule: warmup_cosine over train_num_steps 20 (was 8): the next update's lr is "
+                         f"{after:.3g} (the old schedule's: {before:.3g}), decaying to min_lr 0.001 at step 20 (the "
+                         f"schedule is a function of the step and the run's length: a longer run does not go on from "
+                         f"the end of the shorter one's)"), line
+    logged = {r["step"]: r["lr"] for r in _log(tmp_path / "run")}
+    assert logged[9] == pytest.approx(after, rel=1e-5)  # what the line announced: step 9's update
+
+    own = tmp_path / "own"
+    with pytest.warns(UserWarning, match="are not used"):  # (the config's schedule: the optimizer brings its own)
+        ft.Trainer(Linear(), _data(), _config(str(own), train_num_steps=8, **kw), optimizer=ft.optim.sgd(0.05)).train()
+        capsys.readouterr()
+        ft.Trainer(Linear(), _data(), _config(str(own), train_num_steps=20, **kw),
+                   optimizer=ft.optim.sgd(0.05)).train()
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("resuming with a changed"))
+    assert "lr schedule" not in line, line

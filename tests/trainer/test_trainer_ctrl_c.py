@@ -1,4 +1,5 @@
-"""Ctrl-C (SIGINT) saves, as SIGTERM does: on one process and on two ranks under `python -m functrain.launch`.
+"""Ctrl-C (SIGINT) saves, as SIGTERM does: on one process, on two ranks under `python -m functrain.launch` and
+under `ft.launch` (the notebook launcher).
 
 A terminal's Ctrl-C goes to the whole foreground process group (here: `os.killpg` of a job started in a session of
 its own); `kill -INT <launcher>` reaches only the launcher, which forwards it. Either way every rank stops at an
@@ -241,6 +242,128 @@ def test_a_script_that_does_not_handle_ctrl_c_is_not_reported_as_saved(tmp_path)
                                "KeyboardInterrupt (the signal came where the script does not handle it, e.g. before "
                                "ft.Trainer's loop): they saved nothing on the stop: no checkpoint is written (exit "
                                "status 137)"), out[-3000:]
+
+
+# ------------------------------------------------------------------------------------------ two ranks, ft.launch
+
+LAUNCHED = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {here!r})
+    import functrain as ft
+    import trainer_job
+
+    def work(argv):
+        sys.argv = ["trainer_job", *argv]
+        trainer_job.main()
+        return ft.distributed.rank()
+
+    if __name__ == "__main__":
+        try:
+            values = ft.launch(work, nprocs=2, args=(sys.argv[1:],), timeout=600, dist_timeout=60)
+        except KeyboardInterrupt as e:
+            print(f"CALLER KeyboardInterrupt: {{e}}", flush=True)
+            sys.exit(3)
+        print(f"RETURNED {{values}}", flush=True)
+""")
+
+
+def _launched(tmp_path, *args):
+    """A script that runs trainer_job on two ranks with ``ft.launch`` (as a notebook cell does), in a session of its
+    own: SIGINT to it is a notebook's interrupt, to its process group a terminal's Ctrl-C."""
+    script = tmp_path / "notebook.py"
+    script.write_text(LAUNCHED.format(here=HERE))
+    return Job([sys.executable, str(script), str(tmp_path / "run"), *map(str, args)], env=_env(), cwd=tmp_path)
+
+
+@pytest.mark.parametrize("shape", ["caller", "group"])
+def test_ctrl_c_under_ft_launch_saves_every_rank_at_one_step(tmp_path, shape):
+    """The caller of ``ft.launch`` raised a bare KeyboardInterrupt and killed the ranks: no checkpoint of the stop.
+    Now the Ctrl-C is passed on: both ranks stop at the same step and save it, ``launch`` returns their values and
+    says which checkpoint is written."""
+    run = tmp_path / "run"
+    job = _launched(tmp_path, "--no-compile", "--steps", 2000, "--save-every", 5, "--precision", "no",
+                    "--step-sleep", 0.1)
+    job.wait_for(_checkpoint(run, 5))
+    if shape == "caller":
+        job.proc.send_signal(signal.SIGINT)
+    else:
+        os.killpg(job.proc.pid, signal.SIGINT)
+    code = job.finish()
+    out = job.out
+    _no_traceback(out)
+    assert code == 0, out[-3000:]
+    done = re.findall(r"DONE step=(\d+) rank=(\d+)", out)
+    assert sorted(rank for _, rank in done) == ["0", "1"], out[-3000:]
+    steps = {int(step) for step, _ in done}
+    assert len(steps) == 1, done
+    step = steps.pop()
+    assert 5 <= step < 2000
+    assert ft.CheckpointManager(run / "checkpoints").steps()[-1] == step
+    path = run / "checkpoints" / f"step_{step:08d}"
+    assert f"ft.launch: stopped by Ctrl-C; every rank saved step {step} ({path}) and returned" in out, out[-3000:]
+    assert job.last_line() == "RETURNED [0, 1]", out[-3000:]
+    assert out.count("Ctrl-C: stopping after this step") == 1, out[-3000:]  # one signal per rank, not two
+
+
+def test_a_second_ctrl_c_under_ft_launch_stops_at_once_and_says_what_is_lost(tmp_path):
+    run = tmp_path / "run"
+    job = _launched(tmp_path, "--no-compile", "--steps", 1000, "--save-every", 2, "--precision", "no",
+                    "--step-sleep", 4, "--slow-after", 3)
+    job.wait_for(_logged(run, 3))
+    job.proc.send_signal(signal.SIGINT)
+    job.wait_for(job.said("Ctrl-C: stopping after this step"), timeout=30)  # (rank 0 got the passed-on signal)
+    sent = time.monotonic()
+    job.proc.send_signal(signal.SIGINT)
+    code = job.finish(timeout=60)
+    took = time.monotonic() - sent
+    out = job.out
+    assert "Traceback" not in out, out[-3000:]
+    assert code == 3, out[-3000:]
+    assert took < 3.0 + 5.0, f"{took:.1f} s after the second Ctrl-C"
+    path = run / "checkpoints" / "step_00000002"
+    # (the caller's last line: after it, multiprocessing's resource tracker, shared with the ranks, may say it
+    # cleaned up the semaphore of a rank that died of the second Ctrl-C, as that rank meant to)
+    said = [ln for ln in job.lines if ln.startswith("CALLER")]
+    assert said == [f"CALLER KeyboardInterrupt: ft.launch: stopped by Ctrl-C; a second Ctrl-C stopped the ranks at "
+                    f"once, without waiting for them to save; rank(s) 0, 1 stopped without saving at step 3: the last "
+                    f"checkpoint is step 2 ({path}); step 3 is lost"], out[-3000:]
+    assert ft.CheckpointManager(run / "checkpoints").steps() == [2]
+
+
+PLAIN = textwrap.dedent("""
+    import pathlib, sys, time
+    import functrain as ft
+
+    def work(folder):
+        import torch, torch.distributed as dist
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        pathlib.Path(folder, f"ready{dist.get_rank()}").write_text("ok")
+        while True:  # no Ctrl-C handler of its own
+            time.sleep(0.05)
+
+    if __name__ == "__main__":
+        try:
+            ft.launch(work, nprocs=2, args=(sys.argv[1],), timeout=300)
+        except KeyboardInterrupt as e:
+            print(f"CALLER KeyboardInterrupt: {e}", flush=True)
+            sys.exit(3)
+""")
+
+
+def test_ctrl_c_under_ft_launch_of_a_function_without_a_handler_says_nothing_was_saved(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    job = Job([sys.executable, str(script), str(tmp_path)], env=_env(), cwd=tmp_path)
+    job.wait_for(lambda: (tmp_path / "ready0").exists() and (tmp_path / "ready1").exists())
+    job.proc.send_signal(signal.SIGINT)
+    code = job.finish(timeout=60)
+    out = job.out
+    assert code == 3, out[-3000:]
+    assert [ln for ln in job.lines if ln.startswith("CALLER")] == [
+        "CALLER KeyboardInterrupt: ft.launch: stopped by Ctrl-C; rank(s) 0, 1 raised KeyboardInterrupt (the Ctrl-C "
+        "came where the function does not handle it, e.g. before ft.Trainer's loop): no checkpoint of the stop is "
+        "written"], out[-3000:]
 
 
 # ------------------------------------------------------------------------------------------ the rules, ft.run

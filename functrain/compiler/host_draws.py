@@ -38,12 +38,14 @@ import os
 import random
 import sys
 import threading
+import warnings
 from typing import Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from ..core.rng import HostRandomError, host_seed
+from .settings import DRAW_CAPTURES
 
 __all__ = ["HostDraw", "DrawPlan", "DrawCases", "OutcomeKey", "recording", "RECORDER_CODES"]
 
@@ -386,18 +388,31 @@ class DrawCases:
     Owned by the runner's graph cache (:class:`~functrain.compiler.runtime.Graphs`); the runner asks :meth:`key` on
     every call that misses its last capture and :meth:`holds` before reusing it, and registers each capture it
     installs (:meth:`add`). A step with no such capture costs one dict lookup.
+
+    ``limit``: how many cache keys (captures) one signature's outcomes may have (``FUNCTRAIN_COMPILE_DRAW_CAPTURES``,
+    default :data:`~functrain.compiler.settings.DRAW_CAPTURES`): ``n`` coins have up to ``2**n`` outcomes, each a
+    trace and a compile. Past it, :meth:`key` answers ``None`` for a call whose outcome has no key yet, and the
+    runner runs that call eagerly (the captured outcomes stay compiled), as Dynamo does past its recompile limit;
+    one warning says so. The keys are counted as asked, which is the same on every rank (the draws come from the
+    replicated key): the ranks run the same calls eagerly.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = DRAW_CAPTURES) -> None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"DrawCases: limit must be an int >= 1 (captures per signature); got {limit!r}")
+        self.limit = limit
         self.plans: dict = {}  # signature key -> [(full key, DrawPlan)]
         self.seeds: dict = {}  # cache key -> the seed of the first call that asked for it
+        self.asked: dict = {}  # signature key -> how many cache keys its calls asked for (each one capture)
+        self.past: set = set()  # signature keys whose outcomes went past the limit (said once each)
         self.last: Any = None  # the cache key of the latest call that asked (the one a trace now is for)
 
     def key(self, key: Any, rng: dict | None) -> Any:
         """The cache key of a call with signature key ``key`` and ``state.rng`` ``rng``: ``key`` itself while no
         capture of it branched on a draw (or for an unseeded state); else the key of the capture whose guards all
         hold for the call's seed, or, if none does, an :class:`OutcomeKey` ``(key, outcome)``: the results of the
-        guards up to the first that no known capture holds. Asked on a miss of the runner's last capture only."""
+        guards up to the first that no known capture holds. ``None``: such a new outcome past the limit on
+        captures (the call runs eagerly). Asked on a miss of the runner's last capture only."""
         if rng is None:
             self.last = None
             return key
@@ -416,9 +431,31 @@ class DrawCases:
                     best, best_n = plan, n
             if best is not None:
                 full = OutcomeKey((key, best.outcome(seed, best_n + 1)))
-        self.seeds.setdefault(full, seed)
+        if full not in self.seeds:
+            asked = self.asked.get(key, 0)
+            if asked >= self.limit:
+                self._say_past(key)
+                self.last = None
+                return None
+            self.asked[key] = asked + 1
+            self.seeds[full] = seed
         self.last = full
         return full
+
+    def _say_past(self, key: Any) -> None:
+        if key in self.past:
+            return
+        self.past.add(key)
+        plans = self.plans.get(key) or []
+        where = next((p.where for _, p in plans if p.where), "")
+        drawn = f" (the first at {where})" if where else ""
+        warnings.warn(
+            f"ft.compile: the step's draws from Python's random{drawn} have taken more than {self.limit} outcomes for "
+            f"one input signature, each a graph of its own (traced and compiled at its first call); "
+            f"FUNCTRAIN_COMPILE_DRAW_CAPTURES={self.limit} bounds them. The {self.limit} captured outcomes run "
+            f"compiled; a call with any other outcome runs the eager step from now on (the same result). A coin "
+            f"drawn as a tensor (torch.rand((), device=x.device) < 0.5, used through torch.where) needs one graph "
+            f"for every outcome", RuntimeWarning, stacklevel=4)
 
     def trace_seed(self, rng: dict | None) -> int | None:
         """The seed a trace for the latest call's key uses: the seed of the first call that asked for that key.

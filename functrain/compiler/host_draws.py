@@ -5,16 +5,20 @@ self-conditioning: ``if self.self_condition and random() < 0.5``). Eagerly the n
 (:func:`functrain.core.rng.with_rng` seeds the generator from the step seed). Compiled, the same holds:
 
 * **the trace** (:func:`recording`) seeds the generator from the step seed of the state it traces, so it draws the
-  numbers the eager step would, and hands the step each number as a :class:`HostDraw`: a ``float`` that records
-  every comparison made on it (``<``, ``<=``, ``>``, ``>=``, ``==``, ``!=``, ``bool``) as a guard of the capture
-  (its :class:`DrawPlan`). Any other use of a drawn number (arithmetic, ``float()``, ``int()``, a torch op that
-  takes it) would bake it into the graph as a constant: it is refused there, at the trace, by name
-  (:class:`~functrain.core.rng.HostRandomError`). So is a draw the trace cannot see (a generator method other than
-  ``random()`` and ``uniform()``, a ``random.Random`` of the step's own, a name bound inside a closure).
+  numbers the eager step would, and hands the step each number as a :class:`HostDraw`: an object (not a ``float``
+  subclass, whose value C code reads without asking) that records every comparison made on it (``<``, ``<=``,
+  ``>``, ``>=``, ``==``, ``!=``, ``bool``) as a guard of the capture (its :class:`DrawPlan`). Any other use of a
+  drawn number (arithmetic, ``float()`` and all that calls it: ``math.*``, ``struct``, ``%``-formatting; its text,
+  ``str``/``repr``/``format``; its hash, its attributes, a torch op that takes it) would bake it into the graph as
+  a constant: it is refused there, at the trace, naming the draw's line and the use's
+  (:class:`~functrain.core.rng.HostRandomError`), even if the step catches the error. So is a draw the trace
+  cannot see (a generator method other than ``random()`` and ``uniform()``, a ``random.Random`` of the step's own,
+  a name bound inside a closure).
 * **each call** (:class:`DrawCases`, asked by the runner) seeds a private ``random.Random`` from the state's key (a
   host tensor: no device sync), makes the same draws, evaluates the guards, and takes the capture whose guards all
   hold; on a miss, the key names the guards' outcome, and the runner traces (or has compiled in the background) a
-  capture for it, as for a new input signature.
+  capture for it, as for a new input signature. The captures of one signature's outcomes are bounded
+  (``FUNCTRAIN_COMPILE_DRAW_CAPTURES``, default 8): past the bound a call with a new outcome runs eagerly, said once.
 
 Python's generator is seeded alike on every rank (:func:`functrain.core.rng.host_seed`), so every rank takes the same
 branch at the same step and needs the same capture: ranks switch to compiled code together, with no extra

@@ -78,20 +78,31 @@ class DrawPlan:
         self.closed = False  # the trace ended: a draw kept for later is refused (its guards would go nowhere)
         self.refused: HostRandomError | None = None  # the first use refused while tracing
 
-    def outcome(self, seed: int, n: int | None = None) -> tuple:
+    def values(self, seed: int, known: dict | None = None) -> list:
+        """The numbers the draws give a generator seeded with ``seed``; ``known``: ``{draws: numbers}`` of this
+        seed made for other plans (captures of one signature mostly make the same draws: made once a call)."""
+        key = tuple(self.draws)
+        got = known.get(key) if known is not None else None
+        if got is None:
+            gen = random.Random(seed)
+            got = [getattr(gen, name)(*args) for name, args in self.draws]
+            if known is not None:
+                known[key] = got
+        return got
+
+    def outcome(self, seed: int, n: int | None = None, known: dict | None = None) -> tuple:
         """The guards' results (the first ``n``; all by default) for the draws of a generator seeded with
-        ``seed``: host arithmetic, about 10 microseconds for one draw."""
-        gen = random.Random(seed)
-        values = [getattr(gen, name)(*args) for name, args in self.draws]
+        ``seed``: host arithmetic, about 10 microseconds for one draw (``known``: see :meth:`values`)."""
+        values = self.values(seed, known)
         out = []
         for i, op, other in self.guards[:n]:
             b = values[other[1]] if isinstance(other, tuple) else other
             out.append(bool(_OPS[op](values[i], b)))
         return tuple(out)
 
-    def agreeing(self, seed: int) -> int:
+    def agreeing(self, seed: int, known: dict | None = None) -> int:
         """How many leading guards hold for ``seed`` (``len(guards)``: this capture is the call's)."""
-        got = self.outcome(seed)
+        got = self.outcome(seed, known=known)
         n = 0
         while n < len(got) and got[n] == self.results[n]:
             n += 1
@@ -425,8 +436,9 @@ class DrawCases:
         entries = self.plans.get(key)
         if entries:
             best, best_n = None, -1
+            made: dict = {}  # (the draws' numbers for this seed, made once for the plans that share them)
             for known, plan in entries:
-                n = plan.agreeing(seed)
+                n = plan.agreeing(seed, made)
                 if n == len(plan.guards):
                     best = None
                     full = known
@@ -434,7 +446,7 @@ class DrawCases:
                 if n > best_n:
                     best, best_n = plan, n
             if best is not None:
-                full = OutcomeKey((key, best.outcome(seed, best_n + 1)))
+                full = OutcomeKey((key, best.outcome(seed, best_n + 1, made)))
         if full not in self.seeds:
             asked = self.asked.get(key, 0)
             if asked >= self.limit:

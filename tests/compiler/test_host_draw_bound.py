@@ -121,3 +121,47 @@ def test_under_ft_run_the_bound_holds_and_the_run_equals_the_eager_steps():
     assert len(_bound_warnings(caught)) == 1
     assert run.rates.calls["compiled"] == 8 and run.rates.calls["eager"] == 8  # (2 before the switch, 6 past)
     assert T.tree_equal(state.params, eager.params) and torch.equal(state.rng["key"], eager.rng["key"])
+
+
+def _three_coins(params, buffers, x):
+    y = (x @ params["w"]).square().mean()
+    for k in range(3):
+        if random.random() < 0.5:
+            y = y * (1.0 + 0.1 * (k + 1))
+    return y
+
+
+def _two_ranks_past_the_bound(seed):
+    """Rank r: a data-parallel 3-coin step (8 outcomes) under a bound of 2, compiled in the background with the
+    switch at step 2 (each new outcome from there waits for its compile, and the ranks agree on it), 12 steps on
+    its own data beside the eager step."""
+    import torch.distributed as dist
+
+    step = ft.data_parallel()(ft.train_step(_three_coins, ft.optim.sgd(0.1)))
+    cstep = ft.compile(step, backend="aot_eager", switch_at=2)
+    runner = cstep.runner(background=True)
+    state = eager = step.init({"w": torch.ones(4, 2)}, seed=seed)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(12):
+            batch = torch.randn(8, 4, generator=torch.Generator().manual_seed(100 * dist.get_rank() + i))
+            state, _ = runner(state, batch)
+            eager, _ = step(eager, batch)
+    runner.close()
+    return {"params": state.params["w"].tolist(), "eager": eager.params["w"].tolist(), "graphs": cstep.compiles,
+            "calls": dict(runner.rates.calls), "said": len(_bound_warnings(caught)),
+            "bound": cstep.settings.draw_captures}
+
+
+def test_two_ranks_past_the_bound_run_the_same_calls_eagerly(monkeypatch):
+    """2 gloo processes, FUNCTRAIN_COMPILE_DRAW_CAPTURES=2 (inherited): no hang; each rank compiled 2 graphs,
+    warned once and made the same calls eagerly and compiled (the outcomes come from the replicated key); their
+    params are the same and equal the eager data-parallel step's."""
+    monkeypatch.setenv("FUNCTRAIN_COMPILE_DRAW_CAPTURES", "2")
+    outs = ft.launch(_two_ranks_past_the_bound, nprocs=2, args=(4,), timeout=600)
+    assert outs[0]["params"] == outs[1]["params"]
+    assert outs[0]["calls"] == outs[1]["calls"], outs
+    for out in outs:
+        assert out["bound"] == 2 and out["graphs"] == 2 and out["said"] == 1, out
+        assert out["calls"]["compiled"] > 0 and out["calls"]["eager"] > 2, out  # (2: before the switch)
+        torch.testing.assert_close(torch.tensor(out["params"]), torch.tensor(out["eager"]), rtol=1e-6, atol=1e-7)

@@ -30,6 +30,14 @@ with open(__file__) as _f:
     _DRAW_LINE = next(i + 1 for i, line in enumerate(_f) if line.rstrip().endswith("# coin k"))
 
 
+def _three_coins(params, buffers, x):
+    y = (x @ params["w"]).square().mean()
+    for k in range(3):
+        if random.random() < 0.5:
+            y = y * (1.0 + 0.1 * (k + 1))
+    return y
+
+
 def _step():
     return ft.train_step(_coins_loss, ft.optim.sgd(0.01))
 
@@ -103,6 +111,25 @@ def test_the_bound_is_a_setting(monkeypatch):
     assert WorkerSettings.from_env({"FUNCTRAIN_COMPILE_DRAW_CAPTURES": "4096"}).draw_captures == 4096
 
 
+def test_under_inductor_the_bound_holds(monkeypatch):
+    """The default backend (inductor, the C++ compile the bound saves), a bound of 1: one graph, then the calls
+    with another outcome run eagerly; every call equals the eager step to inductor's rounding."""
+    monkeypatch.setenv("FUNCTRAIN_COMPILE_DRAW_CAPTURES", "1")
+    step = ft.train_step(_three_coins, ft.optim.sgd(0.1))
+    cstep = ft.compile(step)
+    run = cstep.runner()
+    a = b = step.init({"w": torch.ones(4, 2)}, seed=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(6):
+            batch = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
+            a, _ = step(a, batch)
+            b, _ = run(b, batch)
+            torch.testing.assert_close(b.params["w"], a.params["w"], rtol=1e-5, atol=1e-6)
+    assert cstep.compiles == 1 and len(_bound_warnings(caught)) == 1
+    assert run.progress.eager_calls >= 1 and run.rates.calls["compiled"] >= 1
+
+
 def test_under_ft_run_the_bound_holds_and_the_run_equals_the_eager_steps():
     """ft.run's runner (donating, compiling in the background, the switch at step 2: each new outcome from there
     waits for its compile): 8 graphs, one warning, eager calls past the bound (they retire the donated input as
@@ -121,14 +148,6 @@ def test_under_ft_run_the_bound_holds_and_the_run_equals_the_eager_steps():
     assert len(_bound_warnings(caught)) == 1
     assert run.rates.calls["compiled"] == 8 and run.rates.calls["eager"] == 8  # (2 before the switch, 6 past)
     assert T.tree_equal(state.params, eager.params) and torch.equal(state.rng["key"], eager.rng["key"])
-
-
-def _three_coins(params, buffers, x):
-    y = (x @ params["w"]).square().mean()
-    for k in range(3):
-        if random.random() < 0.5:
-            y = y * (1.0 + 0.1 * (k + 1))
-    return y
 
 
 def _two_ranks_past_the_bound(seed):

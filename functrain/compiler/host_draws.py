@@ -332,7 +332,7 @@ def recording(seed: int) -> Iterator[DrawPlan]:
             setattr(module, name, wrappers[which])
         with _NoDrawsIntoTorch():
             yield plan
-    except BaseException as error:
+    except Exception as error:  # (not KeyboardInterrupt: a Ctrl-C stays one)
         # a refusal the step's code turned into another error (struct.pack's "required argument is not a float")
         # is the refusal; a function that checks its argument's type and refuses a draw (torch's argument parser:
         # "torch.full(): argument 'fill_value' must be Number, not HostDraw") is refused by name

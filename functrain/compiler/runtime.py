@@ -43,8 +43,8 @@ from .background import BackgroundCompiler, Ready
 from .capture import CaptureError, Captured, Signature, flatten, trace
 from .errors import explain
 from .host_draws import DrawCases
-from .settings import DRAW_CAPTURES
 from .progress import PhaseRates, Progress
+from .settings import DRAW_CAPTURES
 
 __all__ = ["Graphs", "Runner", "DynamoRunner", "next_rng", "signature_key"]
 

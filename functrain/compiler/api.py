@@ -140,7 +140,8 @@ class CompiledStep:
         if graphs is None:
             graphs = self._graphs[memory] = Graphs(
                 self.step, self._backend, memory=memory, packages=self._packages,
-                cuda_graphs=self.options.cuda_graphs, reuse_blocks=self.options.reuse_blocks)
+                cuda_graphs=self.options.cuda_graphs, reuse_blocks=self.options.reuse_blocks,
+                draw_captures=self.settings.draw_captures)
         return graphs
 
     def donating(self, background: bool | None = None) -> Runner | DynamoRunner:

@@ -5,16 +5,20 @@ self-conditioning: ``if self.self_condition and random() < 0.5``). Eagerly the n
 (:func:`functrain.core.rng.with_rng` seeds the generator from the step seed). Compiled, the same holds:
 
 * **the trace** (:func:`recording`) seeds the generator from the step seed of the state it traces, so it draws the
-  numbers the eager step would, and hands the step each number as a :class:`HostDraw`: a ``float`` that records
-  every comparison made on it (``<``, ``<=``, ``>``, ``>=``, ``==``, ``!=``, ``bool``) as a guard of the capture
-  (its :class:`DrawPlan`). Any other use of a drawn number (arithmetic, ``float()``, ``int()``, a torch op that
-  takes it) would bake it into the graph as a constant: it is refused there, at the trace, by name
-  (:class:`~functrain.core.rng.HostRandomError`). So is a draw the trace cannot see (a generator method other than
-  ``random()`` and ``uniform()``, a ``random.Random`` of the step's own, a name bound inside a closure).
+  numbers the eager step would, and hands the step each number as a :class:`HostDraw`: an object (not a ``float``
+  subclass, whose value C code reads without asking) that records every comparison made on it (``<``, ``<=``,
+  ``>``, ``>=``, ``==``, ``!=``, ``bool``) as a guard of the capture (its :class:`DrawPlan`). Any other use of a
+  drawn number (arithmetic, ``float()`` and all that calls it: ``math.*``, ``struct``, ``%``-formatting; its text,
+  ``str``/``repr``/``format``; its hash, its attributes, a torch op that takes it) would bake it into the graph as
+  a constant: it is refused there, at the trace, naming the draw's line and the use's
+  (:class:`~functrain.core.rng.HostRandomError`), even if the step catches the error. So is a draw the trace
+  cannot see (a generator method other than ``random()`` and ``uniform()``, a ``random.Random`` of the step's own,
+  a name bound inside a closure).
 * **each call** (:class:`DrawCases`, asked by the runner) seeds a private ``random.Random`` from the state's key (a
   host tensor: no device sync), makes the same draws, evaluates the guards, and takes the capture whose guards all
   hold; on a miss, the key names the guards' outcome, and the runner traces (or has compiled in the background) a
-  capture for it, as for a new input signature.
+  capture for it, as for a new input signature. The captures of one signature's outcomes are bounded
+  (``FUNCTRAIN_COMPILE_DRAW_CAPTURES``, default 8): past the bound a call with a new outcome runs eagerly, said once.
 
 Python's generator is seeded alike on every rank (:func:`functrain.core.rng.host_seed`), so every rank takes the same
 branch at the same step and needs the same capture: ranks switch to compiled code together, with no extra
@@ -34,15 +38,18 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import os
 import random
 import sys
 import threading
+import warnings
 from typing import Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from ..core.rng import HostRandomError, host_seed
+from .settings import DRAW_CAPTURES
 
 __all__ = ["HostDraw", "DrawPlan", "DrawCases", "OutcomeKey", "recording", "RECORDER_CODES"]
 
@@ -68,21 +75,34 @@ class DrawPlan:
         self.guards: list[tuple[int, str, Any]] = []
         self.results: tuple = ()
         self.where = ""
+        self.closed = False  # the trace ended: a draw kept for later is refused (its guards would go nowhere)
+        self.refused: HostRandomError | None = None  # the first use refused while tracing
 
-    def outcome(self, seed: int, n: int | None = None) -> tuple:
+    def values(self, seed: int, known: dict | None = None) -> list:
+        """The numbers the draws give a generator seeded with ``seed``; ``known``: ``{draws: numbers}`` of this
+        seed made for other plans (captures of one signature mostly make the same draws: made once a call)."""
+        key = tuple(self.draws)
+        got = known.get(key) if known is not None else None
+        if got is None:
+            gen = random.Random(seed)
+            got = [getattr(gen, name)(*args) for name, args in self.draws]
+            if known is not None:
+                known[key] = got
+        return got
+
+    def outcome(self, seed: int, n: int | None = None, known: dict | None = None) -> tuple:
         """The guards' results (the first ``n``; all by default) for the draws of a generator seeded with
-        ``seed``: host arithmetic, about 10 microseconds for one draw."""
-        gen = random.Random(seed)
-        values = [getattr(gen, name)(*args) for name, args in self.draws]
+        ``seed``: host arithmetic, about 10 microseconds for one draw (``known``: see :meth:`values`)."""
+        values = self.values(seed, known)
         out = []
         for i, op, other in self.guards[:n]:
             b = values[other[1]] if isinstance(other, tuple) else other
             out.append(bool(_OPS[op](values[i], b)))
         return tuple(out)
 
-    def agreeing(self, seed: int) -> int:
+    def agreeing(self, seed: int, known: dict | None = None) -> int:
         """How many leading guards hold for ``seed`` (``len(guards)``: this capture is the call's)."""
-        got = self.outcome(seed)
+        got = self.outcome(seed, known=known)
         n = 0
         while n < len(got) and got[n] == self.results[n]:
             n += 1
@@ -93,36 +113,80 @@ class DrawPlan:
 
 
 def _refuse(draw: "HostDraw", use: str) -> HostRandomError:
-    return HostRandomError(
-        f"ft.compile: the number drawn by random.{draw._method}() at {draw._where} was used as a number ({use}) "
-        f"while the step was captured: it would be a constant of the compiled graph, the same at every step. "
-        f"A compiled step may only compare a drawn number (<, <=, >, >=, ==, !=, or its truth), which picks the "
-        f"graph. Draw a number you compute with from torch ops instead (torch.rand((), device=x.device); a coin "
-        f"as a tensor: torch.rand((), device=x.device) < 0.5, used through torch.where): they come from state.rng "
-        f"and compile. Or run this step eagerly (ft.TrainConfig(compile=False))")
+    at = _use_site()
+    where = f" at {at}" if at and at != draw._where else ""
+    error = HostRandomError(
+        f"ft.compile: the number drawn by random.{draw._method}() at {draw._where} was used as a number ({use}){where} "
+        f"while the step was captured: it would be a constant of the compiled graph, the same at every step. A "
+        f"compiled step may only compare a drawn number (<, <=, >, >=, ==, != with a number or another draw, or its "
+        f"truth), which picks the graph. Draw a number you compute with from torch ops instead (torch.rand((), "
+        f"device=x.device); a coin as a tensor: torch.rand((), device=x.device) < 0.5, used through torch.where): "
+        f"they come from state.rng and compile. Or run this step eagerly (ft.TrainConfig(compile=False))")
+    if draw._plan.refused is None:  # (kept: the trace fails with it even if the step caught it, see recording)
+        draw._plan.refused = error
+    return error
 
 
-class HostDraw(float):
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _use_site() -> str:
+    """``file:line in function`` of the innermost frame outside this module and torch: where a drawn number was
+    used (``math.sqrt(r)`` has no frame of its own: it is the line that called it)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name != __file__ and not name.startswith("<frozen") and not os.path.abspath(name).startswith(_TORCH_DIR):
+            return f"{name}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return ""
+
+
+class HostDraw:
     """A number drawn from Python's ``random`` while a step is traced (see the module docstring): comparing it
-    records a guard of the capture; using it as a number raises :class:`~functrain.core.rng.HostRandomError`."""
+    records a guard of the capture; any other use raises :class:`~functrain.core.rng.HostRandomError`.
 
-    def __new__(cls, value: float, plan: DrawPlan, index: int, method: str, where: str) -> "HostDraw":
-        self = super().__new__(cls, value)
-        self._plan, self._index, self._method, self._where = plan, index, method, where
-        return self
+    It is not a ``float`` subclass: C code reads a float's value without asking (``math.sqrt``, ``math.fsum``,
+    ``struct.pack``, ``"%f" %``, ``float.__repr__``), so a subclass's number leaks past any method. This object's
+    number is reached only through its own methods, and each one but the comparisons refuses: the arithmetic
+    operators, ``__float__`` (what ``math.*``, ``struct``, ``array`` and ``%``-formatting call), ``__int__``,
+    ``__round__``, ``__floor__``, ``__str__``, ``__repr__`` and ``__format__`` (no text of the number either:
+    ``float(str(r))``), ``__hash__``, pickling, and a float's named attributes or any method a library calls on it
+    (``r.hex()``, ``r.as_integer_ratio()``, ``r.sqrt()`` from a numpy ufunc). It has exactly a float's special
+    methods, and ``__class__`` says ``float``: ``isinstance(r, float)``, ``numbers.Real`` and protocol checks give
+    what they give the eager step's number, so a type check takes the eager step's branch.
+    """
+
+    __slots__ = ("_value", "_plan", "_index", "_method", "_where")
+
+    def __init__(self, value: float, plan: DrawPlan, index: int, method: str, where: str) -> None:
+        set_ = object.__setattr__
+        set_(self, "_value", float(value))
+        set_(self, "_plan", plan)
+        set_(self, "_index", index)
+        set_(self, "_method", method)
+        set_(self, "_where", where)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance(r, float), numbers.Real: what the eager step's number is
+        return float
 
     def _guard(self, op: str, other: Any) -> bool:
-        if isinstance(other, HostDraw):
-            if other._plan is not self._plan:
-                raise _refuse(self, f"compared with a number drawn in another trace")
-            b, value = ("draw", other._index), float.__float__(other)
+        plan = self._plan
+        if plan.closed:
+            raise _refuse(self, f"compared ({op}) after the capture that drew it ended: a number kept from one "
+                                f"trace for another")
+        if type(other) is HostDraw:
+            if other._plan is not plan:
+                raise _refuse(self, "compared with a number drawn in another trace")
+            b, value = ("draw", other._index), other._value
         elif isinstance(other, (int, float)) and not isinstance(other, bool):
             b = value = float(other)
         else:
             raise _refuse(self, f"compared with a {type(other).__name__}")
-        result = bool(_OPS[op](float.__float__(self), value))
-        self._plan.guards.append((self._index, op, b))
-        self._plan.results += (result,)
+        result = bool(_OPS[op](self._value, value))
+        plan.guards.append((self._index, op, b))
+        plan.results += (result,)
         return result
 
     def __lt__(self, other: Any) -> bool:
@@ -146,8 +210,22 @@ class HostDraw(float):
     def __bool__(self) -> bool:
         return self._guard("!=", 0.0)
 
-    def __hash__(self) -> int:
-        raise _refuse(self, "hashed")
+    def __copy__(self) -> "HostDraw":  # (immutable: a copy is itself, its comparisons still guards)
+        return self
+
+    def __deepcopy__(self, memo: Any) -> "HostDraw":
+        return self
+
+    def __setattr__(self, name: str, value: Any) -> None:  # (as a float: no attribute can be set)
+        raise AttributeError(f"'float' object attribute {name!r} is read-only")
+
+    def __getattr__(self, name: str) -> Any:
+        # only names it lacks: a float's own (r.hex(), r.real, r.as_integer_ratio()) and any other method a library
+        # may call on a number (numpy's ufuncs call r.sqrt() on an object) are uses of the number; a special name a
+        # float lacks is missing, as on the eager step's float (a protocol probe, numpy's __array__)
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(f"'float' object has no attribute {name!r}")
+        raise _refuse(self, f".{name}")
 
 
 def _refusing(use: str) -> Any:
@@ -157,26 +235,39 @@ def _refusing(use: str) -> Any:
     return method
 
 
+# every special method of a float but its comparisons and truth: each one a way to the number or its text. Only
+# these (no more: a special method a float lacks would change what protocols it meets, isinstance(r, Iterable))
 for _name in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "floordiv", "rfloordiv", "mod",
-              "rmod", "divmod", "rdivmod", "pow", "rpow", "neg", "pos", "abs", "float", "int", "index", "round",
-              "trunc", "floor", "ceil", "complex"):
+              "rmod", "divmod", "rdivmod", "pow", "rpow", "neg", "pos", "abs", "float", "int", "round", "trunc",
+              "floor", "ceil", "str", "repr", "format", "hash", "reduce", "reduce_ex", "getnewargs", "getstate"):
     setattr(HostDraw, f"__{_name}__", _refusing(f"__{_name}__"))
-for _name in ("as_integer_ratio", "hex", "is_integer", "conjugate"):
-    setattr(HostDraw, _name, _refusing(_name))
+
+
+def _draw_in(value: Any) -> "HostDraw | None":
+    """The first :class:`HostDraw` in ``value`` (itself, or inside lists, tuples, dicts), else ``None``."""
+    if type(value) is HostDraw:
+        return value
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            found = _draw_in(v)
+            if found is not None:
+                return found
+    elif isinstance(value, dict):
+        return _draw_in(list(value.values()))
+    return None
 
 
 class _NoDrawsIntoTorch(TorchFunctionMode):
-    """While tracing: a torch function given a :class:`HostDraw` (``x * coin``, ``torch.full((), coin)``) would
-    bake it into the graph: refused."""
+    """While tracing: a torch function given a :class:`HostDraw` (``x * coin``, ``torch.full((), coin)``,
+    ``torch.tensor([[coin]])``) would bake it into the graph: refused."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, HostDraw):
-                raise _refuse(a, f"passed to {getattr(func, '__name__', func)}")
-            if isinstance(a, (list, tuple)) and any(isinstance(b, HostDraw) for b in a):
-                raise _refuse(next(b for b in a if isinstance(b, HostDraw)), f"passed to "
-                              f"{getattr(func, '__name__', func)}")
+        found = _draw_in(args)  # (not `or`: the truth of a draw is a guard)
+        if found is None and kwargs:
+            found = _draw_in(kwargs)
+        if found is not None:
+            raise _refuse(found, f"passed to {getattr(func, '__name__', func)}")
         return func(*args, **kwargs)
 
 
@@ -241,11 +332,23 @@ def recording(seed: int) -> Iterator[DrawPlan]:
             setattr(module, name, wrappers[which])
         with _NoDrawsIntoTorch():
             yield plan
+    except Exception as error:  # (not KeyboardInterrupt: a Ctrl-C stays one)
+        # a refusal the step's code turned into another error (struct.pack's "required argument is not a float")
+        # is the refusal; a function that checks its argument's type and refuses a draw (torch's argument parser:
+        # "torch.full(): argument 'fill_value' must be Number, not HostDraw") is refused by name
+        if plan.refused is not None and error is not plan.refused:
+            raise plan.refused from error
+        if isinstance(error, TypeError) and "HostDraw" in str(error) and plan.draws:
+            raise _refused_by_type(plan, error) from error
+        raise
     finally:
+        plan.closed = True
         for module, name, which in bound:
             setattr(module, name, originals[which])
         after = gen.getstate()
         gen.setstate(saved)
+    if plan.refused is not None:  # refused, and the step caught it (`except Exception:` a fallback number)
+        raise plan.refused
     replay = random.Random(seed)
     for name, args in plan.draws:
         getattr(replay, name)(*args)
@@ -256,6 +359,25 @@ def recording(seed: int) -> Iterator[DrawPlan]:
             "it) while being captured")
         error.unnamed = True
         raise error
+
+
+def _refused_by_type(plan: DrawPlan, error: TypeError) -> HostRandomError:
+    """The refusal of a draw that a function refused by its type (which draw it was, the error does not say)."""
+    tb, site = error.__traceback__, ""
+    while tb is not None:  # the innermost line of the step's own code (not this module, not torch)
+        name = tb.tb_frame.f_code.co_filename
+        if name != __file__ and not name.startswith("<frozen") and not os.path.abspath(name).startswith(_TORCH_DIR):
+            site = f"{name}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}"
+        tb = tb.tb_next
+    which = f"random.{plan.draws[0][0]}() at {plan.where}" if len(plan.draws) == 1 else \
+        f"Python's random (its first draw: random.{plan.draws[0][0]}() at {plan.where})"
+    return HostRandomError(
+        f"ft.compile: a number drawn by {which} was used as a number (given to a function that refused it: "
+        f"{type(error).__name__}: {str(error)[:200]}){f' at {site}' if site else ''} while the step was captured: "
+        f"it would be a constant of the compiled graph, the same at every step. A compiled step may only compare a "
+        f"drawn number (<, <=, >, >=, ==, != with a number or another draw, or its truth), which picks the graph. "
+        f"Draw a number you compute with from torch ops instead (torch.rand((), device=x.device)): it comes from "
+        f"state.rng and compiles. Or run this step eagerly (ft.TrainConfig(compile=False))")
 
 
 def _bound_names(originals: dict) -> list:
@@ -281,18 +403,31 @@ class DrawCases:
     Owned by the runner's graph cache (:class:`~functrain.compiler.runtime.Graphs`); the runner asks :meth:`key` on
     every call that misses its last capture and :meth:`holds` before reusing it, and registers each capture it
     installs (:meth:`add`). A step with no such capture costs one dict lookup.
+
+    ``limit``: how many cache keys (captures) one signature's outcomes may have (``FUNCTRAIN_COMPILE_DRAW_CAPTURES``,
+    default :data:`~functrain.compiler.settings.DRAW_CAPTURES`): ``n`` coins have up to ``2**n`` outcomes, each a
+    trace and a compile. Past it, :meth:`key` answers ``None`` for a call whose outcome has no key yet, and the
+    runner runs that call eagerly (the captured outcomes stay compiled), as Dynamo does past its recompile limit;
+    one warning says so. The keys are counted as asked, which is the same on every rank (the draws come from the
+    replicated key): the ranks run the same calls eagerly.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = DRAW_CAPTURES) -> None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"DrawCases: limit must be an int >= 1 (captures per signature); got {limit!r}")
+        self.limit = limit
         self.plans: dict = {}  # signature key -> [(full key, DrawPlan)]
         self.seeds: dict = {}  # cache key -> the seed of the first call that asked for it
+        self.asked: dict = {}  # signature key -> how many cache keys its calls asked for (each one capture)
+        self.past: set = set()  # signature keys whose outcomes went past the limit (said once each)
         self.last: Any = None  # the cache key of the latest call that asked (the one a trace now is for)
 
     def key(self, key: Any, rng: dict | None) -> Any:
         """The cache key of a call with signature key ``key`` and ``state.rng`` ``rng``: ``key`` itself while no
         capture of it branched on a draw (or for an unseeded state); else the key of the capture whose guards all
         hold for the call's seed, or, if none does, an :class:`OutcomeKey` ``(key, outcome)``: the results of the
-        guards up to the first that no known capture holds. Asked on a miss of the runner's last capture only."""
+        guards up to the first that no known capture holds. ``None``: such a new outcome past the limit on
+        captures (the call runs eagerly). Asked on a miss of the runner's last capture only."""
         if rng is None:
             self.last = None
             return key
@@ -301,8 +436,9 @@ class DrawCases:
         entries = self.plans.get(key)
         if entries:
             best, best_n = None, -1
+            made: dict = {}  # (the draws' numbers for this seed, made once for the plans that share them)
             for known, plan in entries:
-                n = plan.agreeing(seed)
+                n = plan.agreeing(seed, made)
                 if n == len(plan.guards):
                     best = None
                     full = known
@@ -310,10 +446,32 @@ class DrawCases:
                 if n > best_n:
                     best, best_n = plan, n
             if best is not None:
-                full = OutcomeKey((key, best.outcome(seed, best_n + 1)))
-        self.seeds.setdefault(full, seed)
+                full = OutcomeKey((key, best.outcome(seed, best_n + 1, made)))
+        if full not in self.seeds:
+            asked = self.asked.get(key, 0)
+            if asked >= self.limit:
+                self._say_past(key)
+                self.last = None
+                return None
+            self.asked[key] = asked + 1
+            self.seeds[full] = seed
         self.last = full
         return full
+
+    def _say_past(self, key: Any) -> None:
+        if key in self.past:
+            return
+        self.past.add(key)
+        plans = self.plans.get(key) or []
+        where = next((p.where for _, p in plans if p.where), "")
+        drawn = f" (the first at {where})" if where else ""
+        warnings.warn(
+            f"ft.compile: the step's draws from Python's random{drawn} have taken more than {self.limit} outcomes for "
+            f"one input signature, each a graph of its own (traced and compiled at its first call); "
+            f"FUNCTRAIN_COMPILE_DRAW_CAPTURES={self.limit} bounds them. The {self.limit} captured outcomes run "
+            f"compiled; a call with any other outcome runs the eager step from now on (the same result). A coin "
+            f"drawn as a tensor (torch.rand((), device=x.device) < 0.5, used through torch.where) needs one graph "
+            f"for every outcome", RuntimeWarning, stacklevel=4)
 
     def trace_seed(self, rng: dict | None) -> int | None:
         """The seed a trace for the latest call's key uses: the seed of the first call that asked for that key.

@@ -44,6 +44,7 @@ from .capture import CaptureError, Captured, Signature, flatten, trace
 from .errors import explain
 from .host_draws import DrawCases
 from .progress import PhaseRates, Progress
+from .settings import DRAW_CAPTURES
 
 __all__ = ["Graphs", "Runner", "DynamoRunner", "next_rng", "signature_key"]
 
@@ -83,7 +84,7 @@ class Graphs:
     """
 
     def __init__(self, step: Step, backend: CountingBackend, *, memory: str, packages: Any = None,
-                 cuda_graphs: bool = False, reuse_blocks: bool = False):
+                 cuda_graphs: bool = False, reuse_blocks: bool = False, draw_captures: int = DRAW_CAPTURES):
         self.step = step
         self.backend = backend
         self.memory = memory
@@ -92,7 +93,7 @@ class Graphs:
         self.reuse_blocks = reuse_blocks and packages is None  # (a package's key covers the graph's code only)
         self.captures: dict = {}
         self.pending: dict = {}
-        self.draws = DrawCases()
+        self.draws = DrawCases(draw_captures)
 
     def trace(self, s: Any, state: Any, batch: Any) -> Captured:
         """Trace the graph for ``(s, batch)`` (not compiled: ``fn`` is ``None``); a step that is not one graph
@@ -191,6 +192,8 @@ class Runner:
             check_batch(batch)
             leaves, key = signature_key(s, batch)
             key = self.graphs.draws.key(key, rng)  # (the step's Python draws pick among its captures: host_draws)
+            if key is None:  # an outcome of the draws past the bound on their captures (host_draws): eager
+                return self._eager(state, batch)
             old, cap = cap, self.graphs.captures.get(key)
             if cap is None and self.background is not None:  # eager until this graph is compiled elsewhere
                 decision = self.background.on_miss(state, batch, s, key, self.graphs)
@@ -225,6 +228,18 @@ class Runner:
             self.last, self.trusted = cap, None
         new, metrics = self._call(cap, tensors, leaves, state, batch, rng)
         self.rates.record("compiled", paused)
+        return new, metrics
+
+    def _eager(self, state: Any, batch: Any) -> tuple[Any, dict]:
+        """One call of the eager step (its background component's, which retires a donated input state)."""
+        if self.background is not None:
+            done = self.background.eager(state, batch)
+            new, metrics = done.new, done.metrics
+        else:
+            new, metrics = self.step(state, batch)
+        self.last, self.trusted = None, None
+        self.progress.eager_calls += 1
+        self.rates.record("eager", False)
         return new, metrics
 
     def _call(self, cap: Captured, tensors: list, leaves: list, state: Any, batch: Any, rng: Any) -> tuple:

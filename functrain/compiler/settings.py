@@ -20,6 +20,9 @@ FUNCTRAIN_COMPILE_FINISH      ``0``       ``0``: a compile still running when it
                                           normally, it finishes after exit, into the caches
 FUNCTRAIN_COMPILE_POLICY      ``auto``    ``auto``: compile when it pays in this run (:mod:`functrain.compiler.
                                           policy`); ``always``: compile; ``never``: train eagerly
+FUNCTRAIN_COMPILE_DRAW_CAPTURES 8         captures of one input signature's outcomes of Python ``random``
+                                          draws (:mod:`functrain.compiler.host_draws`); a call with another
+                                          outcome runs eagerly: an integer ``1..4096``
 ============================  ==========  ==============================================================
 """
 from __future__ import annotations
@@ -29,7 +32,11 @@ import math
 import os
 from typing import Any, Callable, Mapping, NamedTuple
 
-__all__ = ["WorkerSettings", "SETTINGS", "BadSetting"]
+__all__ = ["WorkerSettings", "SETTINGS", "BadSetting", "DRAW_CAPTURES"]
+
+DRAW_CAPTURES = 8
+"""The default bound on one input signature's captures for the outcomes of its Python draws (as Dynamo's
+recompile limit, 8): past it, a call with another outcome runs the eager step."""
 
 
 class BadSetting(ValueError):
@@ -48,6 +55,13 @@ def _seconds(lo: float, hi: float, lo_open: bool) -> Callable[[str], float]:
 def _nice(raw: str) -> int:
     value = int(raw.strip())
     if not 0 <= value <= 19:
+        raise ValueError
+    return value
+
+
+def _captures(raw: str) -> int:
+    value = int(raw.strip())
+    if not 1 <= value <= 4096:
         raise ValueError
     return value
 
@@ -84,6 +98,8 @@ SETTINGS: tuple[Setting, ...] = (
             "0 (a compile still running at exit is killed) or 1 (it finishes after a run that ended normally)"),
     Setting("FUNCTRAIN_COMPILE_POLICY", "policy", _choice("auto", "always", "never"),
             "'auto' (compile when it pays in this run), 'always' or 'never'"),
+    Setting("FUNCTRAIN_COMPILE_DRAW_CAPTURES", "draw_captures", _captures,
+            "an integer from 1 to 4096 (the captures of one input signature's Python random outcomes)"),
 )
 """Every ``FUNCTRAIN_COMPILE_*`` variable, in one table (the module docstring gives the defaults)."""
 
@@ -100,6 +116,8 @@ class WorkerSettings:
         follow_s: seconds a rank other than local rank 0 waits for it to start a graph's compile.
         finish: whether a compile still running when its run ended normally may finish after exit (opt-in).
         policy: ``"auto"`` (the compile policy decides whether compiling pays), ``"always"`` or ``"never"``.
+        draw_captures: how many outcomes of a step's Python ``random`` draws get a capture of their own, per input
+            signature; a call with another outcome runs eagerly (:mod:`functrain.compiler.host_draws`).
 
     Example::
 
@@ -119,6 +137,7 @@ class WorkerSettings:
     follow_s: float = 5.0
     finish: bool = False
     policy: str = "auto"
+    draw_captures: int = DRAW_CAPTURES
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "WorkerSettings":

@@ -103,7 +103,8 @@ def test_the_caller_s_python_generator_is_untouched(compiled):
 
 
 @pytest.mark.parametrize("use,named", [
-    (lambda p, x: (x @ p["w"]).sum() * bound_random(), "passed to"),      # a tensor op given the number
+    (lambda p, x: (x @ p["w"]).sum() * bound_random(), "__rmul__"),       # a tensor times the number
+    (lambda p, x: (x @ p["w"]).sum() * torch.tensor(bound_random()), "passed to tensor"),  # a torch op given it
     (lambda p, x: (x @ p["w"]).sum() * (bound_random() + 1.0), "__add__"),  # arithmetic on it
     (lambda p, x: (x @ p["w"]).sum() * float(bound_random()), "__float__"),
 ])

@@ -226,9 +226,12 @@ class CompiledStep:
         from .jobs import leads_at_once
 
         cpu0 = cpu_seconds()
-        seconds, nodes, metas = made.precompile(state, batch)
+        inductor = {"mode": self.options.mode, "options": self.options.options, "donate": self.options.donate}
+        # (compiled in a worker the caller waits for: its compilers die with this process, however it dies)
+        seconds, nodes, metas, worker_cpu = made.precompile(state, batch, self.settings, inductor)
         if seconds > 0 and leads_at_once():  # the compile's outcome, for the compile policy
-            History.beside_caches().add_compile(kind_of(metas, self.options.mode), nodes, cpu_seconds() - cpu0)
+            History.beside_caches().add_compile(kind_of(metas, self.options.mode), nodes,
+                                                cpu_seconds() - cpu0 + worker_cpu)
         if not quiet:
             print(f"functrain: compiled ahead in {seconds:.1f} s; a run of this step loads it from the caches at its "
                   f"first trace and runs compiled from then on", file=sys.stderr, flush=True)

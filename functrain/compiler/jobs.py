@@ -37,7 +37,8 @@ from .capture import Captured
 from .settings import WorkerSettings
 
 __all__ = ["Job", "FailedJob", "InlineJob", "LoadedJob", "ThreadJob", "WorkerJob", "SharedJob", "TIMEOUT_ENV",
-           "FINISH_ENV", "GRACE_ENV", "RUNNING", "READY", "FAILED", "DECLINED", "leads_at_once", "worker_command", "outlives"]
+           "FINISH_ENV", "GRACE_ENV", "RUNNING", "READY", "FAILED", "DECLINED", "leads_at_once", "worker_command", "outlives",
+           "compile_apart"]
 
 TIMEOUT_ENV = "FUNCTRAIN_COMPILE_TIMEOUT"  # (named in messages; read by compiler.settings only)
 FINISH_ENV = "FUNCTRAIN_COMPILE_FINISH"
@@ -474,6 +475,30 @@ class SharedJob(Job):
         if self.inner is not None:
             self.inner.close()
         self.lock.close()
+
+
+def compile_apart(cap: Captured, backend: Any, settings: WorkerSettings,
+                  inductor: dict) -> tuple[Callable | None, float]:
+    """Compile ``cap`` now in a worker process and load its code here (what :meth:`functrain.CompiledStep.precompile`
+    does on the direct path with inductor): the caller waits, as for a compile on its own thread, but the compile's
+    processes are the worker's process group, which dies with the caller, its C++ compilers included, even if the
+    caller is SIGKILLed (a compile on the caller's thread would leave its ``g++`` running). Returns the code and the
+    worker's CPU seconds (its compilers' included); ``(None, 0.0)`` for a graph torch cannot serialize (the caller
+    compiles it on its thread). Raises ``RuntimeError`` with the worker's reason if the compile failed."""
+    from .worker import job_payload
+
+    try:
+        payload = job_payload(cap.gm, cap.metas, inductor, lock_timeout=settings.lock_timeout)
+    except Exception:  # noqa: BLE001 - a graph torch cannot serialize: the caller's thread compiles it
+        return None, 0.0
+    job = WorkerJob(settings)
+    try:
+        job.send(payload)
+        if job.wait() != READY:
+            raise RuntimeError(f"ft.compile: the compile failed: {job.reason}")
+    finally:
+        job.close()
+    return backend.load(cap.gm, cap.metas), job.cpu_s or 0.0
 
 
 def _first(error: BaseException) -> str:

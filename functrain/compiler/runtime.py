@@ -43,7 +43,9 @@ from .background import BackgroundCompiler, Ready
 from .capture import CaptureError, Captured, Signature, flatten, trace
 from .errors import explain
 from .host_draws import DrawCases
+from .jobs import compile_apart
 from .progress import PhaseRates, Progress
+from .settings import WorkerSettings
 
 __all__ = ["Graphs", "Runner", "DynamoRunner", "next_rng", "signature_key"]
 
@@ -276,22 +278,30 @@ class Runner:
         if self.background is not None:
             self.background.expect(steps)
 
-    def precompile(self, state: Any, batch: Any) -> tuple[float, int, tuple]:
-        """Trace and compile the graph for ``(state, batch)`` now, on the caller's thread, into the caches (and
-        install it in the step's graphs); nothing is stepped. Returns the seconds it took (0 when it was
-        compiled already), the traced graph's node count and its inputs' metadata (what the compile history keys
-        on)."""
+    def precompile(self, state: Any, batch: Any, settings: WorkerSettings | None = None,
+                   inductor: dict | None = None) -> tuple[float, int, tuple, float]:
+        """Trace and compile the graph for ``(state, batch)`` now into the caches (and install it in the step's
+        graphs); nothing is stepped. With ``settings`` (a process worker) and a backend whose code travels
+        (inductor), the compile runs in a worker process the caller waits for
+        (:func:`~functrain.compiler.jobs.compile_apart`: its compilers die with the caller); otherwise on the
+        caller's thread. Returns the seconds it took (0 when it was compiled already), the traced graph's node
+        count, its inputs' metadata (what the compile history keys on) and the worker's CPU seconds (0 without
+        one)."""
         s = _without_rng(state)
         self.step.check_state(state)
         check_batch(batch)
         _, key = signature_key(s, batch)
         if key in self.graphs.captures:
-            return 0.0, 0, ()
+            return 0.0, 0, (), 0.0
         t0 = time.perf_counter()
         cap = self.graphs.take_pending(key) or self.graphs.trace(s, state, batch)
         nodes, metas = len(cap.gm.graph.nodes), cap.metas
-        self.graphs.install(key, cap, None)  # (compiled here, now)
-        return time.perf_counter() - t0, nodes, metas
+        fn, apart_s = None, 0.0
+        if settings is not None and settings.worker == "process" and self.graphs.backend.shared \
+                and self.graphs.packages is None:
+            fn, apart_s = compile_apart(cap, self.graphs.backend, settings, inductor or {})
+        self.graphs.install(key, cap, fn)  # (fn None: compiled here, now)
+        return time.perf_counter() - t0, nodes, metas, apart_s
 
     def close(self) -> None:
         """Stop this runner's background compiles that still run; their signatures run eagerly from now on."""

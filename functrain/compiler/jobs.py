@@ -36,7 +36,7 @@ from .backend import compile_graph
 from .capture import Captured
 from .settings import WorkerSettings
 
-__all__ = ["Job", "FailedJob", "InlineJob", "LoadedJob", "ThreadJob", "WorkerJob", "SharedJob", "TIMEOUT_ENV",
+__all__ = ["Job", "FailedJob", "InlineJob", "LoadedJob", "ThreadJob", "WorkerJob", "SharedJob", "WorkerPool", "TIMEOUT_ENV",
            "FINISH_ENV", "GRACE_ENV", "RUNNING", "READY", "FAILED", "DECLINED", "leads_at_once", "worker_command", "outlives",
            "compile_apart"]
 
@@ -391,24 +391,74 @@ class WorkerJob(Job):
         _LIVE.discard(self)
 
 
-class SharedJob(Job):
-    """One graph compiled once per machine: by a worker this process starts, or by another process's.
+class WorkerPool:
+    """The compile workers of one background compiler: at most one *spare* (started before a graph is traced, so
+    that it imports torch and inductor meanwhile), taken by the job that compiles the graph (:meth:`take`), or
+    closed when no job will (:meth:`release`). A job is given the pool, never a callback into its owner.
 
-    The graph's machine-wide lock (:class:`~functrain.compiler.graph_lock.GraphLock`) says who compiles. This
-    process *leads* by taking it: it holds the lock on the training thread while its worker (``start(key)``:
-    a :class:`WorkerJob`, told that the lock is held for it) compiles, and releases it when the worker ends.
-    Otherwise it *follows*: each :meth:`poll` (one per step) probes the lock; once the process that held it
-    has let it go, :meth:`poll` loads the code from the caches (``load()``: the training thread's one cache
-    load, which the switch would make anyway) and the job is ready, with no worker and no compile here. A
-    follower leads after all when the lock is free and the caches miss: the other process failed or was
-    killed, or (a rank other than local rank 0, which waits ``grace`` seconds for local rank 0 to start)
-    nobody started.
+    Attributes:
+        given: workers given a graph (``Progress.workers``).
+
+    Example::
+
+        >>> from functrain.compiler.jobs import WorkerPool
+        >>> from functrain.compiler.settings import WorkerSettings
+        >>> pool = WorkerPool(WorkerSettings.from_env())
+        >>> pool.spare_pid is None, pool.given
+        (True, 0)
+        >>> pool.release()  # (nothing to close)
     """
 
-    def __init__(self, lock: Any, load: Callable[[], Callable], start: Callable[[str], Job], lead: bool,
+    def __init__(self, settings: WorkerSettings):
+        self.settings = settings
+        self.given = 0
+        self._spare: WorkerJob | None = None
+
+    def warm(self) -> None:
+        """Start the spare worker now if there is none."""
+        if self._spare is None:
+            self._spare = WorkerJob(self.settings)
+
+    @property
+    def spare_pid(self) -> int | None:
+        """The spare worker's process id, or ``None``."""
+        return self._spare.pid if self._spare is not None else None
+
+    def take(self) -> "WorkerJob":
+        """A worker for a graph: the spare (no longer spare), or a new one."""
+        worker, self._spare = self._spare, None
+        self.given += 1
+        return worker if worker is not None else WorkerJob(self.settings)
+
+    def release(self) -> None:
+        """Close the spare worker, if any (no job will need it)."""
+        if self._spare is not None:
+            self._spare.close()
+            self._spare = None
+
+    def finish_after_exit(self) -> None:
+        """The run ended: a spare worker is not left waiting (it has no graph)."""
+        self.release()
+
+
+class SharedJob(Job):
+    """One graph compiled once per machine: by a worker this process takes from its pool, or by another process's.
+
+    The graph's machine-wide lock (:class:`~functrain.compiler.graph_lock.GraphLock`) says who compiles. This
+    process *leads* by taking it: it holds the lock on the training thread while its worker (taken from ``pool``
+    and sent ``payload``, the graph with the lock's key) compiles, and releases it when the worker ends.
+    Otherwise it *follows* (and releases the pool's spare: no worker here): each :meth:`poll` (one per step)
+    probes the lock; once the process that held it has let it go, :meth:`poll` loads the code from the caches
+    (``backend.load``: the training thread's one cache load, which the switch would make anyway) and the job is
+    ready, with no worker and no compile here. A follower leads after all when the lock is free and the caches
+    miss: the other process failed or was killed, or (a rank other than local rank 0, which waits ``grace``
+    seconds for local rank 0 to start) nobody started.
+    """
+
+    def __init__(self, lock: Any, cap: Captured, backend: Any, pool: WorkerPool, payload: bytes, lead: bool,
                  grace: float, timeout: float):
         super().__init__()
-        self.lock, self._load, self._start = lock, load, start
+        self.lock, self.cap, self.backend, self.pool, self.payload = lock, cap, backend, pool, payload
         self.timeout = timeout
         self.inner: Job | None = None  # this process's worker, when it leads
         self.fn: Callable | None = None
@@ -417,6 +467,8 @@ class SharedJob(Job):
         self._lead_at = self.started + (0.0 if lead or not lock.usable else grace)
         if lead:
             self._lead()
+        if self.inner is None:  # another process compiles it: no worker here
+            pool.release()
 
     @property
     def source(self) -> str:  # type: ignore[override]
@@ -432,7 +484,8 @@ class SharedJob(Job):
         if not self.lock.acquire():
             self.seen_held = True  # another process took it first: follow it
             return
-        self.inner = self._start(self.lock.key)
+        self.inner = self.pool.take()
+        self.inner.send(self.payload)
 
     def poll(self) -> int:
         if self.status != RUNNING:
@@ -452,7 +505,7 @@ class SharedJob(Job):
             return RUNNING
         if self.seen_held:
             try:
-                self.fn = self._load()
+                self.fn = self.backend.load(self.cap.gm, self.cap.metas)
             except Exception:  # noqa: BLE001 - the other process failed or died: compile it here
                 self.seen_held = False
                 self._lead_at = 0.0

@@ -198,7 +198,7 @@ def test_the_run_clock_reports_the_decision_once(tmp_path):
 
     step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1))
     runner = ft.compile(step).runner(donate=True, background=True)
-    runner.background.decision = decide(README)
+    runner.background.budget.decision = decide(README)  # (the budget holds the decision)
     clock = RunClock(runner, compiled=True, start=0)
     clock.tick(1)
     first, second = {}, {}
@@ -218,12 +218,12 @@ def test_a_trainer_run_records_its_decision(tmp_path, monkeypatch):
     import torch
 
     import functrain as ft
-    from functrain.compiler import background
+    from functrain.compiler import budget
 
     pytest.importorskip("safetensors")
     h = History(str(tmp_path / "history.json"))
     h.add_compile("cpu:default", 100, 1e5)
-    monkeypatch.setattr(background.BackgroundCompiler, "history", lambda self: h)
+    monkeypatch.setattr(budget.Budget, "history", lambda self: h)
     monkeypatch.setenv("FUNCTRAIN_COMPILE_POLICY", "auto")
     from functrain.compiler import capture
     capture.preload()  # the compiler imported (as in a run past its first seconds): the first call traces

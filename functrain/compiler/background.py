@@ -484,6 +484,16 @@ class BackgroundCompiler:
         self._report()
         return Ready(cap, fn, True)
 
+    def found(self, key: Any) -> None:
+        """Signature ``key``'s graph was compiled by another runner of the step (the graphs are the step's): this
+        runner calls it from now on, its record is ready."""
+        rec = self.records.get(key) or self.records.setdefault(key, Record(key))
+        if rec.status != INSTALLED:
+            if rec.job is not None:
+                rec.job.close()
+            rec.status, rec.job = INSTALLED, None
+            self._report()
+
     def _give_up(self, rec: Record) -> None:
         """The ranks agreed that a graph will not compile: eager for good for that signature, said once."""
         job = rec.job

@@ -217,6 +217,8 @@ class Runner:
             key = self.graphs.draws.key(key, rng)  # (the step's Python draws pick among its captures: host_draws)
             cap = self.graphs.captures.get(key)
             if cap is not None:
+                if self.background is not None:  # (compiled by another runner of the step: this one runs it too)
+                    self.background.found(key)
                 return cap, state, leaves, False
             if self.background is None:  # compile it here, now, on the caller's thread
                 return self._compile_here(key, s, state, batch), state, leaves, True

@@ -150,10 +150,6 @@ class CompiledStep:
                 cuda_graphs=self.options.cuda_graphs, reuse_blocks=self.options.reuse_blocks)
         return graphs
 
-    def donating(self, background: bool | None = None) -> Runner | DynamoRunner:
-        """A new donating runner: ``runner(donate=True, background=background)`` (the name ``ft.run`` used)."""
-        return self.runner(donate=True, background=background)
-
     def direct(self, donate: bool) -> Graphs | None:
         """The graphs of the direct path that a donating runner (``donate=True``: ``ft.run``'s) or a plain call
         (``False``) uses, or ``None`` (the Dynamo path, or a donating step asked for an undonated call): where

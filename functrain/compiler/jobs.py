@@ -201,6 +201,9 @@ class ThreadJob(Job):
 
 
 _LIVE: "weakref.WeakSet[WorkerJob]" = weakref.WeakSet()
+# the jobs a run that ended normally leaves to finish at exit (finish_after_exit): held here, so that dropping the
+# runner that made them (a script's loop returning) does not kill them before exit decides
+_KEPT: set = set()
 _atexit_registered = False
 
 
@@ -298,6 +301,7 @@ class WorkerJob(Job):
             self.close()
         else:
             self.keep = finish and self.status == RUNNING
+            (_KEPT.add if self.keep else _KEPT.discard)(self)
 
     def detach(self, wait: float = 10.0) -> bool:
         """Ask the running worker to outlive this process and stop watching it: once it has said ``ready`` (it
@@ -336,6 +340,7 @@ class WorkerJob(Job):
             return False
         self._finalizer.detach()
         _LIVE.discard(self)
+        _KEPT.discard(self)
         for f in (self.proc.stdin, self.proc.stdout, self.log):  # (the worker goes on: its pipes and log are its)
             try:
                 f.close()
@@ -357,6 +362,7 @@ class WorkerJob(Job):
         tail = self._log_tail()
         self._finalizer()  # reaped: its pipes and log closed
         _LIVE.discard(self)
+        _KEPT.discard(self)
         result = None
         if answer:
             import json
@@ -389,6 +395,7 @@ class WorkerJob(Job):
     def close(self) -> None:
         self._finalizer()  # (once: a later call does nothing)
         _LIVE.discard(self)
+        _KEPT.discard(self)
 
 
 class WorkerPool:
@@ -520,14 +527,17 @@ class SharedJob(Job):
         return self.fn if self.inner is None else self.inner.code()
 
     def finish_after_exit(self, finish: bool = True) -> None:
-        """See :meth:`WorkerJob.finish_after_exit` (a follower has nothing running)."""
+        """See :meth:`WorkerJob.finish_after_exit` (a follower has nothing running); a job left to finish keeps its
+        graph's lock until exit."""
         if isinstance(self.inner, WorkerJob):
             self.inner.finish_after_exit(finish)
+            (_KEPT.add if self.inner.keep else _KEPT.discard)(self)
 
     def close(self) -> None:
         if self.inner is not None:
             self.inner.close()
         self.lock.close()
+        _KEPT.discard(self)
 
 
 def compile_apart(cap: Captured, backend: Any, settings: WorkerSettings,

@@ -68,7 +68,9 @@ class _Digests:
 
 
 def digest_file(path: str, algo: str = "crc32", chunk: int = CHUNK_BYTES) -> list[str]:
-    """The block checksums of a file as the marker records them (for tools and tests)."""
+    """The block checksums of a file as the marker records them. Used by the tests only, kept here: it reads a
+    written file with the writer's own chunking (:class:`_Digests`), what a tool checking a checkpoint on disk
+    needs too."""
     d = _Digests(algo, chunk)
     with open(path, "rb") as f:
         while block := f.read(8 << 20):

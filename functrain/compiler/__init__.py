@@ -5,7 +5,8 @@ choices once (one table of what combines); :mod:`.capture` traces the step over 
 :mod:`.backend` compiles a capture (inductor by default) and holds the Dynamo path;
 :mod:`.runtime` holds the runners (:class:`Runner`: the per-call direct path; :class:`DynamoRunner`) and the
 graphs they share; :mod:`.progress` is a runner's :class:`Progress` and rate meter; :mod:`.background` the
-component a runner asks while a graph compiles off its thread; :mod:`.memory` is where the new state lives
+component a runner asks while a graph compiles off its thread (one record per signature), with :mod:`.budget` (the
+run's compile budget, the one caller of the compile policy) and :mod:`.jobs` (the worker pool and the jobs); :mod:`.memory` is where the new state lives
 (fresh, recycled buffers, donation); :mod:`.cudagraph` replays a donated step as a CUDA
 graph; :mod:`.cache` and :mod:`.package` keep compiled code between processes;
 :mod:`.errors` explains a failed capture; :mod:`.estimate` is ``ft.memory`` (what a step holds and

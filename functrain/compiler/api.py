@@ -64,7 +64,7 @@ class CompiledStep:
     """
 
     __slots__ = ("step", "options", "settings", "donate", "cache_dir", "_backend", "_packages", "_graphs", "_own",
-                 "_twin", "_runners", "__weakref__")
+                 "_twin", "_runners", "_made", "__weakref__")
 
     def __init__(self, step: Step, options: Options | None = None, settings: WorkerSettings | None = None,
                  **kwargs: Any):
@@ -88,6 +88,9 @@ class CompiledStep:
         set_(self, "_packages", packages)
         set_(self, "_graphs", {})  # memory kind -> Graphs (the compiled graphs, filled as runners compile)
         set_(self, "_runners", weakref.WeakSet())  # every runner made: close() and finish_after_exit() reach them
+        # (a runner, weakly; its progress and rate meter, plain values): what .progress reads, ft.run's runner included
+        # once ft.run has returned and its runner is gone
+        set_(self, "_made", [])
         # a donating runner of a step on the Dynamo path may take the direct path (CUDA graphs need donation): a
         # compiled step of its own, made at the first such runner
         set_(self, "_twin", [])
@@ -128,6 +131,10 @@ class CompiledStep:
             made = Runner(graphs, BackgroundCompiler(self.step, self.options, self.settings, self._backend,
                                                      self._packages, memory) if bg else None)
         self._runners.add(made)
+        called = [m for m in self._made if m[2].path is not None]
+        last = max(called, key=lambda m: m[2].last) if called else None
+        self._made[:] = [m for m in self._made if m[0]() is not None or m is last]  # (the gone ones but the last)
+        self._made.append((weakref.ref(made), made.progress, made.rates))
         return made
 
     def _donating_twin(self) -> "CompiledStep":
@@ -143,10 +150,6 @@ class CompiledStep:
                 cuda_graphs=self.options.cuda_graphs, reuse_blocks=self.options.reuse_blocks,
                 draw_captures=self.settings.draw_captures)
         return graphs
-
-    def donating(self, background: bool | None = None) -> Runner | DynamoRunner:
-        """A new donating runner: ``runner(donate=True, background=background)`` (the name ``ft.run`` used)."""
-        return self.runner(donate=True, background=background)
 
     def direct(self, donate: bool) -> Graphs | None:
         """The graphs of the direct path that a donating runner (``donate=True``: ``ft.run``'s) or a plain call
@@ -166,8 +169,17 @@ class CompiledStep:
 
     @property
     def progress(self) -> Progress:
-        """Where the compile of this step's own runner (its plain calls) stands."""
-        return self._own.progress
+        """Where the compile of the runner that last trained this step stands: ``ft.run``'s, the Trainer's, a runner
+        of the caller's, or the step's own (its plain calls; before any call, that one).
+
+        Example::
+
+            state = ft.run(cstep, state, loader, num_steps=1000)
+            cstep.progress.phase            # 'compiled': ft.run's runner trained the step compiled
+        """
+        made = [*self._made, *(self._twin[0]._made if self._twin else ())]
+        called = [(rates.last, progress) for _, progress, rates in made if rates.path is not None]
+        return max(called, key=lambda c: c[0])[1] if called else self._own.progress
 
     def close(self) -> None:
         """Stop this step's background compiles that still run, in every runner made from it (their workers are
@@ -227,9 +239,12 @@ class CompiledStep:
         from .jobs import leads_at_once
 
         cpu0 = cpu_seconds()
-        seconds, nodes, metas = made.precompile(state, batch)
+        inductor = {"mode": self.options.mode, "options": self.options.options, "donate": self.options.donate}
+        # (compiled in a worker the caller waits for: its compilers die with this process, however it dies)
+        seconds, nodes, metas, worker_cpu = made.precompile(state, batch, self.settings, inductor)
         if seconds > 0 and leads_at_once():  # the compile's outcome, for the compile policy
-            History.beside_caches().add_compile(kind_of(metas, self.options.mode), nodes, cpu_seconds() - cpu0)
+            History.beside_caches().add_compile(kind_of(metas, self.options.mode), nodes,
+                                                cpu_seconds() - cpu0 + worker_cpu)
         if not quiet:
             print(f"functrain: compiled ahead in {seconds:.1f} s; a run of this step loads it from the caches at its "
                   f"first trace and runs compiled from then on", file=sys.stderr, flush=True)

@@ -3,7 +3,7 @@
 A CUDA graph replays recorded kernels on the very addresses it was recorded with. A
 donated step is the ideal case: the graph writes the new state into the input state's
 buffers, so step after step the state sits at the same addresses (``donate=True``
-moves the storage to new tensor objects, ``.donating()`` keeps the objects), and the
+moves the storage to new tensor objects, ``.runner(donate=True)`` keeps the objects), and the
 tensors the step closes over are the same objects every call. Only the batch changes:
 it is copied into buffers of the graph's own before each replay. The metrics the graph
 returns live in its memory pool (overwritten by the next replay) and are cloned.
@@ -29,7 +29,7 @@ _MANY_RECORDS = 8
 def why_not(tensors: list, constants: list, *, donate: bool, random: bool) -> str | None:
     """Why the compiled step cannot run as a CUDA graph (``None`` if it can)."""
     if not donate:
-        return "the state is not donated (pass donate=True, or use .donating() / ft.run)"
+        return "the state is not donated (pass donate=True, or use .runner(donate=True) / ft.run)"
     if random:
         return "the step draws random numbers (their host-side seeding is not part of a CUDA graph)"
     devices = {t.device for t in list(tensors) + list(constants)}
@@ -97,4 +97,4 @@ class GraphedCall:
         if self.records == _MANY_RECORDS:
             warnings.warn(f"ft.compile(mode='reduce-overhead'): the state has moved to new addresses "
                           f"{self.records} times (each records a new CUDA graph); step one donated state "
-                          f"(donate=True, or .donating() / ft.run) instead of passing new ones", stacklevel=4)
+                          f"(donate=True, or .runner(donate=True) / ft.run) instead of passing new ones", stacklevel=4)

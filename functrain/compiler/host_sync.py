@@ -60,11 +60,6 @@ class HostSync(RuntimeError):
         self.what, self.where = what, where
 
 
-def _is_users(filename: str) -> bool:
-    path = os.path.abspath(filename)
-    return not (path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIR) or filename.startswith("<frozen"))
-
-
 def _users_frame(frame: Any) -> Where | None:
     """The innermost frame of the user's code at or above ``frame``, or ``None`` if that is functrain's (its
     own host work, not the user's) or there is none."""

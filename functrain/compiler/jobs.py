@@ -36,8 +36,9 @@ from .backend import compile_graph
 from .capture import Captured
 from .settings import WorkerSettings
 
-__all__ = ["Job", "FailedJob", "InlineJob", "LoadedJob", "ThreadJob", "WorkerJob", "SharedJob", "TIMEOUT_ENV",
-           "FINISH_ENV", "GRACE_ENV", "RUNNING", "READY", "FAILED", "DECLINED", "leads_at_once", "worker_command", "outlives"]
+__all__ = ["Job", "FailedJob", "InlineJob", "LoadedJob", "ThreadJob", "WorkerJob", "SharedJob", "WorkerPool", "TIMEOUT_ENV",
+           "FINISH_ENV", "GRACE_ENV", "RUNNING", "READY", "FAILED", "DECLINED", "leads_at_once", "worker_command", "outlives",
+           "compile_apart"]
 
 TIMEOUT_ENV = "FUNCTRAIN_COMPILE_TIMEOUT"  # (named in messages; read by compiler.settings only)
 FINISH_ENV = "FUNCTRAIN_COMPILE_FINISH"
@@ -200,6 +201,9 @@ class ThreadJob(Job):
 
 
 _LIVE: "weakref.WeakSet[WorkerJob]" = weakref.WeakSet()
+# the jobs a run that ended normally leaves to finish at exit (finish_after_exit): held here, so that dropping the
+# runner that made them (a script's loop returning) does not kill them before exit decides
+_KEPT: set = set()
 _atexit_registered = False
 
 
@@ -297,6 +301,7 @@ class WorkerJob(Job):
             self.close()
         else:
             self.keep = finish and self.status == RUNNING
+            (_KEPT.add if self.keep else _KEPT.discard)(self)
 
     def detach(self, wait: float = 10.0) -> bool:
         """Ask the running worker to outlive this process and stop watching it: once it has said ``ready`` (it
@@ -335,6 +340,7 @@ class WorkerJob(Job):
             return False
         self._finalizer.detach()
         _LIVE.discard(self)
+        _KEPT.discard(self)
         for f in (self.proc.stdin, self.proc.stdout, self.log):  # (the worker goes on: its pipes and log are its)
             try:
                 f.close()
@@ -356,6 +362,7 @@ class WorkerJob(Job):
         tail = self._log_tail()
         self._finalizer()  # reaped: its pipes and log closed
         _LIVE.discard(self)
+        _KEPT.discard(self)
         result = None
         if answer:
             import json
@@ -388,26 +395,77 @@ class WorkerJob(Job):
     def close(self) -> None:
         self._finalizer()  # (once: a later call does nothing)
         _LIVE.discard(self)
+        _KEPT.discard(self)
+
+
+class WorkerPool:
+    """The compile workers of one background compiler: at most one *spare* (started before a graph is traced, so
+    that it imports torch and inductor meanwhile), taken by the job that compiles the graph (:meth:`take`), or
+    closed when no job will (:meth:`release`). A job is given the pool, never a callback into its owner.
+
+    Attributes:
+        given: workers given a graph (``Progress.workers``).
+
+    Example::
+
+        >>> from functrain.compiler.jobs import WorkerPool
+        >>> from functrain.compiler.settings import WorkerSettings
+        >>> pool = WorkerPool(WorkerSettings.from_env())
+        >>> pool.spare_pid is None, pool.given
+        (True, 0)
+        >>> pool.release()  # (nothing to close)
+    """
+
+    def __init__(self, settings: WorkerSettings):
+        self.settings = settings
+        self.given = 0
+        self._spare: WorkerJob | None = None
+
+    def warm(self) -> None:
+        """Start the spare worker now if there is none."""
+        if self._spare is None:
+            self._spare = WorkerJob(self.settings)
+
+    @property
+    def spare_pid(self) -> int | None:
+        """The spare worker's process id, or ``None``."""
+        return self._spare.pid if self._spare is not None else None
+
+    def take(self) -> "WorkerJob":
+        """A worker for a graph: the spare (no longer spare), or a new one."""
+        worker, self._spare = self._spare, None
+        self.given += 1
+        return worker if worker is not None else WorkerJob(self.settings)
+
+    def release(self) -> None:
+        """Close the spare worker, if any (no job will need it)."""
+        if self._spare is not None:
+            self._spare.close()
+            self._spare = None
+
+    def finish_after_exit(self) -> None:
+        """The run ended: a spare worker is not left waiting (it has no graph)."""
+        self.release()
 
 
 class SharedJob(Job):
-    """One graph compiled once per machine: by a worker this process starts, or by another process's.
+    """One graph compiled once per machine: by a worker this process takes from its pool, or by another process's.
 
     The graph's machine-wide lock (:class:`~functrain.compiler.graph_lock.GraphLock`) says who compiles. This
-    process *leads* by taking it: it holds the lock on the training thread while its worker (``start(key)``:
-    a :class:`WorkerJob`, told that the lock is held for it) compiles, and releases it when the worker ends.
-    Otherwise it *follows*: each :meth:`poll` (one per step) probes the lock; once the process that held it
-    has let it go, :meth:`poll` loads the code from the caches (``load()``: the training thread's one cache
-    load, which the switch would make anyway) and the job is ready, with no worker and no compile here. A
-    follower leads after all when the lock is free and the caches miss: the other process failed or was
-    killed, or (a rank other than local rank 0, which waits ``grace`` seconds for local rank 0 to start)
-    nobody started.
+    process *leads* by taking it: it holds the lock on the training thread while its worker (taken from ``pool``
+    and sent ``payload``, the graph with the lock's key) compiles, and releases it when the worker ends.
+    Otherwise it *follows* (and releases the pool's spare: no worker here): each :meth:`poll` (one per step)
+    probes the lock; once the process that held it has let it go, :meth:`poll` loads the code from the caches
+    (``backend.load``: the training thread's one cache load, which the switch would make anyway) and the job is
+    ready, with no worker and no compile here. A follower leads after all when the lock is free and the caches
+    miss: the other process failed or was killed, or (a rank other than local rank 0, which waits ``grace``
+    seconds for local rank 0 to start) nobody started.
     """
 
-    def __init__(self, lock: Any, load: Callable[[], Callable], start: Callable[[str], Job], lead: bool,
+    def __init__(self, lock: Any, cap: Captured, backend: Any, pool: WorkerPool, payload: bytes, lead: bool,
                  grace: float, timeout: float):
         super().__init__()
-        self.lock, self._load, self._start = lock, load, start
+        self.lock, self.cap, self.backend, self.pool, self.payload = lock, cap, backend, pool, payload
         self.timeout = timeout
         self.inner: Job | None = None  # this process's worker, when it leads
         self.fn: Callable | None = None
@@ -416,6 +474,8 @@ class SharedJob(Job):
         self._lead_at = self.started + (0.0 if lead or not lock.usable else grace)
         if lead:
             self._lead()
+        if self.inner is None:  # another process compiles it: no worker here
+            pool.release()
 
     @property
     def source(self) -> str:  # type: ignore[override]
@@ -431,7 +491,8 @@ class SharedJob(Job):
         if not self.lock.acquire():
             self.seen_held = True  # another process took it first: follow it
             return
-        self.inner = self._start(self.lock.key)
+        self.inner = self.pool.take()
+        self.inner.send(self.payload)
 
     def poll(self) -> int:
         if self.status != RUNNING:
@@ -451,7 +512,7 @@ class SharedJob(Job):
             return RUNNING
         if self.seen_held:
             try:
-                self.fn = self._load()
+                self.fn = self.backend.load(self.cap.gm, self.cap.metas)
             except Exception:  # noqa: BLE001 - the other process failed or died: compile it here
                 self.seen_held = False
                 self._lead_at = 0.0
@@ -466,14 +527,41 @@ class SharedJob(Job):
         return self.fn if self.inner is None else self.inner.code()
 
     def finish_after_exit(self, finish: bool = True) -> None:
-        """See :meth:`WorkerJob.finish_after_exit` (a follower has nothing running)."""
+        """See :meth:`WorkerJob.finish_after_exit` (a follower has nothing running); a job left to finish keeps its
+        graph's lock until exit."""
         if isinstance(self.inner, WorkerJob):
             self.inner.finish_after_exit(finish)
+            (_KEPT.add if self.inner.keep else _KEPT.discard)(self)
 
     def close(self) -> None:
         if self.inner is not None:
             self.inner.close()
         self.lock.close()
+        _KEPT.discard(self)
+
+
+def compile_apart(cap: Captured, backend: Any, settings: WorkerSettings,
+                  inductor: dict) -> tuple[Callable | None, float]:
+    """Compile ``cap`` now in a worker process and load its code here (what :meth:`functrain.CompiledStep.precompile`
+    does on the direct path with inductor): the caller waits, as for a compile on its own thread, but the compile's
+    processes are the worker's process group, which dies with the caller, its C++ compilers included, even if the
+    caller is SIGKILLed (a compile on the caller's thread would leave its ``g++`` running). Returns the code and the
+    worker's CPU seconds (its compilers' included); ``(None, 0.0)`` for a graph torch cannot serialize (the caller
+    compiles it on its thread). Raises ``RuntimeError`` with the worker's reason if the compile failed."""
+    from .worker import job_payload
+
+    try:
+        payload = job_payload(cap.gm, cap.metas, inductor, lock_timeout=settings.lock_timeout)
+    except Exception:  # noqa: BLE001 - a graph torch cannot serialize: the caller's thread compiles it
+        return None, 0.0
+    job = WorkerJob(settings)
+    try:
+        job.send(payload)
+        if job.wait() != READY:
+            raise RuntimeError(f"ft.compile: the compile failed: {job.reason}")
+    finally:
+        job.close()
+    return backend.load(cap.gm, cap.metas), job.cpu_s or 0.0
 
 
 def _first(error: BaseException) -> str:

@@ -39,12 +39,13 @@ from ..core.checks import check_batch
 from ..core.rng import host_seed, with_rng
 from ..core.step import Step
 from .backend import CountingBackend, DynamoCall, compile_captured
-from .background import BackgroundCompiler, Ready
+from .background import BackgroundCompiler, Eager, Ready
 from .capture import CaptureError, Captured, Signature, flatten, trace
 from .errors import explain
 from .host_draws import DrawCases
+from .jobs import compile_apart
 from .progress import PhaseRates, Progress
-from .settings import DRAW_CAPTURES
+from .settings import DRAW_CAPTURES, WorkerSettings
 
 __all__ = ["Graphs", "Runner", "DynamoRunner", "next_rng", "signature_key"]
 
@@ -171,58 +172,22 @@ class Runner:
         self.recaptures: list[tuple[Signature, Signature]] = []
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, dict]:
+        """One call: the graph for these inputs (the last call's if they fit it; else found by key, or asked of
+        the background compiler, or compiled here), then called."""
         bg = self.background
         if bg is not None and bg.eager_only:  # the policy declined this run's compile: the eager step, no key
             self.step.check_state(state)
-            done = bg.eager(state, batch)
-            self.progress.eager_calls += 1
-            self.rates.record("eager", False)
-            return done.new, done.metrics
+            return self._eager(bg.eager(state, batch))
         rng = getattr(state, "rng", None)
-        s = state._replace(rng=None) if rng is not None else state
-        cap = self.last
-        tensors = None
-        paused = False
-        if cap is not None and (cap.draws is None or DrawCases.holds(cap, host_seed(rng))):  # (host_draws)
-            leaves = flatten(cap.signature.spec, (s, batch))
-            if leaves is not None:
-                tensors = cap.signature.tensors(leaves, self.trusted)
-        if tensors is None:
-            self.step.check_state(state)  # a bad input or a donated state raises its clear error here
-            check_batch(batch)
-            leaves, key = signature_key(s, batch)
-            key = self.graphs.draws.key(key, rng)  # (the step's Python draws pick among its captures: host_draws)
-            if key is None:  # an outcome of the draws past the bound on their captures (host_draws): eager
-                return self._eager(state, batch)
-            old, cap = cap, self.graphs.captures.get(key)
-            if cap is None and self.background is not None:  # eager until this graph is compiled elsewhere
-                decision = self.background.on_miss(state, batch, s, key, self.graphs)
-                paused = decision.paused
-                if not isinstance(decision, Ready):
-                    self.pauses += paused
-                    self.last, self.trusted = None, None
-                    self.progress.eager_calls += 1
-                    self.rates.record("eager", paused)
-                    return decision.new, decision.metrics
-                cap = self.graphs.install(key, decision.capture, decision.fn)
-                if not DrawCases.holds(cap, host_seed(rng)):  # it holds another outcome of the draws: keyed anew
-                    return self(state, batch)
-                if self.memory != "fresh":  # a donating graph writes every leaf in place: no two may share one
-                    state = _unaliased(state)
-                    s = state._replace(rng=None) if rng is not None else state
-                    leaves, _ = signature_key(s, batch)
-            elif cap is None:  # compile it here, now, on the caller's thread
-                paused = True
-                t0 = time.perf_counter()
-                if self.progress.phase == "eager":
-                    self.progress.phase = "compiling"
-                cap = self.graphs.compiled(key, s, state, batch)
-                if old is not None:  # a new signature after another: record both (what changed)
-                    self.recaptures.append((old.signature, cap.signature))
-                if self.progress.compile_s is None:
-                    self.progress.compile_s, self.progress.source = time.perf_counter() - t0, "here"
-                self.progress.traced = True
-                self.progress.phase = "compiled"
+        fit = self._fits(state, batch, rng)
+        if fit is not None:
+            cap, leaves, tensors = fit
+            paused = False
+        else:
+            found = self._find(state, batch, rng)
+            if isinstance(found, Eager):
+                return self._eager(found)
+            cap, state, leaves, paused = found
             self.pauses += paused
             tensors = cap.signature.tensors(leaves)
             self.last, self.trusted = cap, None
@@ -230,17 +195,75 @@ class Runner:
         self.rates.record("compiled", paused)
         return new, metrics
 
-    def _eager(self, state: Any, batch: Any) -> tuple[Any, dict]:
-        """One call of the eager step (its background component's, which retires a donated input state)."""
+    def _fits(self, state: Any, batch: Any, rng: Any) -> tuple | None:
+        """``(capture, leaves, tensors)`` when the inputs fit the last call's capture (its treespec, its tensors'
+        shapes, strides, dtypes and devices, its outcome of the step's Python draws), else ``None``."""
+        cap = self.last
+        if cap is None or not (cap.draws is None or DrawCases.holds(cap, host_seed(rng))):  # (host_draws)
+            return None
+        leaves = flatten(cap.signature.spec, (state._replace(rng=None) if rng is not None else state, batch))
+        tensors = cap.signature.tensors(leaves, self.trusted) if leaves is not None else None
+        return None if tensors is None else (cap, leaves, tensors)
+
+    def _find(self, state: Any, batch: Any, rng: Any) -> tuple | Eager:
+        """The capture for a new signature: ``(capture, state, leaves, paused)``, where ``state`` is the one to
+        call it on; or the background compiler's :class:`~functrain.compiler.background.Eager` answer (the eager
+        step ran). Bad inputs (a donated state) raise their clear error here."""
+        self.step.check_state(state)
+        check_batch(batch)
+        while True:
+            s = _without_rng(state)
+            leaves, key = signature_key(s, batch)
+            key = self.graphs.draws.key(key, rng)  # (the step's Python draws pick among its captures: host_draws)
+            if key is None:  # an outcome of the draws past the bound on their captures (host_draws): eager
+                return self._past_bound(state, batch)
+            cap = self.graphs.captures.get(key)
+            if cap is not None:
+                if self.background is not None:  # (compiled by another runner of the step: this one runs it too)
+                    self.background.found(key)
+                return cap, state, leaves, False
+            if self.background is None:  # compile it here, now, on the caller's thread
+                return self._compile_here(key, s, state, batch), state, leaves, True
+            decision = self.background.on_miss(state, batch, s, key, self.graphs)
+            if not isinstance(decision, Ready):
+                return decision
+            cap = self.graphs.install(key, decision.capture, decision.fn)
+            if not DrawCases.holds(cap, host_seed(rng)):  # it holds another outcome of the draws: keyed anew
+                continue
+            if self.memory != "fresh":  # a donating graph writes every leaf in place: no two may share one
+                state = _unaliased(state)
+                leaves, _ = signature_key(_without_rng(state), batch)
+            return cap, state, leaves, decision.paused
+
+    def _compile_here(self, key: Any, s: Any, state: Any, batch: Any) -> Captured:
+        """A blocking compile (no background compiler): the caller waits; this runner's :class:`Progress` says so."""
+        t0 = time.perf_counter()
+        p = self.progress
+        if p.phase == "eager":
+            p.phase = "compiling"
+        cap = self.graphs.compiled(key, s, state, batch)
+        if self.last is not None:  # a new signature after another: record both (what changed)
+            self.recaptures.append((self.last.signature, cap.signature))
+        if p.compile_s is None:
+            p.compile_s, p.source = time.perf_counter() - t0, "here"
+        p.traced, p.phase = True, "compiled"
+        return cap
+
+    def _past_bound(self, state: Any, batch: Any) -> Eager:
+        """One eager call for an outcome of the step's Python draws past the bound on their captures (host_draws):
+        the background compiler's eager step (it retires a donated input, counts the call), else the step's."""
         if self.background is not None:
-            done = self.background.eager(state, batch)
-            new, metrics = done.new, done.metrics
-        else:
-            new, metrics = self.step(state, batch)
+            return self.background.eager(state, batch)
+        new, metrics = self.step(state, batch)
+        self.progress.eager_calls += 1  # (no background compiler: this runner writes its own Progress)
+        return Eager(new, metrics, False)
+
+    def _eager(self, done: Eager) -> tuple[Any, dict]:
+        """The eager step ran (the background compiler's answer): no capture is the last."""
+        self.pauses += done.paused
         self.last, self.trusted = None, None
-        self.progress.eager_calls += 1
-        self.rates.record("eager", False)
-        return new, metrics
+        self.rates.record("eager", done.paused)
+        return done.new, done.metrics
 
     def _call(self, cap: Captured, tensors: list, leaves: list, state: Any, batch: Any, rng: Any) -> tuple:
         if cap.random and rng is not None:
@@ -276,6 +299,22 @@ class Runner:
                 return cap
         return self.graphs.traced(state, batch)
 
+    def kept(self, state: Any, batch: Any) -> Captured | None:
+        """The capture this runner has for ``(state, batch)`` without tracing again, or ``None``: the one its
+        background compile traced (held or compiling), else a capture in the step's graphs for this signature (one
+        per outcome of the step's Python draws; compiled, its graph kept). What :func:`functrain.memory` walks."""
+        from .host_draws import OutcomeKey
+
+        key = signature_key(_without_rng(state), batch)[1]
+        cap = self.background.traced(key) if self.background is not None else None
+        if cap is not None:
+            return cap
+        for k, cap in self.graphs.captures.items():
+            if (k == key or (isinstance(k, OutcomeKey) and k.base == key)) and (cap.gm is not None or
+                                                                               cap.walk_gm is not None):
+                return cap
+        return None
+
     def finish_after_exit(self, finish: bool = True) -> None:
         """The caller's run ended normally (``finish``) or was stopped (``False``): whether a background compile
         still running may finish after the process exits (the rule: :func:`functrain.compiler.jobs.outlives`);
@@ -291,22 +330,30 @@ class Runner:
         if self.background is not None:
             self.background.expect(steps)
 
-    def precompile(self, state: Any, batch: Any) -> tuple[float, int, tuple]:
-        """Trace and compile the graph for ``(state, batch)`` now, on the caller's thread, into the caches (and
-        install it in the step's graphs); nothing is stepped. Returns the seconds it took (0 when it was
-        compiled already), the traced graph's node count and its inputs' metadata (what the compile history keys
-        on)."""
+    def precompile(self, state: Any, batch: Any, settings: WorkerSettings | None = None,
+                   inductor: dict | None = None) -> tuple[float, int, tuple, float]:
+        """Trace and compile the graph for ``(state, batch)`` now into the caches (and install it in the step's
+        graphs); nothing is stepped. With ``settings`` (a process worker) and a backend whose code travels
+        (inductor), the compile runs in a worker process the caller waits for
+        (:func:`~functrain.compiler.jobs.compile_apart`: its compilers die with the caller); otherwise on the
+        caller's thread. Returns the seconds it took (0 when it was compiled already), the traced graph's node
+        count, its inputs' metadata (what the compile history keys on) and the worker's CPU seconds (0 without
+        one)."""
         s = _without_rng(state)
         self.step.check_state(state)
         check_batch(batch)
         _, key = signature_key(s, batch)
         if key in self.graphs.captures:
-            return 0.0, 0, ()
+            return 0.0, 0, (), 0.0
         t0 = time.perf_counter()
         cap = self.graphs.take_pending(key) or self.graphs.trace(s, state, batch)
         nodes, metas = len(cap.gm.graph.nodes), cap.metas
-        self.graphs.install(key, cap, None)  # (compiled here, now)
-        return time.perf_counter() - t0, nodes, metas
+        fn, apart_s = None, 0.0
+        if settings is not None and settings.worker == "process" and self.graphs.backend.shared \
+                and self.graphs.packages is None:
+            fn, apart_s = compile_apart(cap, self.graphs.backend, settings, inductor or {})
+        self.graphs.install(key, cap, fn)  # (fn None: compiled here, now)
+        return time.perf_counter() - t0, nodes, metas, apart_s
 
     def close(self) -> None:
         """Stop this runner's background compiles that still run; their signatures run eagerly from now on."""
@@ -353,6 +400,10 @@ class DynamoRunner:
 
     def traced(self, state: Any, batch: Any) -> None:
         """``None``: the Dynamo path keeps no capture (:func:`functrain.memory` traces afresh)."""
+        return None
+
+    def kept(self, state: Any, batch: Any) -> None:
+        """``None``: the Dynamo path keeps no capture."""
         return None
 
     def finish_after_exit(self, finish: bool = True) -> None:

@@ -174,11 +174,6 @@ class FlatLayout:
         return cls(spec, dtypes, [tuple(c[1:]) for c in codes],
                    int(slot.world) if world is None else world, int(slot.rank) if rank is None else rank)
 
-    def for_rank(self, world: int, rank: int) -> "FlatLayout":
-        """The same params cut for another world size / rank."""
-        return FlatLayout(self.spec, [self.dtypes[e[0]] for e in self.entries], [e[1] for e in self.entries],
-                          world, rank)
-
     def slot(self, params_sharded: bool, device: Any = None) -> ShardState:
         """This layout as the state's :class:`ShardState` slot."""
         codes = [torch.tensor([DTYPES.index(self.dtypes[k]), *shape], dtype=torch.int64, device=device)

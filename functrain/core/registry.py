@@ -92,7 +92,8 @@ def type_by_name(name: str) -> type | None:
 
 
 def unregister(name: str) -> Callable[[], None]:
-    """Remove a registration (tests); returns nothing useful, kept private by convention."""
+    """Remove a registration. Used by the tests only, kept here: it is the inverse of :func:`register` and touches
+    the registry's private tables, which a test must not reach into; a test that registers a class removes it."""
     cls = _TYPES.pop(name, None)
     if cls is not None and _NAMES.get(cls) == name:
         del _NAMES[cls]

@@ -1,7 +1,11 @@
-"""How :class:`functrain.Trainer` gets its step: the model's loss, the optimizer and schedule, the transforms.
+"""How :class:`functrain.Trainer` is built: its config, its model's loss, its step (the optimizer and schedule, the
+transforms, the compiled step and the runner the loop calls), its loaders and evaluation.
 
-Kept apart from the loop (``loop.py``) because it is pure construction: a config (and the user's optimizer,
-transforms or ready step) in, a :class:`~functrain.core.step.Step` out, every mistake reported before training.
+Kept apart from the loop (``loop.py``) because it is pure construction: a config (and the user's model, optimizer,
+transforms or ready step) in, the trainer's components out, every mistake reported before training.
+``Trainer.__init__`` calls these builders in order (:func:`trainer_config`, :func:`trainer_trackers`,
+:func:`model_and_loss`, :func:`trainer_step`, :func:`train_loader`, :func:`evaluation`), then makes the loop's
+components.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ from ..core.transform import Transform
 from ..transforms import accumulate, clip, ema, mixed_precision, skip_nonfinite
 from .config import TrainConfig
 
-__all__ = ["model_loss", "output_loss", "config_lr", "config_ema", "build_step"]
+__all__ = ["model_loss", "output_loss", "config_lr", "config_ema", "build_step", "trainer_config", "trainer_trackers",
+           "model_and_loss", "trainer_step", "train_loader", "evaluation"]
 
 # The config fields that only shape the built-in step (ignored with a ready ``step=``) and its optimizer
 # (ignored with ``optimizer=``): a value changed from its default there would be silently unused, so it warns.
@@ -244,3 +249,98 @@ def _wants_data_parallel(config: TrainConfig, world: int) -> bool:
     """Several processes, or a sharded state on one: a sharded run's state is sharded (over 1 rank) on one
     process too, so its checkpoints have the same layout at every world size (and reshard when it changes)."""
     return world > 1 or config.shard != "none"
+
+
+# -- the Trainer's builders (called in this order by Trainer.__init__) ---------------------------------
+def trainer_config(config: TrainConfig | None, package: dict) -> tuple[TrainConfig, bool]:
+    """The run's config and whether this is the package's call (``ft.Trainer(diffusion, folder, train_batch_size=32,
+    ...)``: no config, its keywords build one); a config and keywords together are refused."""
+    from .config import package_config
+
+    if config is None:
+        return package_config(package)[0], True
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"Trainer needs a functrain.TrainConfig; got {type(config).__name__}")
+    if package:
+        names = ", ".join(sorted(package))
+        raise TypeError(f"Trainer got a TrainConfig and the keywords {names}: give one or the other (the "
+                        f"keywords build the TrainConfig: ft.Trainer(model, dataset, {names}=...), or set them "
+                        f"in yours: config.replace(...))")
+    return config, False
+
+
+def trainer_trackers(config: TrainConfig, trackers: Any, eval_dataset: Any) -> list:
+    """The checked trackers of the run (the config's, then ``trackers=``); what needs an ``eval_dataset=`` is
+    refused without one."""
+    from .trackers import check_trackers
+
+    if isinstance(trackers, str) or not isinstance(trackers, (list, tuple)):
+        raise TypeError(f"Trainer(trackers=...) takes a list of tracker objects (log(step, metrics)) or names; "
+                        f"got {type(trackers).__name__} (names can also go in TrainConfig.trackers)")
+    items = check_trackers((*config.trackers, *trackers))
+    if eval_dataset is None and config.eval_every:
+        raise ValueError(f"TrainConfig.eval_every={config.eval_every} but the Trainer has no eval_dataset=")
+    if eval_dataset is None and config.keep_best is not None:
+        raise ValueError(f"TrainConfig.keep_best={config.keep_best!r} keeps the checkpoint with the best held-out "
+                         f"loss, and the Trainer has no eval_dataset= to compute it "
+                         f"(save_best_and_latest_only=True sets keep_best='eval_loss_ema')")
+    return items
+
+
+def model_and_loss(model_or_loss: Any, params: Any, buffers: Any, device: Any) -> tuple:
+    """``(module or None, loss_fn, params, buffers)``: a module moved to ``device`` and functionalized, or a
+    ``loss_fn(params, buffers, batch)`` with its ``params=``."""
+    from ..core.module import functionalize
+
+    if isinstance(model_or_loss, torch.nn.Module):
+        module = model_or_loss.to(device)
+        apply_fn, params, buffers = functionalize(module)
+        return module, model_loss(apply_fn), params, buffers
+    if callable(model_or_loss):
+        if params is None:
+            raise TypeError("Trainer(loss_fn, ...) needs params= (and buffers=): with a module they come from it")
+        return None, checked_loss(model_or_loss), params, buffers
+    raise TypeError(f"Trainer trains an nn.Module or a loss_fn(params, buffers, batch); "
+                    f"got {type(model_or_loss).__name__}")
+
+
+def trainer_step(loss: Callable, config: TrainConfig, world: int, **kwargs: Any) -> tuple:
+    """``(step, compiled, run_step)``: the step (:func:`build_step`, ``kwargs`` its keywords), the
+    :class:`~functrain.CompiledStep` (``None`` with ``compile=False``) and what the loop calls: the compiled
+    step's runner (donating, compiling in the background) or the step."""
+    from ..compiler.api import compile as compile_step
+
+    step, compiled = build_step(loss, config, world, **kwargs)
+    if compiled is None and config.compile:
+        compiled = compile_step(step, background=config.compile_background, switch_at=config.compile_switch_at,
+                                policy=config.compile_policy)
+    return step, compiled, compiled.runner(donate=True, background=True) if compiled is not None else step
+
+
+def train_loader(dataset: Any, config: TrainConfig, world: int, per_process: int, device: Any) -> Any:
+    """The training loader: ``ft.shard`` of ``dataset``, a process's batch times the accumulation, shuffled,
+    incomplete last batches dropped; an empty one refused with what to change."""
+    from ..data import shard
+
+    loader = shard(dataset, batch_size=per_process * config.gradient_accumulate_every, shuffle=True,
+                   seed=config.seed, drop_last=True, device=device)
+    loader.check_nonempty("train dataset", remedy=(
+        f"the Trainer drops an incomplete last batch, so lower TrainConfig.train_batch_size (now "
+        f"{config.train_batch_size}) or gradient_accumulate_every (now {config.gradient_accumulate_every}: a "
+        f"rank's batch is their product), use fewer processes (now {world}) or add data"))
+    return loader
+
+
+def evaluation(loss: Callable, eval_dataset: Any, config: TrainConfig, world: int, per_process: int, device: Any,
+               module: torch.nn.Module | None) -> Any:
+    """The run's :class:`~functrain.trainer.components.Evaluation` of ``eval_dataset``, or ``None`` without one."""
+    from .components import Evaluation
+    from .evaluator import Evaluator
+    from .inputs import process_batch
+
+    if eval_dataset is None:
+        return None
+    batch = per_process if config.eval_batch_size is None else \
+        process_batch(config, world, config.eval_batch_size, "eval_batch_size")
+    return Evaluation(Evaluator(loss, eval_dataset, batch, device=device, module=module, seed=config.seed),
+                      every=config.eval_every or config.save_and_sample_every, last=config.train_num_steps)

@@ -22,24 +22,20 @@ from .. import distributed
 from ..checkpoint.export import export_weights
 from ..checkpoint import CheckpointError, CheckpointManager, FolderLock, StructureMismatch, load_extra
 from ..checkpoint.per_rank import is_sharded
-from ..compiler.api import compile as compile_step
-from ..data import shard
 from ..distributed import PeerFailed, gather_state
 from ..distributed.comm import any_rank, check_same
 from ..driver import run_steps
-from ..core.module import functionalize
 from ..core.state import TrainState
 from .components import Checkpointing, Evaluation, MetricsLog, MetricsPlot, Sampling, SkippedUpdates
 from .compiling import RunClock, precompile
-from .config import FOLDER_OPTIONS, TrainConfig, package_config
-from .evaluator import Evaluator
+from .config import FOLDER_OPTIONS, TrainConfig
 from .hooks import Hooks
 from .plots import MetricHistory
 from .stopping import StopAgreement
 from .summary import FirstBatch, MemoryLine, run_summary, schedule_change
-from .build import build_step, checked_loss, model_loss
+from .build import evaluation, model_and_loss, train_loader, trainer_config, trainer_step, trainer_trackers
 from .inputs import batch_line, ema_copy, load_weights, process_batch, resolve_dataset, with_augmentation
-from .trackers import check_trackers, make_trackers
+from .trackers import make_trackers
 
 __all__ = ["Trainer"]
 
@@ -174,72 +170,26 @@ class Trainer:
                  on_save: Callable | None = None, on_eval: Callable | None = None,
                  should_stop: Callable | None = None, trackers: list | tuple = (), **package: Any):
         folder_options = {k: package.pop(k) for k in FOLDER_OPTIONS if k in package}
-        package_call = config is None
-        if package_call:  # the package's call: ft.Trainer(diffusion, folder, train_batch_size=32, ...)
-            config, _ = package_config(package)
-        elif not isinstance(config, TrainConfig):
-            raise TypeError(f"Trainer needs a functrain.TrainConfig; got {type(config).__name__}")
-        elif package:
-            names = ", ".join(sorted(package))
-            raise TypeError(f"Trainer got a TrainConfig and the keywords {names}: give one or the other (the "
-                            f"keywords build the TrainConfig: ft.Trainer(model, dataset, {names}=...), or set them "
-                            f"in yours: config.replace(...))")
+        config, package_call = trainer_config(config, package)
         self.config = config
         self.hooks = Hooks(callbacks, on_log=on_log, on_save=on_save, on_eval=on_eval, should_stop=should_stop)
-        if isinstance(trackers, str) or not isinstance(trackers, (list, tuple)):
-            raise TypeError(f"Trainer(trackers=...) takes a list of tracker objects (log(step, metrics)) or names; "
-                            f"got {type(trackers).__name__} (names can also go in TrainConfig.trackers)")
-        self.tracker_items = check_trackers((*config.trackers, *trackers))
-        if eval_dataset is None and config.eval_every:
-            raise ValueError(f"TrainConfig.eval_every={config.eval_every} but the Trainer has no eval_dataset=")
-        if eval_dataset is None and config.keep_best is not None:
-            raise ValueError(f"TrainConfig.keep_best={config.keep_best!r} keeps the checkpoint with the best held-out "
-                             f"loss, and the Trainer has no eval_dataset= to compute it "
-                             f"(save_best_and_latest_only=True sets keep_best='eval_loss_ema')")
+        self.tracker_items = trainer_trackers(config, trackers, eval_dataset)
         self.info = distributed.init()
         self.world = distributed.world_size()
         self.rank = distributed.rank()
         self.device = distributed.device()
         if self.world > 1:  # every rank must train the same run: one all-gather of a hash per field
             check_same(config.to_dict(), "TrainConfig")
-        self.module: torch.nn.Module | None = None
-        if isinstance(model_or_loss, torch.nn.Module):
-            self.module = model = model_or_loss.to(self.device)
-            apply_fn, params, buffers = functionalize(model)
-            loss = model_loss(apply_fn)
-        elif callable(model_or_loss):
-            if params is None:
-                raise TypeError("Trainer(loss_fn, ...) needs params= (and buffers=): with a module they come from it")
-            loss = checked_loss(model_or_loss)
-        else:
-            raise TypeError(f"Trainer trains an nn.Module or a loss_fn(params, buffers, batch); "
-                            f"got {type(model_or_loss).__name__}")
-        self.params, self.buffers = params, buffers
-        # a folder of images, as the package's Trainer reads it
-        dataset = resolve_dataset(dataset, model_or_loss, **folder_options)
+        self.module, loss, self.params, self.buffers = model_and_loss(model_or_loss, params, buffers, self.device)
+        dataset = resolve_dataset(dataset, model_or_loss, **folder_options)  # (a folder of images, as the package's)
         transforms = with_augmentation(dataset, transforms, step)
-        self.step, compiled = build_step(loss, config, self.world, optimizer=optimizer, transforms=transforms,
-                                         step=step, module=self.module)
-        if compiled is None and config.compile:
-            compiled = compile_step(self.step, background=config.compile_background,
-                                    switch_at=config.compile_switch_at, policy=config.compile_policy)
-        self.compiled = compiled  # the CompiledStep, or None; run_step: what the loop runs (its runner, owned here)
-        self.run_step = compiled.runner(donate=True, background=True) if compiled is not None else self.step
+        # the step, the CompiledStep (or None) and run_step: what the loop runs (its runner, owned here)
+        self.step, self.compiled, self.run_step = trainer_step(loss, config, self.world, optimizer=optimizer,
+                                                               transforms=transforms, step=step, module=self.module)
         per_process = process_batch(config, self.world)  # TrainConfig.split_batches: the one batch-size rule
-        self.loader = shard(dataset, batch_size=per_process * config.gradient_accumulate_every,
-                            shuffle=True, seed=config.seed, drop_last=True, device=self.device)
-        self.loader.check_nonempty("train dataset", remedy=(
-            f"the Trainer drops an incomplete last batch, so lower TrainConfig.train_batch_size (now "
-            f"{config.train_batch_size}) or gradient_accumulate_every (now {config.gradient_accumulate_every}: a "
-            f"rank's batch is their product), use fewer processes (now {self.world}) or add data"))
+        self.loader = train_loader(dataset, config, self.world, per_process, self.device)
+        self.evaluation = evaluation(loss, eval_dataset, config, self.world, per_process, self.device, self.module)
         last = config.train_num_steps
-        self.evaluation = None
-        if eval_dataset is not None:
-            eval_batch = per_process if config.eval_batch_size is None else \
-                process_batch(config, self.world, config.eval_batch_size, "eval_batch_size")
-            self.evaluation = Evaluation(Evaluator(loss, eval_dataset, eval_batch, device=self.device,
-                                                   module=self.module, seed=config.seed),
-                                         every=config.eval_every or config.save_and_sample_every, last=last)
         self.folder = config.results_folder
         self.checkpoints = CheckpointManager(os.path.join(self.folder, "checkpoints"), keep=config.keep_checkpoints,
                                              keep_best=config.keep_best is not None)

@@ -9,6 +9,8 @@ Prints ``WORKER <pid>`` as soon as a compile worker has its graph and one line `
   imported it.
 * ``until N``: ``ft.run`` of N steps, stopped once the compiled step has taken over (or after 400 s).
 * ``precompile``: ``cstep.precompile(state, batch)``, then exits.
+* ``precompile-slow``: the same with inductor's C++ compiler ``SLOW_CXX`` (a ``g++`` that waits before it
+  compiles), for the test that kills it mid-compile.
 * ``exit`` / ``raise`` / ``hold``: ``ft.run`` whose worker compiles a slow (cold) graph; ``exit``: 3 steps then a
   normal exit; ``raise``: an exception out of the loop after the worker is seen; ``hold``: steps on until killed.
 """
@@ -74,6 +76,13 @@ def precompile() -> dict:
     return {"seconds": seconds}
 
 
+def precompile_slow() -> dict:
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp.cxx = (os.environ["SLOW_CXX"],)  # (a worker is sent the config with the graph)
+    return precompile()
+
+
 def outlive(how: str) -> dict:
     os.environ["FUNCTRAIN_COMPILE_POLICY"] = "always"  # (the compile starts; what matters is its end)
     step, cstep, state, batches = _setup()
@@ -98,6 +107,8 @@ def main() -> None:
         result = run(int(sys.argv[2]), until=mode == "until", imported=mode != "fresh")
     elif mode == "precompile":
         result = precompile()
+    elif mode == "precompile-slow":
+        result = precompile_slow()
     else:
         result = outlive(mode)
     print("RESULT " + json.dumps(result), flush=True)

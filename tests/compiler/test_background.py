@@ -337,7 +337,7 @@ def test_a_second_signature_runs_eagerly_while_it_compiles_then_compiled():
 def test_the_donating_form_retires_eager_states_and_owns_the_state_at_the_switch():
     step, params, buffers, batches, calls = _problem(dropout=0.0)
     cstep = ft.compile(step, backend="aot_eager")
-    run = cstep.donating(background=True)  # what ft.run uses
+    run = cstep.runner(donate=True, background=True)  # what ft.run uses
     assert cstep.progress is not run.progress and run.progress.phase == "eager"  # the runner's own
     ref = step.init(params, buffers)
     state = old = T.tree_map(torch.clone, ref)  # the caller's copy, owned by the loop

@@ -44,7 +44,7 @@ CHILD = textwrap.dedent(r"""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cstep = ft.compile(step, **kwargs)
-        run = cstep.donating() if kwargs.get("package") else cstep
+        run = cstep.runner(donate=True) if kwargs.get("package") else cstep
         got, _ = run(ft.tree.tree_map(torch.clone, state), batch)
     want, _ = step(state, batch)
     import os

@@ -206,7 +206,7 @@ import json, sys, time, warnings
 """ + SETUP + r"""batches = [(torch.randn(8, 6), torch.randn(8, 1)) for _ in range(3)]
 state = step.init(params, buffers)
 cstep = ft.compile(step, cache_dir=cache, package=True)
-run = cstep.donating()
+run = cstep.runner(donate=True)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     t = time.perf_counter()

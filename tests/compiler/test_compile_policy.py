@@ -7,6 +7,7 @@ import math
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -322,7 +323,7 @@ def test_the_run_clock_reports_the_decision_once(tmp_path):
 
     step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1))
     runner = ft.compile(step).runner(donate=True, background=True)
-    runner.background.decision = decide(README)
+    runner.background.budget.decision = decide(README)  # (the budget holds the decision)
     clock = RunClock(runner, compiled=True, start=0)
     clock.tick(1)
     first, second = {}, {}
@@ -342,12 +343,12 @@ def test_a_trainer_run_records_its_decision(tmp_path, monkeypatch):
     import torch
 
     import functrain as ft
-    from functrain.compiler import background
+    from functrain.compiler import budget
 
     pytest.importorskip("safetensors")
     h = History(str(tmp_path / "history.json"))
     h.add_compile("cpu:default", 100, 1e5)
-    monkeypatch.setattr(background.BackgroundCompiler, "history", lambda self: h)
+    monkeypatch.setattr(budget.Budget, "history", lambda self: h)
     monkeypatch.setenv("FUNCTRAIN_COMPILE_POLICY", "auto")
     from functrain.compiler import capture
     capture.preload()  # the compiler imported (as in a run past its first seconds): the first call traces
@@ -556,3 +557,81 @@ def test_ranks_agree_a_decline_no_rank_compiles(tmp_path):
     assert a["decided"] is True and b["decided"] is False, (a, b)
     assert a["paths"] == b["paths"] == ["eager"] * 40, (a, b)
     assert a["declined"] == b["declined"] == 1 and a["worker_pid"] is None, (a, b)
+
+
+_COMPILERS = ("g++", "gcc", "cc", "c++", "cc1plus", "cc1", "as", "ld", "collect2")
+
+
+def _table():
+    """The process table: ``{pid: (comm, ppid, session)}`` of the live (not zombie) processes."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    text = f.read()
+                comm = text[text.index("(") + 1:text.rindex(")")]
+                fields = text.rsplit(")", 1)[1].split()
+                if fields[0] != "Z":
+                    table[int(entry)] = (comm, int(fields[1]), int(fields[3]))
+            except (OSError, IndexError, ValueError):
+                continue
+    return table
+
+
+def _descendants(table, root):
+    kids, found, todo = {}, set(), [root]
+    for pid, (_, ppid, _) in table.items():
+        kids.setdefault(ppid, []).append(pid)
+    while todo:
+        for child in kids.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def test_sigkill_of_precompile_mid_compile_leaves_no_compiler(tmp_path):
+    """precompile's process SIGKILLed while a C++ compiler of its compile runs: within 1 s no g++/cc1plus of it
+    (of its session, or of a session one of its children started) is left: nothing outlives a run, its compilers
+    included (issue 36). The compiler is a ``g++`` that waits 60 s before it runs the real one: a real compile of
+    this small graph takes less than a second here, so the kill could otherwise land between two of them."""
+    slow = tmp_path / "g++"
+    slow.write_text(f'#!/bin/sh\nsleep 60\nexec {shutil.which("g++")} "$@"\n')
+    slow.chmod(0o700)
+    env = _env(_cache(tmp_path), SLOW_CXX=slow)
+    proc = subprocess.Popen([sys.executable, JOB, "precompile-slow"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    sessions, compilers = set(), []
+    try:
+        deadline = time.monotonic() + 400
+        while not compilers and time.monotonic() < deadline and proc.poll() is None:  # a compiler of it runs
+            table = _table()
+            mine = _descendants(table, proc.pid)
+            compilers = [p for p in mine if table[p][0] in _COMPILERS]
+            sessions = {table[p][2] for p in mine} | {proc.pid}
+            if not compilers:
+                time.sleep(0.01)
+        assert compilers, f"no compiler of precompile was seen (exit {proc.poll()}): " + \
+            (proc.stderr.read().decode()[-3000:] if proc.poll() is not None else "")
+        proc.kill()
+        proc.wait(timeout=60)
+        killed = time.monotonic()
+        while time.monotonic() < killed + 30:
+            left = [(p, c) for p, (c, _, sid) in _table().items() if sid in sessions and c in _COMPILERS]
+            if not left:
+                break
+            time.sleep(0.01)
+        took = time.monotonic() - killed
+        print(f"precompile SIGKILLed: its compilers were gone {took:.3f} s later")
+        assert not left and took <= 1.0, f"compilers of the killed precompile alive {took:.2f} s later: {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        for pid, (c, _, sid) in _table().items():  # (a failed run leaves nothing behind either)
+            if sid in sessions and sid != os.getsid(0):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass

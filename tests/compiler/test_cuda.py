@@ -60,7 +60,7 @@ def test_owned_donation_reduce_overhead_as_ft_run_calls_it():
     step, params, buffers, batches = problem("cuda")
     cstep = ft.compile(step, mode="reduce-overhead")
     assert isinstance(cstep._own, ft.compiler.DynamoRunner)  # undonated: inductor's CUDA graphs on the Dynamo path
-    run = cstep.donating()
+    run = cstep.runner(donate=True)
     _compare(step, run, params, buffers, batches, 20, rtol=1e-4, atol=1e-5)
     assert cstep.compiles == 1
     assert run.last.graphed is not None and run.last.graphed.records == 1

@@ -172,8 +172,8 @@ def test_donation_invalidates_the_donated_state():
 def test_owned_donation_writes_in_place_and_the_old_state_cannot_step():
     step, params, buffers, batches = problem()
     cstep = ft.compile(step, backend="aot_eager")
-    run = cstep.donating()
-    assert cstep.donating() is not run and cstep.donating().graphs is run.graphs  # a runner each; one graph cache
+    run = cstep.runner(donate=True)
+    assert cstep.runner(donate=True) is not run and cstep.runner(donate=True).graphs is run.graphs  # a runner each; one graph cache
     state = step.init(fresh(params), buffers)
     expected = state
     for b in batches[:3]:
@@ -283,7 +283,7 @@ def test_inductor_fast_path_matches_eager_and_donates():
     step, params, buffers, batches = problem()
     step = ft.clip(1.0)(ft.ema(0.9, warmup=False)(step))
     cstep = ft.compile(step)
-    run = cstep.donating()
+    run = cstep.runner(donate=True)
     e = step.init(fresh(params), buffers)
     c = T.tree_map(torch.clone, e)
     for i in range(8):

@@ -3,6 +3,9 @@
 * No module installs a callable into another object (``other.hook = self`` / ``= self._method`` / ``= lambda`` /
   ``= a local function``): a component is asked through a declared interface, never wired into another's fields.
   The few patches of a third-party object (torch's, Python's builtins) are listed below with their reason.
+* No module hands a constructor a closure that writes the caller's fields (``Job(start=start)`` where the nested
+  ``start`` does ``self._spare = None``): the object made would write its maker's state from inside its own methods,
+  a hidden seam. A job is given what it needs (a pool, a payload), never a callback into its owner.
 * The loop (``driver.py``) and the trainer import no private name of the compiler: only what a compiler module
   exports in its ``__all__``.
 """
@@ -75,6 +78,83 @@ def test_the_install_check_sees_a_planted_hook():
                "    def on_miss(self):\n"
                "        pass\n")
     assert [t for _, t in _installs(planted)] == ["direct.fallback", "direct.on_miss", "direct.done"]
+
+
+# (file, the constructor, the closure): a closure that writes its maker's fields, with its reason
+ALLOWED_CLOSURES = {
+    ("compiler/jobs.py", "threading.Thread", "run"): "a compile thread's target sets its own job's result (the job "
+                                                    "is the thread's only reader: ThreadJob, for comparison only)",
+}
+
+
+def _writes_of(function: ast.AST, name: str) -> bool:
+    """Whether ``function``'s body assigns to an attribute (or an item of an attribute) of ``name``, or calls
+    ``setattr(name, ...)``."""
+    for node in ast.walk(function):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            while isinstance(target, (ast.Attribute, ast.Subscript)):
+                if isinstance(target.value, ast.Name) and target.value.id == name:
+                    return True
+                target = target.value
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
+                and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == name:
+            return True
+    return False
+
+
+def _closures_passed(source: str) -> list[tuple[int, str, str]]:
+    """The calls of a constructor (a capitalized name) in a method that pass it a nested function (or a lambda)
+    writing the method's ``self``: ``(line, constructor, closure)``."""
+    found = []
+    for method in ast.walk(ast.parse(source)):
+        if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) or not method.args.args \
+                or method.args.args[0].arg != "self":
+            continue
+        writers = {n.name for n in ast.walk(method) if n is not method
+                   and isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   and "self" not in {a.arg for a in n.args.args + n.args.kwonlyargs} and _writes_of(n, "self")}
+        for call in ast.walk(method):
+            if not isinstance(call, ast.Call):
+                continue
+            made = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+            if not made[:1].isupper():
+                continue
+            for arg in [*call.args, *(k.value for k in call.keywords)]:
+                if isinstance(arg, ast.Name) and arg.id in writers:
+                    found.append((call.lineno, ast.unparse(call.func), arg.id))
+                elif isinstance(arg, ast.Lambda) and any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                                                         and n.func.id == "setattr" for n in ast.walk(arg)):
+                    found.append((call.lineno, ast.unparse(call.func), "lambda"))
+    return sorted(found)
+
+
+def test_no_constructor_is_handed_a_closure_that_writes_its_caller():
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = str(path.relative_to(PACKAGE))
+        for line, made, closure in _closures_passed(path.read_text()):
+            if (rel, made, closure) not in ALLOWED_CLOSURES:
+                found[f"{rel}:{line}"] = f"{made}(... {closure} ...)"
+    assert found == {}, found
+
+
+def test_the_closure_check_sees_a_planted_closure():
+    """What the background compiler did before issue 37: a job made with closures that write its maker."""
+    planted = ("class Background:\n"
+               "    def _job(self, cap):\n"
+               "        def start(key):\n"
+               "            worker, self._spare = self._spare, None\n"
+               "            self.progress.workers += 1\n"
+               "            return worker\n"
+               "        def load():\n"
+               "            return cap.load()\n"
+               "        def forget():\n"
+               "            self.jobs[cap] = None\n"
+               "        job = SharedJob(load, start, lead=True)\n"
+               "        return jobs.Later(on_end=forget), Plain(load)\n")
+    assert _closures_passed(planted) == [(11, "SharedJob", "start"), (12, "jobs.Later", "forget")]
 
 
 def _private_compiler_imports(path: pathlib.Path) -> list[str]:

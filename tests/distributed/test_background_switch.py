@@ -30,7 +30,7 @@ def _switch_worker(shard, backend):
     step = ft.data_parallel(shard=shard)(ft.ema(0.9, warmup=False)(ft.clip(1.0)(ft.train_step(loss_fn, ft.optim.adamw(1e-2)))))
     state = T.tree_map(torch.clone, step.init(params, buffers))
     cstep = ft.compile(step, **({"backend": backend} if backend else {}))
-    run = cstep.donating(background=True)  # what ft.run calls
+    run = cstep.runner(donate=True, background=True)  # what ft.run calls
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)) for _ in range(4)]
     eager, compiled_after, i = [], 0, 0

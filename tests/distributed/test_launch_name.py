@@ -1,5 +1,6 @@
-"""``ft.launch`` stays the in-process launcher function whoever imports ``functrain.launch`` (the ``python -m``
-entry point): a user, a doctest or documentation run over the package, ``pkgutil.walk_packages``. Each check runs in
+"""``ft.launch`` stays callable as the in-process launcher whoever imports ``functrain.launch`` (the ``python -m``
+entry point): a user, a doctest or documentation run over the package, ``pkgutil.walk_packages``; and
+``sys.modules`` holds modules only (``functrain.launch`` is a callable module, with its ``__file__``). Each check runs in
 a fresh interpreter (with a timeout), so that no earlier import in this process hides the binding."""
 import os
 import subprocess
@@ -22,9 +23,14 @@ for info in pkgutil.walk_packages(ft.__path__, "functrain.", onerror=skipped.app
     names.append(info.name)
 assert "functrain.launch" in names, names
 from functrain import launch as imported
-print("CALLABLE", callable(ft.launch), "SAME", ft.launch is functrain.distributed.launch,
-      "FROM", imported is functrain.distributed.launch,
-      "IMPORT_MODULE", importlib.import_module("functrain.launch") is functrain.distributed.launch,
+import types
+not_modules = sorted(k for k, v in list(sys.modules.items()) if k.startswith("functrain")
+                     and not isinstance(v, types.ModuleType))
+mod = sys.modules["functrain.launch"]
+print("CALLABLE", callable(ft.launch), "MODULE", isinstance(mod, types.ModuleType) and mod.__file__.endswith("launch.py"),
+      "BOUND", ft.launch is mod and imported is mod,
+      "IMPORT_MODULE", importlib.import_module("functrain.launch") is mod,
+      "NOT_MODULES", not_modules,
       "SIGNATURE", next(iter(__import__("inspect").signature(ft.launch).parameters)), flush=True)
 print("MODULES", len(names), "SKIPPED", skipped, flush=True)
 """
@@ -38,7 +44,26 @@ def test_importing_every_module_keeps_ft_launch_the_function():
     out = subprocess.run([sys.executable, "-c", _WALK], capture_output=True, text=True, timeout=300, env=_env(),
                          cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "CALLABLE True SAME True FROM True IMPORT_MODULE True SIGNATURE fn" in out.stdout, out.stdout
+    assert "CALLABLE True MODULE True BOUND True IMPORT_MODULE True NOT_MODULES [] SIGNATURE fn" in out.stdout, \
+        out.stdout
+
+
+def test_the_callable_module_launches_two_ranks(tmp_path):
+    """``ft.launch`` after ``import functrain.launch`` (now the module) runs a function on two real ranks."""
+    script = tmp_path / "two_ranks.py"
+    script.write_text("import types\n"
+                      "import torch.distributed as dist\n"
+                      "import functrain as ft\n"
+                      "import functrain.launch\n"
+                      "def fn(x):\n"
+                      "    return dist.get_rank() * 10 + x\n"
+                      "if __name__ == '__main__':\n"
+                      "    assert isinstance(ft.launch, types.ModuleType), ft.launch\n"
+                      "    print('RESULTS', ft.launch(fn, nprocs=2, args=(1,), timeout=120), flush=True)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=_env(),
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "RESULTS [1, 11]" in out.stdout, out.stdout
 
 
 def test_python_m_functrain_launch_is_still_the_command_line_launcher():

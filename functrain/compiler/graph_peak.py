@@ -4,8 +4,8 @@
 Inductor does not run the captured graph op by op. What decides its memory, and what the walk follows:
 
 1. composite ops (softmax, layer norm, GELU's backward, the losses) are decomposed into elementwise ops and
-   reductions: the capture is traced again (on its fake tensors, no compile) through inductor's decomposition
-   table;
+   reductions: each such op of the capture is traced alone (on fake tensors, no compile) through inductor's
+   decomposition table, once per distinct op and shapes (kept for the next walk), and spliced in its place;
 2. an elementwise value is computed inside each kernel that reads it, never stored, unless an extern kernel
    (a matmul, convolution, attention, collective: what inductor calls rather than generates) or the output
    reads it, or several kernels read it while it is costly (inductor's realize rules); reductions store their
@@ -75,24 +75,113 @@ def _name(target: Any) -> str:
 
 
 def _inductor_graph(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, frozenset]:
-    """The capture traced again through inductor's decompositions (each new node's ``from_node`` names the node
-    it came from), and the ops inductor runs as extern kernels; the capture itself if that fails."""
+    """The capture with each op that inductor decomposes replaced by its decomposition (each new node's
+    ``meta["ft_origin"]`` names the captured node it came from), and the ops inductor runs as extern kernels; the
+    capture itself if that fails.
+
+    Each op is decomposed on its own, by tracing that op alone on fake tensors of its arguments' shapes through
+    inductor's decomposition table, and the small graph is kept (:data:`_DECOMPOSED`, keyed by the op and its
+    arguments' shapes, dtypes and values): a step's graph repeats few distinct ops (layers, micro-batches), so a
+    walk traces a few dozen small graphs instead of tracing the whole capture again, and the next estimate of a
+    step of the same shapes (``fit_batch``'s probes, the Trainer's line) traces none. The result is the graph the
+    whole retrace made (a decomposition reads only its own op's arguments)."""
     try:
         import torch._inductor.lowering as lowering  # (the decomposition table refers to it)
-        import torch.fx.traceback as fx_traceback
-        from torch._guards import detect_fake_mode
         from torch._inductor.decomposition import select_decomp_table
-        from torch.fx.experimental.proxy_tensor import make_fx
 
         extern = frozenset(lowering.needs_realized_inputs) | frozenset(getattr(lowering, "fallbacks", ()))
+        table = select_decomp_table()
     except Exception:  # noqa: BLE001 - no inductor: the capture as it is, ops classified by their tags
         return gm, frozenset()
-    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     try:
-        with FX_TRACING, detect_fake_mode(vals) or contextlib.nullcontext(), fx_traceback.preserve_node_meta():
-            return make_fx(torch.fx.Interpreter(gm).run, decomposition_table=select_decomp_table())(*vals), extern
-    except Exception:  # noqa: BLE001 - an op the retrace cannot take (the capture's own classes are close)
+        return _decompose_graph(gm, table), extern
+    except Exception:  # noqa: BLE001 - an op the decomposition cannot take (the capture's own classes are close)
         return gm, extern
+
+
+# (op, its arguments' description) -> the op traced alone through inductor's decompositions (None: kept as it is)
+_DECOMPOSED: dict = {}
+_DECOMPOSED_MAX = 4096  # small graphs of a few nodes each; the oldest go first past this many
+
+
+def _describe(x: Any) -> Any:
+    """A hashable description of an argument: a tensor's shape, strides, dtype and device; a value as it is."""
+    if isinstance(x, torch.fx.Node):
+        v = x.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            if any(not isinstance(d, int) for d in (*v.shape, *v.stride())):
+                raise TypeError("symbolic shape")  # (the whole graph is walked undecomposed)
+            return ("T", tuple(v.shape), tuple(v.stride()), v.dtype, v.device.type, v.storage_offset())
+        raise TypeError(f"an argument without a tensor value: {x}")
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, *(_describe(a) for a in x))
+    if isinstance(x, dict):
+        return ("dict", *((k, _describe(a)) for k, a in sorted(x.items())))
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise TypeError("symbolic value")
+    hash(x)
+    return (type(x).__name__, x)
+
+
+def _decomposition(n: torch.fx.Node, table: dict, fake_mode: Any) -> Any:
+    """``n``'s op traced alone through ``table`` on fake arguments like its own: a GraphModule whose placeholders
+    are ``n``'s tensor arguments in order, or ``None`` if the op is not decomposed (its trace is itself)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    key = (n.target, _describe(n.args), _describe(n.kwargs))
+    if key in _DECOMPOSED:
+        return _DECOMPOSED[key]
+    tensors: list = []
+    torch.fx.map_arg((n.args, n.kwargs), tensors.append)
+    fakes = [fake_mode.from_tensor(a.meta["val"]) if fake_mode is not None else a.meta["val"] for a in tensors]
+
+    def run(*xs: Any) -> Any:
+        it = iter(xs)
+        args, kwargs = torch.fx.map_arg((n.args, n.kwargs), lambda _: next(it))
+        return n.target(*args, **kwargs)
+
+    with FX_TRACING, (fake_mode if fake_mode is not None else contextlib.nullcontext()):
+        sub = make_fx(run, decomposition_table=table)(*fakes)
+    ops = [m for m in sub.graph.nodes if m.op == "call_function"]
+    if len(ops) == 1 and ops[0].target is n.target:
+        sub = None  # not decomposed
+    if len(_DECOMPOSED) >= _DECOMPOSED_MAX:
+        del _DECOMPOSED[next(iter(_DECOMPOSED))]
+    _DECOMPOSED[key] = sub
+    return sub
+
+
+def _decompose_graph(gm: torch.fx.GraphModule, table: dict) -> torch.fx.GraphModule:
+    from torch._guards import detect_fake_mode
+
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
+    out = torch.fx.Graph()
+    env: dict = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and _name(n.target) == "getitem" and isinstance(env.get(n.args[0]), list):
+            env[n] = env[n.args[0]][n.args[1]]  # an output of a decomposed multi-output op
+            continue
+        sub = _decomposition(n, table, fake_mode) if (
+            n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target in table) else None
+        if sub is None:
+            env[n] = out.node_copy(n, lambda a: env[a])
+            env[n].meta.setdefault("ft_origin", n.name)
+            continue
+        tensors: list = []
+        torch.fx.map_arg((n.args, n.kwargs), tensors.append)
+        local: dict = {}
+        it = iter(tensors)
+        result: Any = None
+        for m in sub.graph.nodes:
+            if m.op == "placeholder":
+                local[m] = env[next(it)]
+            elif m.op == "output":
+                result = torch.fx.map_arg(m.args[0], lambda a: local[a])
+            else:
+                local[m] = out.node_copy(m, lambda a: local[a])
+                local[m].meta["ft_origin"] = n.name
+        env[n] = list(result) if isinstance(result, (list, tuple)) else result
+    return torch.fx.GraphModule(gm, out)
 
 
 def _kind(n: Any, extern: frozenset) -> str:
@@ -347,8 +436,7 @@ def _numel(n: Any) -> int:
 
 def _origin(g: _Graph, n: Any) -> str:
     """The name of the captured op ``n`` comes from (``gelu_backward``, not the ``mul`` it was decomposed into)."""
-    source = n.meta.get("from_node")
-    node = g.origin.get(source[0].name) if source else None
+    node = g.origin.get(n.meta.get("ft_origin"))
     return _name((node if node is not None and node.op == "call_function" else n).target)
 
 

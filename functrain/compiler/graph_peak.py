@@ -209,11 +209,28 @@ def _kind(n: Any, extern: frozenset) -> str:
         return "list"
     if op in extern:
         return "extern"
+    if op is _aten.scatter.value and _scatter_on_constant(n):
+        return "inline"
     if torch.Tag.pointwise in op.tags or _name(op) in _INLINE:
         return "inline"
     if torch.Tag.reduction in op.tags or _name(op) in _STORE:
         return "store"
     return "extern"
+
+
+def _scatter_on_constant(n: Any) -> bool:
+    """Whether ``scatter(full(...), dim, index, value)`` is one inductor computes elementwise (its joint-graph
+    pattern ``scatter_upon_const_tensor``: ``where(index == arange, value, fill)``, what the losses' backward
+    makes of a one-hot), under the pattern's own condition: the index spans the whole tensor but one element
+    along ``dim``."""
+    full, dim, index = n.args[0], n.args[1], n.args[2]
+    if not (isinstance(full, torch.fx.Node) and full.target is _aten.full.default and isinstance(index, torch.fx.Node)):
+        return False
+    shape, sel = full.args[0], index.meta.get("val")
+    if not isinstance(sel, torch.Tensor) or sel.dim() != len(shape):
+        return False
+    dim = dim + len(shape) if dim < 0 else dim
+    return sel.shape[dim] == 1 and all(s >= f for i, (s, f) in enumerate(zip(sel.shape, shape)) if i != dim)
 
 
 class _Graph:

@@ -62,6 +62,10 @@ _INLINE = {"_to_copy", "full", "full_like", "scalar_tensor", "iota", "gather", "
 _STORE = {"cat", "stack", "scatter", "scatter_add", "scatter_reduce", "index_put", "index_put_",
           "_unsafe_masked_index_put_accumulate", "index_add"}
 _MAX_KERNEL = 64  # inductor's max_fusion_size
+# The walk against the compiled step's allocator peak reads 0.96-1.11 on the shapes measured (docs/compiling.md):
+# what it misses most (inductor storing parts of a layer norm's backward from the forward kernel) is a few percent
+# under on wide attention blocks. The promise is never under, so the walk's peak is raised by this much.
+_MARGIN = 1.05
 
 
 def _args(n: Any) -> list:
@@ -443,7 +447,7 @@ def estimate_graph(gm: torch.fx.GraphModule, device: torch.device, backend: str 
             peak, peak_at = live + extra, _origin(g, max(members[r], key=lambda k: size.get(k, 0)))
         live -= sum(size[b] for b in frees.get(i, ()))
         live -= sum(size[b] for b in makes[r] if b not in readers and b not in outputs)  # read by no one
-    return peak, peak_at
+    return int(peak * _MARGIN), peak_at
 
 
 def _numel(n: Any) -> int:

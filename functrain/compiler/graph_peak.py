@@ -430,6 +430,10 @@ def estimate_graph(gm: torch.fx.GraphModule, device: torch.device, backend: str 
         if r is not None and nbytes and (kind.get(b) in ("extern", "item") or b in outputs or isinstance(b, tuple)
                                          or not readers.get(b, set()) <= {r}):
             makes[r].append(b)
+    for r in order[1:]:  # a scatter into a constant fill: inductor fills its buffer early (see _filled_early)
+        early = [b for b in makes[r] if _filled_early(b)]
+        makes[r] = [b for b in makes[r] if b not in early]
+        makes[order[0]].extend(early)
     made = {b for bs in makes.values() for b in bs}
     frees: dict = {}
     for b, rs in readers.items():
@@ -448,6 +452,20 @@ def estimate_graph(gm: torch.fx.GraphModule, device: torch.device, backend: str 
         live -= sum(size[b] for b in frees.get(i, ()))
         live -= sum(size[b] for b in makes[r] if b not in readers and b not in outputs)  # read by no one
     return int(peak * _MARGIN), peak_at
+
+
+_FILLS = {"full", "zeros", "new_zeros", "full_like", "zeros_like", "new_full"}
+
+
+def _filled_early(b: Any) -> bool:
+    """Whether buffer ``b`` is a scatter into a constant fill (an embedding's gradient: zeros, then the rows
+    added in): inductor writes the fill as a kernel of its own that reads nothing, and runs (or fuses) it with
+    the first kernels, so the buffer exists from the start of the step (measured: a remat-ed transformer block's
+    token-embedding gradient allocated in the forward pass's second kernel). The walk allocates it at the start."""
+    if not isinstance(b, torch.fx.Node) or _name(b.target) not in _STORE or not b.args:
+        return False
+    base = b.args[0]
+    return isinstance(base, torch.fx.Node) and base.op == "call_function" and _name(base.target) in _FILLS
 
 
 def _numel(n: Any) -> int:

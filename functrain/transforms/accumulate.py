@@ -52,7 +52,8 @@ def after(done: Any, micro: Any) -> Any:
     if not firsts:
         return micro
     c = torch.cat(firsts).sum() == 0  # (any value will do)
-    return optree.tree_map(lambda x: torch.where(c, x, x) if torch.is_tensor(x) else x, micro)
+    return optree.tree_map(lambda x: torch.where(c if x.device == c.device else c.to(x.device), x, x)
+                           if torch.is_tensor(x) else x, micro)
 
 
 class Accumulate(Transform):

@@ -10,6 +10,8 @@ untouched state.
 """
 from __future__ import annotations
 
+import sys
+import time
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -134,8 +136,23 @@ def _build(base: Step, n: int, prepare: Callable[[Step], Any] | None) -> Any:
     return prepare(step) if prepare is not None else step
 
 
+def _probe(step: Step, state: Any, batch: Any, micro: int, global_batch: int, donate: bool) -> MemoryEstimate:
+    """The estimate of ``ft.accumulate(global_batch // micro)(step)`` on ``batch`` (the whole unrolled step: its peak
+    grows with the number of micro-batches, by the gradient sums; on tests/trainer/test_batch_fit.py's MLP a
+    compiled accumulate(16) of 2 rows peaks at 176 KB where accumulate(2) of the same rows would say 82 KB)."""
+    n = global_batch // micro
+    with warnings.catch_warnings():  # over the device's memory is what the search is finding out
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return memory(_build(step, n, None), state, batch, donate=donate)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
 def fit_batch(step: Step, state: Any, batch: Any, *, budget: int | None = None, min_micro: int = 1,
-              prepare: Callable[[Step], Any] | None = None, donate: bool = True) -> BatchFit:
+              prepare: Callable[[Step], Any] | None = None, donate: bool = True, max_probes: int = 12,
+              quiet: bool = False) -> BatchFit:
     """The largest micro-batch whose memory estimate fits ``budget``, found without running a step.
 
     ``batch`` is one global batch (its leading dimension is what one optimizer update sees). For each
@@ -144,8 +161,9 @@ def fit_batch(step: Step, state: Any, batch: Any, *, budget: int | None = None, 
     Only divisors are tried, because ``ft.accumulate`` cuts a batch into equal parts: a global batch of 24 tries
     24, 12, 8, 6, 4, 3, 2, 1, and a prime one only itself and 1, so pick a global batch with many divisors (a
     power of two). The update does not depend on the cut (the accumulate law): the same global batch, the same
-    training, less memory per micro-batch. Each try is a trace of a step that unrolls ``global // micro``
-    micro-batches (seconds for a large model; no compile, no step run).
+    training, less memory per micro-batch. Each probe is a trace of a step that unrolls ``global // micro``
+    micro-batches (no compile, no step run; longer as the cut gets finer): at most ``max_probes`` of them, a line
+    on stderr before the search and one per probe (its estimate, the budget and its seconds) unless ``quiet``.
 
     Args:
         step: a functrain :class:`~functrain.Step` without ``ft.accumulate`` (its transforms are kept).
@@ -157,6 +175,8 @@ def fit_batch(step: Step, state: Any, batch: Any, *, budget: int | None = None, 
             the estimate is of the plain step, traced as ``ft.compile`` traces it).
         donate: estimate as ``ft.run`` runs a compiled step (the new state written into the old one's buffers);
             ``False``: the new state is fresh memory (a plain step, or ``donate=False``).
+        max_probes: the most micro-batch sizes estimated (an int >= 1; the largest ``max_probes`` divisors).
+        quiet: say nothing (default: a line on stderr when the search starts and one per probe).
 
     Returns:
         A :class:`BatchFit`; ``fit.step`` is the step to train with, ``fit.first_step(state, batch)`` a first
@@ -164,9 +184,9 @@ def fit_batch(step: Step, state: Any, batch: Any, *, budget: int | None = None, 
 
     Raises:
         ValueError: the step already accumulates, the batch has no single leading dimension, no budget is given
-            and the device's memory is unknown, or even ``min_micro`` rows do not fit (the message names the
-            smallest estimate and the budget).
-        BadValue: ``budget`` or ``min_micro`` is not a positive int.
+            and the device's memory is unknown, or even the smallest micro-batch tried does not fit (the message
+            names its estimate, the budget and the sizes ``max_probes`` left untried).
+        BadValue: ``budget``, ``min_micro`` or ``max_probes`` is not a positive int.
 
     Example::
 
@@ -174,7 +194,7 @@ def fit_batch(step: Step, state: Any, batch: Any, *, budget: int | None = None, 
         >>> step = ft.train_step(lambda p, b, x: torch.relu(x @ p["w"]).square().mean(), ft.optim.sgd(0.1))
         >>> state, x = step.init({"w": torch.zeros(8, 1024)}), torch.randn(32, 8)
         >>> whole = ft.memory(step, state, x, donate=True).total   # the whole batch in one piece
-        >>> fit = ft.fit_batch(step, state, x, budget=whole - 1)
+        >>> fit = ft.fit_batch(step, state, x, budget=whole - 1, quiet=True)
         >>> fit.micro < 32, fit.micro * fit.accumulate
         (True, 32)
     """
@@ -189,24 +209,42 @@ def fit_batch(step: Step, state: Any, batch: Any, *, budget: int | None = None, 
         budget = check_int("fit_batch: budget", budget, minimum=1)
     if not isinstance(donate, bool):
         raise TypeError(f"fit_batch: donate must be a bool; got {donate!r}")
+    max_probes = check_int("fit_batch: max_probes", max_probes, minimum=1)
+    if not isinstance(quiet, bool):
+        raise TypeError(f"fit_batch: quiet must be a bool; got {quiet!r}")
     global_batch = _global_batch(batch)
     candidates = _candidates(global_batch, min_micro)
     if not candidates:
         raise ValueError(f"fit_batch: min_micro={min_micro} is larger than the global batch {global_batch}")
+
+    def say(line: str) -> None:
+        if not quiet:
+            print(f"fit_batch: {line}", file=sys.stderr, flush=True)
+
+    tried = candidates[:max_probes]
+    say(f"global batch {global_batch}: trying micro-batches {', '.join(map(str, tried))} (largest first, one "
+        f"ft.memory trace each, at most {max_probes} probes)"
+        + (f"; {len(candidates) - len(tried)} smaller ones not tried (max_probes={max_probes})"
+           if len(tried) < len(candidates) else ""))
     est = None
-    for micro in candidates:
-        plain = _build(step, global_batch // micro, None)
-        with warnings.catch_warnings():  # over the device's memory is what the search is finding out
-            warnings.simplefilter("ignore", RuntimeWarning)
-            est = memory(plain, state, batch, donate=donate)
+    for i, micro in enumerate(tried):
+        t0 = time.perf_counter()
+        est = _probe(step, state, batch, micro, global_batch, donate)
         if budget is None:
             if est.capacity is None:
                 raise ValueError(f"fit_batch: the memory of {est.device} is unknown; pass budget= (bytes)")
             budget = est.capacity
-        if est.total <= budget:
-            n = global_batch // micro
-            return BatchFit(micro, n, global_batch, _build(step, n, prepare), est, budget, min_micro, step, prepare)
-    least = candidates[-1]
-    raise ValueError(f"fit_batch: even micro-batches of {least} rows (accumulate({global_batch // least}) of the "
-                     f"global batch {global_batch}) need about {est.total} bytes, over the budget of {budget}: "
-                     f"{est}. Use a smaller global batch, ft.remat, or shard the state")
+        ok = est.total <= budget
+        say(f"probe {i + 1}/{len(tried)}: micro-batch {micro} (accumulate({global_batch // micro})): about "
+            f"{_mib(est.total)} of {_mib(budget)}: {'fits' if ok else 'over'} ({time.perf_counter() - t0:.1f} s)")
+        if ok:
+            break
+    else:
+        least = tried[-1]
+        more = (f" (max_probes={max_probes} stopped the search before micro-batches of "
+                f"{', '.join(map(str, candidates[len(tried):]))})" if len(tried) < len(candidates) else "")
+        raise ValueError(f"fit_batch: even micro-batches of {least} rows (accumulate({global_batch // least}) "
+                         f"of the global batch {global_batch}) need about {est.total} bytes, over the budget "
+                         f"of {budget}{more}: {est}. Use a smaller global batch, ft.remat, or shard the state")
+    n = global_batch // micro
+    return BatchFit(micro, n, global_batch, _build(step, n, prepare), est, budget, min_micro, step, prepare)

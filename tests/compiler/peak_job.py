@@ -1,6 +1,8 @@
 """Measure a compiled step's peak memory in this fresh process, with or without remat: a small transformer LM
 (SGD), an MLP stack (blocks Linear + ReLU, or with ``--hidden`` Linear + GELU + Linear), attention blocks (written
-out, or ``sdpa``: F.scaled_dot_product_attention) or a conv net (AdamW and an EMA unless ``--optim`` says).
+out, or ``sdpa``: F.scaled_dot_product_attention) or a conv net (AdamW and an EMA unless ``--optim`` says), or
+``tblock``: small transformer blocks (embeddings, the softmax written out, a GELU MLP, an LM head; AdamW); any of
+them under ``--accumulate n``.
 
     python tests/compiler/peak_job.py --policy none,nothing_saveable [--model lm|mlp|attn|sdpa|conv] [--layers 4]
                                       [--d 128] [--hidden 0] [--seq 256] [--batch 8] [--optim sgd|adamw|adamw+ema]
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import time
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +87,45 @@ class ConvNet(torch.nn.Module):
         return self.head(self.blocks(x).mean((2, 3)))
 
 
+class TBlocks(torch.nn.Module):
+    """Small transformer blocks as users write them: token and position embeddings, then per block a pre-norm
+    attention whose softmax is written out (scores, an optional causal mask, max subtracted, exp, divided by the
+    sum), several heads, a residual stream, a GELU MLP; dropout off; a final layer norm and an LM head."""
+
+    def __init__(self, vocab: int, d: int, heads: int, seq: int, layers: int, mask: bool):
+        super().__init__()
+        self.heads, self.mask = heads, mask
+        self.tok, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(seq, d)
+        self.blocks = torch.nn.ModuleList([TBlock(d) for _ in range(layers)])
+        self.ln, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for m in self.blocks:
+            x = m(x, self.heads, self.mask)
+        return self.head(self.ln(x))
+
+
+class TBlock(torch.nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x, heads: int, mask: bool):
+        b, t, d = x.shape
+        h = self.ln1(x)
+        q, k, v = (f(h).view(b, t, heads, d // heads).transpose(1, 2) for f in (self.q, self.k, self.v))
+        s = q @ k.transpose(-2, -1) / (d // heads) ** 0.5
+        if mask:
+            s = s.masked_fill(~torch.ones(t, t, dtype=torch.bool, device=x.device).tril(), float("-inf"))
+        e = (s - s.amax(-1, keepdim=True)).exp()
+        x = x + self.o(((e / e.sum(-1, keepdim=True)) @ v).transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
 class LM(torch.nn.Module):
     def __init__(self, vocab: int, d: int, heads: int, layers: int, seq: int):
         super().__init__()
@@ -108,7 +150,12 @@ def build(policy: str, args) -> tuple:
     """``(step, state, batch)`` of the case ``args`` names, its blocks marked with ``policy``."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    if args.model == "lm":
+    if args.model == "tblock":  # TBlocks: args.heads heads, an LM head over args.vocab tokens
+        model = TBlocks(args.vocab, args.d, args.heads, args.seq, args.layers, args.mask)
+        blocks = list(model.blocks)
+        batch = (torch.randint(0, args.vocab, (args.batch, args.seq), generator=g),
+                 torch.randint(0, args.vocab, (args.batch, args.seq), generator=g))
+    elif args.model == "lm":
         model = LM(args.vocab, args.d, 4, args.layers, args.seq)
         blocks = model.blocks
         batch = (torch.randint(0, args.vocab, (args.batch, args.seq), generator=g),
@@ -146,10 +193,12 @@ def build(policy: str, args) -> tuple:
             return F.mse_loss(out, y)
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
-    optim = args.optim or ("sgd" if args.model == "lm" else "adamw+ema")
+    optim = args.optim or ("sgd" if args.model == "lm" else "adamw" if args.model == "tblock" else "adamw+ema")
     step = ft.train_step(loss_fn, ft.optim.sgd(0.1) if optim == "sgd" else ft.optim.adamw(1e-3, weight_decay=0.01))
     if optim.endswith("+ema"):
         step = ft.ema(0.99, warmup=False)(step)
+    if args.accumulate > 1:
+        step = ft.accumulate(args.accumulate)(step)
     params, buffers, batch = ft.to_device((params, buffers, batch), torch.device(args.device))
     return step, step.init(params, buffers), batch
 
@@ -159,8 +208,10 @@ def measure(policy: str, args) -> dict:
     device = torch.device(args.device)
     cstep = ft.compile(step, donate=True, backend=args.backend)
     out = {"policy": policy}
+    t0 = time.process_time()
     est = ft.memory(cstep, state, batch)  # before any step: the capture the first call then compiles
     out["estimate"] = est.step_peak
+    out["estimate_s"] = time.process_time() - t0  # (CPU seconds of the estimate, its trace included)
     out["state"] = est.state_total
     for _ in range(2):
         state, _ = cstep(state, batch)
@@ -189,7 +240,10 @@ def measure(policy: str, args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--policy", default="none,nothing_saveable")
-    p.add_argument("--model", default="lm", choices=("lm", "mlp", "attn", "sdpa", "conv"))
+    p.add_argument("--model", default="lm", choices=("lm", "mlp", "attn", "sdpa", "conv", "tblock"))
+    p.add_argument("--heads", type=int, default=4, help="tblock: attention heads")
+    p.add_argument("--mask", type=int, default=0, help="tblock: 1 for a causal mask")
+    p.add_argument("--accumulate", type=int, default=1, help="ft.accumulate(n) of the step (the batch is n micro)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--hidden", type=int, default=0)

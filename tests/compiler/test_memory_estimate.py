@@ -63,13 +63,16 @@ def measured() -> dict:
 @pytest.mark.parametrize("case", CASES)
 def test_estimate_is_within_20_percent_of_the_measured_peak(measured, case):
     """ft.memory's step peak, computed before the first step, against one donated inductor step measured in a
-    fresh process: within 20% of the RSS high-water mark above rest and of the step's peak counted at torch's
-    allocator, and at least 0.9 of the allocator's peak (an under-estimate is the worse error: a run it says fits
-    would run out of memory; measured 0.99-1.11 of the allocator's peak, 1.00-1.12 of the RSS); the first call
+    fresh process: within 20% of the step's peak counted at torch's allocator and never under it (the promise:
+    an under-estimate is the worse error, a run it says fits would run out of memory), and not under 0.8 of the
+    RSS high-water mark above rest. Above the RSS by more than 20% is allowed where the RSS is below the
+    allocator's peak (pages the allocator handed out and the step never touched: with remat, the LM's RSS is
+    0.94 of its allocator peak, so an estimate at 1.18 of the allocator is 1.25 of the RSS). The first call
     compiled that capture (one compile, no second trace)."""
     for r in measured[case]:
-        assert 0.8 <= r["estimate"] / r["peak"] <= 1.2, r
-        assert 0.9 <= r["estimate"] / r["alloc_peak"] <= 1.2, r
+        assert 1.0 <= r["estimate"] / r["alloc_peak"] <= 1.2, r
+        assert r["estimate"] / r["peak"] >= 0.8, r
+        assert r["estimate"] / r["peak"] <= 1.2 or r["peak"] < r["alloc_peak"], r
         assert r["compiles"] == 1, r
 
 

@@ -91,15 +91,18 @@ def holders(tree: Any) -> list:
 
 
 def _replace_in(tree: Any, fn: Any) -> Any:
-    """``tree`` with every holder ``h`` replaced by ``fn(h)`` (rebuilt along the path, nothing else copied)."""
+    """``tree`` with every holder ``h`` replaced by ``fn(h)``: the containers on the way rebuilt, every other node
+    (the params, the moments) the very object it was."""
     if isinstance(tree, tuple) and "hyper" in getattr(type(tree), "_fields", ()) and isinstance(tree.hyper, dict):
         tree = fn(tree)
     if isinstance(tree, dict):
-        return type(tree)((k, _replace_in(v, fn)) for k, v in tree.items())
-    if isinstance(tree, tuple) and hasattr(type(tree), "_fields"):
-        return type(tree)._make(_replace_in(v, fn) for v in tree)
+        kids = {k: _replace_in(v, fn) for k, v in tree.items()}
+        return tree if all(kids[k] is v for k, v in tree.items()) else type(tree)(kids)
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_replace_in(v, fn) for v in tree)
+        kids = [_replace_in(v, fn) for v in tree]
+        if all(a is b for a, b in zip(kids, tree)):
+            return tree
+        return type(tree)._make(kids) if hasattr(type(tree), "_fields") else type(tree)(kids)
     return tree
 
 

@@ -2,7 +2,7 @@
 compiled graph, not a constant of it (functrain/core/hyper.py).
 
 For each value (the lr schedule's peak, warm-up, horizon and final lr; Adam's betas, eps and weight decay; SGD's lr,
-momentum, dampening and weight decay; Lion's betas; clip's max norm; clip_value's bound; the EMA's decay, start and
+momentum, dampening and weight decay; Lion's betas; schedule-free AdamW's warm-up, ``r``, betas and decay; clip's max norm; clip_value's bound; the EMA's decay, start and
 warm-up; the fp16 loss scale's growth and backoff): a compiled step that ran with the constructor's values runs a
 state whose value was changed with ``ft.set_hyper`` without compiling anything (``cstep.compiles`` stays 1), and
 its result equals a fresh eager run of a step built with that value (to the compiled-vs-eager rounding; eagerly
@@ -34,7 +34,7 @@ def problem():
 BASE = {"peak": 2e-2, "warmup_steps": 3, "total_steps": 12, "final": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8,
         "weight_decay": 0.0, "momentum": 0.9, "dampening": 0.0, "max_norm": 0.5, "clip_value": None,
         "ema_decay": 0.8, "ema_start": 2, "ema_power": 2 / 3, "fp16": False, "growth_interval": 3,
-        "backoff_factor": 0.5}
+        "backoff_factor": 0.5, "sf_warmup": 0, "sf_r": 0.0}
 
 
 def build(opt: str, **over):
@@ -46,6 +46,9 @@ def build(opt: str, **over):
         "sgd": lambda: ft.optim.sgd(lr, momentum=v["momentum"], dampening=v["dampening"],
                                     weight_decay=v["weight_decay"]),
         "lion": lambda: ft.optim.lion(lr, betas=v["betas"], weight_decay=v["weight_decay"]),
+        "schedulefree": lambda: ft.optim.adamw_schedulefree(lr, betas=v["betas"], eps=v["eps"],
+                                                            weight_decay=v["weight_decay"],
+                                                            warmup_steps=v["sf_warmup"], r=v["sf_r"]),
     }[opt]()
     step = ft.clip(v["max_norm"])(ft.train_step(ftt.mlp_loss, optimizer))
     if v["clip_value"] is not None:
@@ -80,6 +83,9 @@ CHANGES = {
     "sgd-weight_decay": ("sgd", {"weight_decay": 0.5}, {"weight_decay": 0.5}),
     "lion-betas": ("lion", {"betas": (0.5, 0.7)}, {"betas": (0.5, 0.7)}),
     "lion-weight_decay": ("lion", {"weight_decay": 5.0}, {"weight_decay": 5.0}),
+    "schedulefree-warmup": ("schedulefree", {"sf_warmup": 5, "sf_r": 1.0}, {"warmup_steps": 5, "r": 1.0}),
+    "schedulefree-betas": ("schedulefree", {"betas": (0.5, 0.9), "weight_decay": 0.5},
+                           {"betas": (0.5, 0.9), "weight_decay": 0.5}),
 }
 
 

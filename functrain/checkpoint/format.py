@@ -281,7 +281,8 @@ def complete(loaded: Any, template: Any) -> Any:
         >>> from functrain.optim import adam
         >>> state = adam(1e-3).init({"w": torch.ones(1)})
         >>> old = state._replace(hyper=None)            # what a checkpoint written before the field loads as
-        >>> float(complete(old, adam(3e-4).init({"w": torch.ones(1)})).hyper["lr"])
+        >>> from functrain.core.hyper import get_hyper
+        >>> float(get_hyper(complete(old, adam(3e-4).init({"w": torch.ones(1)})))["lr"])
         0.0003
     """
     def copy(x: Any) -> Any:

@@ -2,16 +2,19 @@
 
 An optimizer's lr, betas, eps and weight decay, a schedule's constants (peak, warm-up, horizon, final lr),
 ``clip``'s max norm, the EMA's decay and warm-up constants and the loss scale's settings are not Python
-constants closed over by the step: each is a 0-dim float64 tensor in a ``hyper`` field of the state
-``NamedTuple`` that uses it (``AdamState.hyper``, ``EmaState.hyper``, ``ClipState.hyper``, ...), a dict
-``{name: tensor}`` that ``init`` fills from the constructor's values. A compiled step reads them as inputs of its
-graph, so one graph serves every learning rate, run length, resume and sweep of the same model and shapes
-(optax's ``inject_hyperparams``, as the default). What changes the graph's structure (the model, shapes, dtypes,
-``accumulate(n)``, which transforms, ``momentum > 0``, ``nesterov``) stays a constructor setting.
+constants closed over by the step: they are float64 values in a ``hyper`` field of the state ``NamedTuple`` that
+uses them (``AdamState.hyper``, ``EmaState.hyper``, ``ClipState.hyper``, ...), which ``init`` fills from the
+constructor's values. The field is ``{names: tensor}``: one float64 tensor of the values, keyed by their names
+joined (``"beta1;beta2;eps;lr;weight_decay"``), so the names are the state's structure and the values one input
+of a compiled graph (:func:`make`; :func:`get_hyper` gives them by name). A compiled step reads them as inputs, so
+one graph serves every learning rate, run length, resume and sweep of the same model and shapes (optax's
+``inject_hyperparams``, as the default). What changes the graph's structure (the model, shapes, dtypes,
+``accumulate(n)``, which transforms, the kind of schedule, ``momentum > 0``, ``nesterov``) stays a constructor
+setting.
 
-Eagerly, :func:`values` reads a CPU state's hyper-parameters as Python floats (a host memory read, no sync), so
+Eagerly, :func:`values` reads a CPU state's hyper-parameters as Python floats (one host memory read, no sync), so
 the eager update does ``torch.optim``'s own float arithmetic, bit for bit; traced, under ``torch.func.vmap`` (a
-population, whose members hold tensors of shape ``(n,)``), or on a device, they stay tensors and the update
+population, whose members hold a tensor of shape ``(n, k)``), or on a device, they are 0-dim tensors and the update
 uses no ``float()``, ``.item()`` or Python branch on them.
 
 :func:`set_hyper` replaces them between runs (or per member of a population); :func:`get_hyper` reads them.
@@ -34,30 +37,52 @@ from typing import Any, Mapping
 import optree
 import torch
 
-from .eager import host_number
+from .eager import tracing
 from .validate import BadValue, describe
 
-__all__ = ["HYPER_DTYPE", "make", "values", "set_hyper", "get_hyper", "holders", "copy_hyper"]
+__all__ = ["HYPER_DTYPE", "make", "values", "pack", "unpack", "set_hyper", "get_hyper", "holders", "copy_hyper"]
 
 HYPER_DTYPE = torch.float64  # torch.optim's scalars are Python floats: doubles
+SEP, PATH_SEP = ";", "/"  # between names, and between a nested name's parts (lr/warmup_cosine/peak)
+
+
+def _key(paths: list) -> str:
+    """The names of a holder's values, in optree's (sorted) order, as one string: the packed tensor's dict key, so
+    that the names are part of the state's structure (its treespec) and the values one leaf."""
+    return SEP.join(PATH_SEP.join(map(str, p)) for p in paths)
 
 
 def make(defaults: Mapping[str, Any], device: Any) -> dict:
-    """``{name: 0-dim float64 tensor}`` on ``device`` for a tree of numbers (a schedule's constants nest).
+    """The ``hyper`` field for ``defaults`` (a tree of numbers: a schedule's constants nest): ``{names: values}``,
+    one float64 tensor of the values in optree's order, keyed by their names joined (``"beta1;beta2;eps;lr"``).
+
+    One leaf, not one per value: a compiled call pays per input (each is checked and passed), and a 0-dim float64
+    CPU tensor is read by Dynamo's fake tensors as a Python float, which restarts its analysis once per graph.
 
     Example::
 
         >>> from functrain.core.hyper import make
-        >>> make({"lr": 0.1, "lr_schedule": {"peak": 1.0}}, "cpu")["lr_schedule"]["peak"]
-        tensor(1., dtype=torch.float64)
+        >>> make({"lr": 0.1, "sched": {"peak": 1.0}}, "cpu")
+        {'lr;sched/peak': tensor([0.1000, 1.0000], dtype=torch.float64)}
     """
-    return optree.tree_map(lambda v: torch.tensor(float(v), dtype=HYPER_DTYPE, device=device), dict(defaults))
+    paths, leaves, _ = optree.tree_flatten_with_path(dict(defaults))
+    return {_key(paths): torch.tensor([float(v) for v in leaves], dtype=HYPER_DTYPE, device=device)}
+
+
+def _readable(x: torch.Tensor) -> bool:
+    """Whether ``x`` is read on the host for free and safely (the conditions of :func:`~functrain.core.eager.
+    host_number`, for a 1-D tensor): a plain CPU tensor, eagerly, outside any dispatch mode or functorch transform."""
+    return (type(x) is torch.Tensor and x.is_cpu and x.dim() == 1 and not tracing()
+            and not torch._C._len_torch_dispatch_stack() and not torch._C._functorch.is_functorch_wrapped_tensor(x))
 
 
 def values(hyper: Any, defaults: Mapping[str, Any]) -> dict:
-    """The hyper-parameters an update uses: ``hyper`` (a state's dict) read with :func:`~functrain.core.eager.
-    host_number` (Python floats for a plain CPU state eagerly, tensors otherwise), or ``defaults`` (the
-    constructor's numbers) for a state saved without them (``hyper`` is ``None``).
+    """The hyper-parameters an update uses, as the tree ``defaults`` is: the state's ``hyper`` read as Python floats
+    for a plain CPU state eagerly (one host read), else as 0-dim tensors (traced, on a device, a population's
+    member under ``vmap``); or ``defaults`` (the constructor's numbers) for a state saved without them (``None``).
+
+    Raises:
+        ValueError: the state holds other names than ``defaults`` (another optimizer's state).
 
     Example::
 
@@ -68,7 +93,50 @@ def values(hyper: Any, defaults: Mapping[str, Any]) -> dict:
     """
     if hyper is None:
         return dict(defaults)
-    return optree.tree_map(host_number, hyper)
+    (key, vec), = hyper.items()
+    paths = _paths(defaults)
+    if key != _key(paths):
+        raise ValueError(f"this state's hyper-parameters are {key.split(SEP)}, the step's {_key(paths).split(SEP)}: "
+                         f"a state of another optimizer or transform")
+    numbers = vec.tolist() if _readable(vec) else vec.unbind(-1)
+    out: dict = {}
+    for path, x in zip(paths, numbers):
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = x
+    return out
+
+
+def _paths(tree: Mapping[str, Any], prefix: tuple = ()) -> list:
+    """The paths to the numbers of a tree of dicts, in optree's order (sorted keys): plain Python, which Dynamo
+    traces as constants (optree's path flattening it cannot)."""
+    out: list = []
+    for k in sorted(tree):
+        v = tree[k]
+        out.extend(_paths(v, prefix + (k,)) if isinstance(v, Mapping) else [prefix + (k,)])
+    return out
+
+
+def unpack(hyper: dict) -> dict:
+    """A holder's ``hyper`` field as a tree ``{name: tensor}`` (views of the packed tensor; a schedule's nest)."""
+    (key, vec), = hyper.items()
+    out: dict = {}
+    for i, name in enumerate(key.split(SEP)):
+        *outer, last = name.split(PATH_SEP)
+        node = out
+        for part in outer:
+            node = node.setdefault(part, {})
+        node[last] = vec[..., i]
+    return out
+
+
+def pack(tree: dict) -> dict:
+    """The ``hyper`` field for a tree of tensors (:func:`unpack`'s inverse; the values broadcast to one shape: a
+    population's ``(n,)`` next to a shared value)."""
+    paths, leaves, _ = optree.tree_flatten_with_path(tree)
+    shape = torch.broadcast_shapes(*(x.shape for x in leaves))
+    return {_key(paths): torch.stack([x.expand(shape) for x in leaves], -1)}
 
 
 def holders(tree: Any) -> list:
@@ -114,7 +182,7 @@ def _as_value(name: str, new: Any, old: torch.Tensor) -> torch.Tensor:
         return new.detach().to(dtype=old.dtype, device=old.device)
     if isinstance(new, bool) or not isinstance(new, (int, float)) or math.isnan(float(new)):
         raise BadValue(f"set_hyper: {name} must be a number (not NaN) or a tensor; got {describe(new)}")
-    return torch.tensor(float(new), dtype=old.dtype, device=old.device)
+    return torch.full(old.shape, float(new), dtype=old.dtype, device=old.device)
 
 
 def _merge(name: str, old: Any, new: Any) -> Any:
@@ -180,7 +248,8 @@ def set_hyper(state: Any, **new: Any) -> Any:
         >>> import torch, functrain as ft
         >>> opt = ft.optim.adamw(ft.optim.schedules.warmup_cosine(1e-3, warmup_steps=10, total_steps=400))
         >>> s = ft.set_hyper(opt.init({"w": torch.ones(2)}), lr={"total_steps": 4000}, weight_decay=0.1)
-        >>> float(s.hyper["lr"]["warmup_cosine"]["total_steps"]), float(s.hyper["weight_decay"])
+        >>> h = ft.get_hyper(s)
+        >>> float(h["lr"]["warmup_cosine"]["total_steps"]), float(h["weight_decay"])
         (4000.0, 0.1)
     """
     new = _expand(new)
@@ -190,13 +259,14 @@ def set_hyper(state: Any, **new: Any) -> Any:
     unused = set(new)
 
     def replace(holder: Any) -> Any:
-        mine = {k: v for k, v in new.items() if k in holder.hyper}
+        held = unpack(holder.hyper)
+        mine = {k: v for k, v in new.items() if k in held}
         unused.difference_update(mine)
-        return holder._replace(hyper={k: _merge(k, v, mine[k]) if k in mine else v for k, v in holder.hyper.items()})
+        return holder._replace(hyper=pack({k: _merge(k, v, mine[k]) if k in mine else v for k, v in held.items()}))
 
     target = _replace_in(target, replace) if new else target
     if unused:
-        held = sorted({k for h in holders(target) for k in h.hyper} | set(slots or ()))
+        held = sorted({k for h in holders(target) for k in unpack(h.hyper)} | set(slots or ()))
         raise BadValue(f"set_hyper: nothing in this state holds {sorted(unused)}; it holds {held} (a slot's values "
                        f"as a dict under its name)")
     if slots is None:
@@ -210,19 +280,19 @@ def set_hyper(state: Any, **new: Any) -> Any:
         if not found:
             raise BadValue(f"set_hyper: the {name!r} slot holds no hyper-parameters")
         vals = _expand(vals)
-        missing = set(vals) - {k for h in found for k in h.hyper}
+        missing = set(vals) - {k for h in found for k in unpack(h.hyper)}
         if missing:
             raise BadValue(f"set_hyper: the {name!r} slot has no {sorted(missing)}; it holds "
-                           f"{sorted({k for h in found for k in h.hyper})}")
-        new_slots[name] = _replace_in(slots[name], lambda h, vals=vals: h._replace(hyper={
-            k: _merge(f"{name}.{k}", v, vals[k]) if k in vals else v for k, v in h.hyper.items()}))
+                           f"{sorted({k for h in found for k in unpack(h.hyper)})}")
+        new_slots[name] = _replace_in(slots[name], lambda h, vals=vals: h._replace(hyper=pack({
+            k: _merge(f"{name}.{k}", v, vals[k]) if k in vals else v for k, v in unpack(h.hyper).items()})))
     return state._replace(opt_state=target, slots=new_slots)
 
 
 def get_hyper(state: Any) -> dict:
     """The hyper-parameters ``state`` holds: the optimizer's by name, each slot's as a dict under its name.
 
-    Returns the state's tensors themselves (``float(...)`` them to read a value on the host).
+    Returns views of the state's tensors (``float(...)`` one to read a value on the host).
 
     Example::
 
@@ -234,11 +304,11 @@ def get_hyper(state: Any) -> dict:
     out: dict = {}
     opt = state.opt_state if hasattr(state, "opt_state") else state
     for h in holders(opt):
-        out.update(h.hyper)
+        out.update(unpack(h.hyper))
     for name, slot in (getattr(state, "slots", None) or {}).items() if hasattr(state, "opt_state") else ():
         found = holders(slot)
         if found:
-            out[name] = {k: v for h in found for k, v in h.hyper.items()}
+            out[name] = {k: v for h in found for k, v in unpack(h.hyper).items()}
     return out
 
 
@@ -255,7 +325,7 @@ def copy_hyper(state: Any, source: Any) -> Any:
         >>> import torch, functrain as ft
         >>> from functrain.core.hyper import copy_hyper
         >>> old = ft.optim.adam(1e-3).init({"w": torch.ones(1)})
-        >>> float(copy_hyper(old, ft.optim.adam(3e-4).init({"w": torch.ones(1)})).hyper["lr"])
+        >>> float(ft.get_hyper(copy_hyper(old, ft.optim.adam(3e-4).init({"w": torch.ones(1)})))["lr"])
         0.0003
     """
     new = iter(holders(source))
@@ -263,9 +333,9 @@ def copy_hyper(state: Any, source: Any) -> Any:
 
     def take(holder: Any) -> Any:
         other = next(new, None)
-        if other is None or optree.tree_structure(other.hyper) != optree.tree_structure(holder.hyper):
-            raise ValueError(f"copy_hyper: the states hold different hyper-parameters: {sorted(holder.hyper)} and "
-                             f"{None if other is None else sorted(other.hyper)}")
+        if other is None or set(other.hyper) != set(holder.hyper):
+            raise ValueError(f"copy_hyper: the states hold different hyper-parameters: {sorted(unpack(holder.hyper))} "
+                             f"and {None if other is None else sorted(unpack(other.hyper))}")
         return holder._replace(hyper=optree.tree_map(
             lambda x, y: y.detach().to(dtype=x.dtype, device=x.device).clone(), holder.hyper, other.hyper))
 

@@ -30,10 +30,10 @@ class AdamState(NamedTuple):
 
     Example::
 
-        >>> import torch
+        >>> import torch, functrain as ft
         >>> from functrain.optim import adam
         >>> state = adam(lr=1e-3).init({"w": torch.ones(2)})
-        >>> int(state.count), state.exp_avg["w"], state.exp_avg_sq["w"], float(state.hyper["beta2"])
+        >>> int(state.count), state.exp_avg["w"], state.exp_avg_sq["w"], float(ft.get_hyper(state)["beta2"])
         (0, tensor([0., 0.]), tensor([0., 0.]), 0.999)
     """
 

@@ -196,7 +196,7 @@ def count_f64(count: Any) -> torch.Tensor:
 
 class Schedule:
     """A learning-rate schedule whose constants are data: ``schedule(count)`` uses the ones it was built with,
-    ``schedule.at(count, constants)`` the ones an optimizer's state holds (``state.hyper["lr"][name]``), so a
+    ``schedule.at(count, constants)`` the ones an optimizer's state holds (``ft.get_hyper(state)["lr"][name]``), so a
     compiled step reads them as inputs and one graph serves every peak, warm-up and horizon.
 
     Attributes:

@@ -201,7 +201,7 @@ def warmup_cosine(
     """Linear warmup from ``start`` to ``peak`` over ``warmup_steps``, then cosine decay to
     ``final`` at ``total_steps`` (which counts the warmup), then ``final``.
 
-    Its five constants are the state's (``state.opt_state.hyper["lr"]["warmup_cosine"]``): a compiled step
+    Its five constants are the state's (``ft.get_hyper(state)["lr"]["warmup_cosine"]``): a compiled step
     built for 400 steps runs a 4,000-step run after ``ft.set_hyper(state, lr={"total_steps": 4000})``.
 
     Args:

@@ -25,7 +25,7 @@ class ClipState(NamedTuple):
 
         >>> import torch, functrain as ft
         >>> step = ft.clip(1.0)(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1)))
-        >>> float(step.init({"w": torch.zeros(1)}).slots["clip"].hyper["max_norm"])
+        >>> float(ft.get_hyper(step.init({"w": torch.zeros(1)}))["clip"]["max_norm"])
         1.0
     """
 

@@ -187,7 +187,11 @@ def test_state_layout():
     a = adamw(lr=0.1).init(params)
     assert isinstance(a, AdamState)
     assert optree.tree_structure(a.exp_avg) == optree.tree_structure(params)
-    assert all(float(x.abs().sum()) == 0 for x in optree.tree_leaves(a))
+    assert all(float(x.abs().sum()) == 0 for x in optree.tree_leaves(a._replace(hyper=None)))
+    # the hyper-parameters: the constructor's, as float64 values on the params' device (data, not constants)
+    (names, values), = a.hyper.items()  # one float64 tensor, its names its key (one input of a compiled step)
+    assert names == "beta1;beta2;eps;lr;weight_decay" and values.dtype == torch.float64
+    assert values.tolist() == [0.9, 0.999, 1e-8, 0.1, 0.01]
     # Empty trees are allowed and just count.
     p, st_ = adam(lr=0.1).update({}, adam(lr=0.1).init({}), {})
     assert p == {} and int(st_.count) == 1

@@ -322,7 +322,9 @@ class CheckpointManager:
                 (default ``None``: scanned here).
 
         Returns:
-            That step, or ``None`` if no checkpoint has a score.
+            That step, or ``None`` if no checkpoint has a score. A mark's score that is not a finite number
+            (``NaN``, ``Infinity``, ``1e999``, an int past a float, a string: a mark edited by hand, or damaged)
+            is not ranked, as :meth:`save` records none for a score that is not finite.
 
         Example::
 
@@ -337,9 +339,9 @@ class CheckpointManager:
         scored = []
         for step in sorted(found):
             marks = per_rank.read_marks(found[step])
-            score = marks.get("score")
-            if marks.get("finite") is not False and isinstance(score, (int, float)) and not isinstance(score, bool):
-                scored.append((float(score), step))
+            score = _rank(marks.get("score"))
+            if marks.get("finite") is not False and score is not None:
+                scored.append((score, step))
         return min(scored)[1] if scored else None
 
     def newest_finite(self, found: dict[int, str] | None = None) -> int | None:
@@ -576,3 +578,14 @@ def save(path: str | os.PathLike, state: Any, extra: Any = None, *, checksum: st
     target = os.path.abspath(os.fspath(path))
     return save_once("save", target, None,
                      lambda: per_rank.save(target, state, extra, checksum=checksum, fsync=fsync, marks=marks), timeout)
+
+
+def _rank(score: Any) -> float | None:
+    """A completion mark's ``score`` as the finite float it ranks by, or ``None`` (not ranked)."""
+    if isinstance(score, bool) or not isinstance(score, (int, float)):
+        return None
+    try:
+        value = float(score)
+    except OverflowError:  # (an int past a float's range)
+        return None
+    return value if math.isfinite(value) else None

@@ -14,7 +14,13 @@ What it gives up: it runs Python on the host, so a step with it cannot be compil
 (``ft.compile``, ``torch.compile``: refused when traced) and reads the step count on the host
 each update; it copies params, gradients and state once per update; it needs each param whole
 and named (refused under ``data_parallel(shard=...)`` and with ``init(flat=True)``); and its
-state's layout is learnt at ``init`` by running ``step()`` once on copies with zero gradients.
+state's layout (which keys each param's state holds, from which update on, and the group numbers) is
+learnt at ``init`` by running ``step()`` on copies with zero gradients, ``layout_steps`` times (one by
+default). A state that grows later (a key first made at update 5, such as a weight average started
+after a warm-up) is carried from the start as a placeholder and handed to ``step()`` from that
+update on, bit for bit; a key that appears, goes or comes at another update than the probe saw is
+refused by name (the functrain state's structure is fixed at ``init``: checkpoints and a skipped
+update's select need it so), naming the ``layout_steps`` that would learn it.
 """
 from __future__ import annotations
 
@@ -85,16 +91,27 @@ def _twin(torch_opt: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, list
     return twin, params
 
 
+def _present(since: int | None, count: int) -> bool:
+    """Whether a state key first made by the update that brought the count to ``since`` is in the optimizer's
+    state at ``count`` (``since=None``: from the start)."""
+    return since is None or count >= since
+
+
 class _Hatch:
-    def __init__(self, torch_opt: torch.optim.Optimizer, names: Any, tables: list | None) -> None:
+    def __init__(self, torch_opt: torch.optim.Optimizer, names: Any, tables: list | None, layout_steps: int) -> None:
         self.cls = type(torch_opt).__name__
         self.torch_groups = [list(g["params"]) for g in torch_opt.param_groups]
         self.twin, self.twin_params = _twin(torch_opt)
-        self.names, self.tables = names, tables
+        self.names, self.tables, self.layout_steps = names, tables, layout_steps
         self.given = [[{k: v for k, v in torch_opt.state.get(p, {}).items()} for p in g] for g in self.torch_groups]
         self.start_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.twin.param_groups]
-        self.layout: dict | None = None  # {name: {key: kind}}, learnt at init
-        self.group_keys: list[dict] = []  # per group {key: present before the first step}
+        # learnt at init: per param {key: "tensor" | "number"} (carried) and {key: None | bool | str} (constants),
+        # and for every key the count from which on it is in the state (None: from the start)
+        self.layout: dict | None = None
+        self._static: dict = {}
+        self.since: dict = {}
+        self.group_keys: list[dict] = []  # per group {number's key: since}
+        self.count0 = 0  # the count at init (the probe's updates are counted from it)
         self.has_eval = callable(getattr(type(torch_opt), "eval", None)) and callable(
             getattr(type(torch_opt), "train", None))
 
@@ -128,7 +145,7 @@ class _Hatch:
                     continue
                 tp.data = leaf[name].detach().clone()
                 tp.grad = torch.zeros_like(tp.data) if grad is None else grad[name].detach().clone()
-                if states is not None:
+                if states is not None and states[name]:  # (no key yet: no entry, as before torch's first step)
                     self.twin.state[tp] = {k: v.clone() if isinstance(v, torch.Tensor) else v
                                            for k, v in states[name].items()}
                 used[name] = tp
@@ -139,13 +156,18 @@ class _Hatch:
                     self.twin.param_groups[i][key] = value
         return used
 
-    def _states(self, state: TorchStepState, started: bool) -> tuple[dict | None, list[dict]]:
-        """What :meth:`_load` puts into the twin for ``state``: per-param states and group numbers."""
-        states = None
-        if started:
-            states = {n: {**{k: v if self.layout[n][k] == "tensor" else v.item() for k, v in st.items()},
-                          **self._static[n]} for n, st in state.state.items()}
-        numbers = [{k: state.groups[i][k].item() if started or present else None for k, present in keys.items()}
+    def _twin_state(self, name: str, carried: dict, count: int) -> dict:
+        """Param ``name``'s torch state at ``count``: the carried keys made by then, and the constants."""
+        since = self.since[name]
+        out = {k: v if kind == "tensor" else v.item() for k, kind in self.layout[name].items()
+               if _present(since[k], count) for v in (carried[k],)}
+        out.update({k: v for k, v in self._static[name].items() if _present(since[k], count)})
+        return out
+
+    def _states(self, state: TorchStepState, count: int) -> tuple[dict, list[dict]]:
+        """What :meth:`_load` puts into the twin for ``state`` at ``count``: per-param states and group numbers."""
+        states = {n: self._twin_state(n, st, count) for n, st in state.state.items()}
+        numbers = [{k: state.groups[i][k].item() if _present(since, count) else None for k, since in keys.items()}
                    for i, keys in enumerate(self.group_keys)]
         return states, numbers
 
@@ -158,6 +180,10 @@ class _Hatch:
             for key in [k for k in group if k != "params"]:
                 del group[key]
             group.update({k: copy.deepcopy(v) for k, v in start.items()})
+
+    def _tracked(self, key: str) -> bool:
+        """Whether a group number is carried (a translated scheduler sets each update's lr)."""
+        return not (key == "lr" and self.tables is not None)
 
     def init(self, params: Any) -> TorchStepState:
         self._refuse_flat(params)
@@ -174,50 +200,60 @@ class _Hatch:
             raise ValueError(f"{self.cls} has state for param {holders[0]!r} but none for {empty!r}; functrain "
                              f"steps every param together: hand over a fresh optimizer, or one whose params all have "
                              f"state")
-        self.loads_from = 0 if holders else 1  # lazily made state (most optimizers): only after the first update
-        self.layout, self._static, tensors = {}, {}, {}
+        self.count0 = count = self._count(given)
+        self.layout, self._static, self.since, tensors = {}, {}, {}, {}
         for name, st in given.items():  # a state handed over (or made by the optimizer's __init__, Adagrad's)
-            self._classify(name, st, device, tensors)
-        # learn the layout of a state made lazily, and of the groups' numbers: one step() on copies, zero gradients
+            self._classify(name, st, device, tensors, None)
+        # learn the rest of the layout (a state made lazily, and when; the groups' numbers): step() on copies with
+        # zero gradients, layout_steps times
+        group_since: list[dict] = [{} for _ in self.start_groups]
         try:
-            handed = {n: {**{k: v.item() if self.layout[n][k] == "number" else v for k, v in tensors[n].items()},
-                          **self._static[n]} for n in given}
-            self._load(params, None, handed if holders else None, None)
+            self._load(params, None, {n: self._twin_state(n, tensors[n], count) for n in given}, None)
             before = [set(g) for g in self.twin.param_groups]
-            self.twin.step()
-            probed = {n: dict(self.twin.state[tp]) for n, tp in self._by_name().items()}
-            after = [dict(g) for g in self.twin.param_groups]
+            for j in range(1, self.layout_steps + 1):
+                self.twin.step()
+                for name, tp in self._by_name().items():
+                    st = self.twin.state.get(tp, {})
+                    gone = [k for k in self.since[name] if k not in st]
+                    if gone:
+                        raise ValueError(f"{self.cls}.step() removed the state {gone[0]!r} of param {name!r} at its "
+                                         f"step {j} on copies (init's probe); ft.optim.torch_step carries a state "
+                                         f"whose keys only grow")
+                    new = {k: v for k, v in st.items() if k not in self.since[name]}
+                    self._classify(name, new, device, tensors, count + j)
+                for i, group in enumerate(self.twin.param_groups):
+                    for k, v in group.items():
+                        if k not in group_since[i] and _number(v) and self._tracked(k):
+                            group_since[i][k] = None if k in before[i] else count + j
         finally:
             self._unload()
-        if not holders:
-            self.layout, self._static, tensors = {}, {}, {}
-            for name, st in probed.items():
-                self._classify(name, st, device, tensors, zeros=True)
-        self.group_keys, groups = [], []
-        for i, (start, now) in enumerate(zip(self.start_groups, after)):
-            keys = {k: k in before[i] for k, v in now.items()
-                    if _number(v) and not (k == "lr" and self.tables is not None)}
-            self.group_keys.append(keys)
-            groups.append({k: _as_tensor(start[k] if k in start else now[k], device) for k in keys})
-        count = self._count(given)
+        self.group_keys, groups = group_since, []
+        for start, keys in zip(self.start_groups, group_since):
+            # a number there from the start carries its value; one made later a placeholder until then
+            groups.append({k: _as_tensor(start[k] if since is None and _number(start.get(k)) else 0, device)
+                           for k, since in keys.items()})
         return TorchStepState(count=torch.tensor(count, dtype=torch.int64, device=device), state=tensors,
                               groups=tuple(groups))
 
-    def _classify(self, name: str, st: dict, device: Any, tensors: dict, zeros: bool = False) -> None:
-        """Sort param ``name``'s torch state into tensors (carried), numbers (carried as 0-d tensors) and constants."""
-        self.layout[name], self._static[name], tensors[name] = {}, {}, {}
+    def _classify(self, name: str, st: dict, device: Any, tensors: dict, since: int | None) -> None:
+        """Sort keys of param ``name``'s torch state into tensors (carried), numbers (carried as 0-d tensors) and
+        constants, each in the state from count ``since`` on (``None``: from the start, its value carried; else a
+        zero placeholder until then)."""
+        layout, static = self.layout.setdefault(name, {}), self._static.setdefault(name, {})
+        out, when = tensors.setdefault(name, {}), self.since.setdefault(name, {})
         for key, value in st.items():
             if isinstance(value, torch.Tensor):
-                self.layout[name][key] = "tensor"
-                tensors[name][key] = torch.zeros_like(value) if zeros else value.detach().clone()
+                layout[key] = "tensor"
+                out[key] = value.detach().clone() if since is None else torch.zeros_like(value)
             elif _number(value):
-                self.layout[name][key] = "number"
-                tensors[name][key] = _as_tensor(value, device)
+                layout[key] = "number"
+                out[key] = _as_tensor(value if since is None else type(value)(0), device)
             elif value is None or isinstance(value, (bool, str)):
-                self._static[name][key] = value
+                static[key] = value
             else:
                 raise TypeError(f"{self.cls}'s state of param {name!r} holds {key!r} = {describe(value)[:80]}; "
                                 f"ft.optim.torch_step carries tensors and numbers")
+            when[key] = since
 
     def _count(self, given: dict) -> int:
         steps = {int(s["step"]) for s in given.values() if _number(s.get("step")) or (
@@ -226,7 +262,7 @@ class _Hatch:
             raise ValueError(f"{self.cls}'s params have stepped different numbers of times ({sorted(steps)})")
         if self.tables is not None:
             return self.tables[0].start
-        return steps.pop() if steps else (1 if any(given.values()) and self.loads_from else 0)
+        return steps.pop() if steps else 0
 
     def _by_name(self) -> dict:
         return {n: tp for names, twins in zip(self.names, self.twin_params) for n, tp in zip(names, twins)
@@ -245,36 +281,55 @@ class _Hatch:
                                f"this process")
         count = int(host_number(state.count))
         try:
-            used = self._load(params, grads, *self._states(state, count >= self.loads_from))
+            used = self._load(params, grads, *self._states(state, count))
             if self.tables is not None:
                 for group, table in zip(self.twin.param_groups, self.tables):
                     group["lr"] = float(table(count))
             self.twin.step()
             new_params = {n: tp.data for n, tp in used.items()}
-            new_state = {n: self._read(n, self.twin.state[tp], state.state[n]) for n, tp in used.items()}
-            groups = tuple({k: _as_tensor(self._group_number(i, k), v.device) for k, v in g.items()}
+            new_state = {n: self._read(n, self.twin.state.get(tp, {}), state.state[n], count + 1)
+                         for n, tp in used.items()}
+            groups = tuple({k: self._group_number(i, k, v, count + 1) for k, v in g.items()}
                            for i, g in enumerate(state.groups))
+            self._no_new_numbers(count + 1)
         finally:
             self._unload()
         leaf_names, leaves, spec = named_leaves(params)
         out = [new_params.get(n, x) for n, x in zip(leaf_names, leaves)]
         return spec.unflatten(out), TorchStepState(count=state.count + 1, state=new_state, groups=groups)
 
-    def _group_number(self, i: int, key: str) -> Any:
-        value = self.twin.param_groups[i].get(key)
-        if not _number(value):
-            raise TypeError(f"{self.cls}.step() left param group {i}'s {key!r} = {describe(value)[:80]}, no longer a "
-                            f"number")
-        return value
+    def _unlearnt(self, what: str, count: int) -> ValueError:
+        """The refusal of a state that changed its keys where init's probe did not see it (see the docstring)."""
+        steps = count - self.count0
+        if steps > self.layout_steps:
+            how = (f"init learnt the keys from {self.layout_steps} step(s) on copies; pass ft.optim.torch_step("
+                   f"optimizer, layout_steps={steps}) so that init's probe reaches this update")
+        else:
+            how = (f"init's probe (step() on copies with zero gradients) made it at another update, so its keys "
+                   f"depend on the gradients")
+        return ValueError(f"{self.cls}.step() {what} at update {count}: {how}. ft.optim.torch_step carries a state "
+                          f"whose keys are fixed at init (a checkpoint and a skipped update keep one structure), so "
+                          f"it refuses rather than drop the change")
 
-    def _read(self, name: str, st: dict, old: dict) -> dict:
-        keys = set(self.layout[name])
-        if not keys <= set(st):
-            raise ValueError(f"{self.cls}.step() left param {name!r} without state {sorted(keys - set(st))}")
+    def _read(self, name: str, st: dict, old: dict, count: int) -> dict:
+        since = self.since[name]
+        added = [k for k in st if k not in since]
+        if added:
+            raise self._unlearnt(f"added the state {added[0]!r} to param {name!r}", count)
+        for key, when in since.items():
+            if (key in st) != _present(when, count):
+                if key in st:
+                    raise self._unlearnt(f"made the state {key!r} of param {name!r}", count)
+                raise ValueError(f"{self.cls}.step() left param {name!r} without state {key!r} at update {count} "
+                                 f"(init's probe had it{'' if when is None else f' from update {when}'} on); "
+                                 f"ft.optim.torch_step carries a state whose keys only grow")
         out = {}
-        for key in self.layout[name]:
+        for key, kind in self.layout[name].items():
+            if key not in st:  # (made by a later update: its placeholder until then)
+                out[key] = old[key]
+                continue
             value = st[key]
-            if self.layout[name][key] == "tensor":
+            if kind == "tensor":
                 if not isinstance(value, torch.Tensor) or value.shape != old[key].shape or value.dtype != old[key].dtype:
                     raise ValueError(f"{self.cls}.step() changed the state {key!r} of param {name!r} to "
                                      f"{describe(value)[:80]}; expected a {old[key].dtype} tensor of shape "
@@ -284,12 +339,30 @@ class _Hatch:
                 out[key] = _as_tensor(value.item() if isinstance(value, torch.Tensor) else value, old[key].device)
         return out
 
+    def _group_number(self, i: int, key: str, old: torch.Tensor, count: int) -> torch.Tensor:
+        group = self.twin.param_groups[i]
+        if not _present(self.group_keys[i][key], count):
+            if key in group:
+                raise self._unlearnt(f"made param group {i}'s number {key!r}", count)
+            return old  # (a placeholder until the update that makes it)
+        value = group.get(key)
+        if not _number(value):
+            raise TypeError(f"{self.cls}.step() left param group {i}'s {key!r} = {describe(value)[:80]}, no longer a "
+                            f"number")
+        return _as_tensor(value, old.device)
+
+    def _no_new_numbers(self, count: int) -> None:
+        for i, (group, keys) in enumerate(zip(self.twin.param_groups, self.group_keys)):
+            new = [k for k, v in group.items() if k not in keys and _number(v) and self._tracked(k)]
+            if new:
+                raise self._unlearnt(f"added the number {new[0]!r} to param group {i}", count)
+
     def eval_params(self, params: Any, state: TorchStepState) -> Any:
         """The optimizer's own ``eval()`` (schedule-free's x) on copies of the params and state."""
         if self.layout is None:
             raise RuntimeError(f"ft.optim.torch_step ({self.cls}): call init(params) first")
         try:
-            used = self._load(params, None, *self._states(state, int(host_number(state.count)) >= self.loads_from))
+            used = self._load(params, None, *self._states(state, int(host_number(state.count))))
             for group in self.twin.param_groups:
                 group["train_mode"] = True
             self.twin.eval()
@@ -301,7 +374,7 @@ class _Hatch:
 
 
 def torch_step(torch_optimizer: torch.optim.Optimizer, params: Any = None, *, scheduler: Any = None,
-               num_steps: int | None = None) -> Optimizer:
+               num_steps: int | None = None, layout_steps: int = 1) -> Optimizer:
     """Any ``torch.optim`` optimizer as a functrain optimizer that runs its own ``step()`` (eagerly).
 
     The escape hatch for optimizers without a functional port (:func:`functrain.optim.from_torch`
@@ -319,14 +392,19 @@ def torch_step(torch_optimizer: torch.optim.Optimizer, params: Any = None, *, sc
         scheduler: its lr scheduler, or ``None``: each group's lr per update is set from a table
             (:func:`functrain.optim.from_torch_scheduler`) before ``step()``.
         num_steps: the run's number of updates: the horizon of a scheduler without an end.
+        layout_steps: how many ``step()`` calls ``init`` runs on copies (zero gradients) to learn the
+            optimizer's state: which keys each param's state holds and from which update on (default 1: a
+            state made at the first update). An optimizer whose state grows later (a key first made at
+            update 5) needs ``layout_steps=5``; short of that, the update that makes it is refused by name.
 
     Returns:
         An :class:`~functrain.optim.Optimizer` (``per_param=True``) whose state is :class:`TorchStepState`.
 
     Raises:
         TypeError: not an optimizer instance, bad ``params``, or state that is not tensors and numbers.
-        ValueError: a param no name is found for, a scheduler of another optimizer, or a state that
-            cannot be handed over.
+        ValueError: a param no name is found for, a scheduler of another optimizer, a state that
+            cannot be handed over, or (at an update) a state whose keys changed where ``init`` did not
+            learn it (the message names the key, the update and the ``layout_steps`` that learns it).
 
     Example::
 
@@ -349,6 +427,9 @@ def torch_step(torch_optimizer: torch.optim.Optimizer, params: Any = None, *, sc
     for i, g in enumerate(torch_optimizer.param_groups):
         if isinstance(g.get("lr"), torch.Tensor) and scheduler is not None:
             raise TypeError(f"torch_step: param group {i} has a tensor lr; a translated scheduler sets float lrs")
+    if isinstance(layout_steps, bool) or not isinstance(layout_steps, int) or layout_steps < 1:
+        raise ValueError(f"torch_step: layout_steps must be an int >= 1 (the step() calls init runs on copies to "
+                         f"learn the optimizer's state); got {layout_steps!r}")
     tables = None if scheduler is None else from_torch_scheduler(scheduler, num_steps=num_steps)
     torch_groups = [list(g["params"]) for g in torch_optimizer.param_groups]
     named = named_params(params, "torch_step")
@@ -358,7 +439,7 @@ def torch_step(torch_optimizer: torch.optim.Optimizer, params: Any = None, *, sc
     elif all("param_names" in g for g in torch_optimizer.param_groups):
         names = [[n if p.requires_grad else None for n, p in zip(g["param_names"], g["params"])]
                  for g in torch_optimizer.param_groups]
-    hatch = _Hatch(torch_optimizer, names, tables)
+    hatch = _Hatch(torch_optimizer, names, tables, layout_steps)
     lr0 = tables[0] if tables is not None else torch_optimizer.param_groups[0].get("lr", float("nan"))
     # under ft.compile(fullgraph=False) / torch.compile, a graph break: the update runs eagerly between graphs
     return Optimizer(init=hatch.init, update=torch.compiler.disable(hatch.update), learning_rate=make_learning_rate(lr0), per_param=True,

@@ -95,3 +95,39 @@ def test_a_kill_mid_rotation_leaves_the_best_and_the_newest_loadable(tmp_path, m
     again.save(4, _state(4), score=0.9)
     assert again.steps() == [3, 4] and again.best() == 3
     assert sorted(os.listdir(folder)) == ["step_00000003", "step_00000004"]  # the kill's leftovers tidied
+
+
+@pytest.mark.parametrize("edited", ["NaN", "Infinity", "-Infinity", "1e999", "-1" + "0" * 400, '"0.1"', "true",
+                                    "null", "[0.1]"],
+                         ids=["nan", "inf", "-inf", "1e999", "-10**400", "string", "true", "null", "list"])
+def test_a_mark_whose_score_is_not_a_finite_number_is_not_ranked(tmp_path, edited):
+    """The best checkpoint's completion mark edited on disk to a score that is not a finite number: it is not the
+    best from then on (before: NaN stayed "best" for good over 0.9 and then 0.7, -Infinity too, and an int past a
+    float's range raised OverflowError out of save), rotation removes it once it is old, and the next scores rank
+    as the manager computes them here."""
+    folder = tmp_path / "ck"
+    manager = ft.CheckpointManager(folder, keep=1, keep_best=True, fsync=False)
+    manager.save(1, _state(1), score=0.1)
+    mark = folder / "step_00000001" / "COMPLETE.json"
+    text = mark.read_text()
+    assert text.count('"score":0.1') == 1, text
+    mark.write_text(text.replace('"score":0.1', f'"score":{edited}'))
+    assert manager.best() is None
+    manager.save(2, _state(2), score=0.9)
+    assert manager.best() == 2 and manager.steps() == [2]  # step 1: neither the newest nor the best
+    manager.save(3, _state(3), score=0.7)
+    assert manager.best() == 3 and manager.steps() == [3]
+    manager.save(4, _state(4), score=0.8)
+    assert manager.best() == 3 and manager.steps() == [3, 4]
+    assert torch.equal(ft.load(manager.path(manager.best()), _template())["w"], _state(3)["w"])
+
+
+def test_an_edited_mark_with_a_finite_score_still_ranks(tmp_path):
+    """(The other side: an edit to a finite number is a score like any other.)"""
+    folder = tmp_path / "ck"
+    manager = ft.CheckpointManager(folder, keep=1, keep_best=True, fsync=False)
+    manager.save(1, _state(1), score=0.5)
+    mark = folder / "step_00000001" / "COMPLETE.json"
+    mark.write_text(mark.read_text().replace('"score":0.5', '"score":-3'))
+    manager.save(2, _state(2), score=0.1)
+    assert manager.best() == 1 and manager.steps() == [1, 2]

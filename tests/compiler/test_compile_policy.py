@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import select
 import signal
 import subprocess
@@ -186,6 +187,130 @@ def test_a_history_behind_a_link_is_not_read(tmp_path):
     with pytest.warns(RuntimeWarning, match="cannot be opened"):
         h = History(str(tmp_path / "h.json"))
     assert h.data == {"format": 1, "kinds": {}}
+
+
+def _steps(eager_s, compiled_s):
+    return json.dumps({"format": 1, "kinds": {"cpu:default": {"compiles": [{"nodes": 100, "cpu_s": 30.0}],
+                                                               "steps": [{"eager_s": eager_s, "compiled_s": compiled_s}]}}})
+
+
+def _judged(h: History) -> None:
+    """What the runner does with a history: a prediction, then the policy's decision (which checks its inputs)."""
+    for nodes in (0, 1, 10**6, 10**12):
+        p = h.predict("cpu:default", nodes)
+        assert all(math.isfinite(v) and v > 0 for v in p[:2]), p
+        assert history_mod.RATIO[0] <= p.compiled_ratio <= history_mod.RATIO[1], p
+        decide(README._replace(compile_cpu_s=p.compile_cpu_s, compiled_ratio=p.compiled_ratio, source=p.source))
+    assert h.untraced("cpu:default") is None or math.isfinite(h.untraced("cpu:default").compiled_ratio)
+
+
+def _plant_fifo(path):
+    os.mkfifo(path)
+    return True
+
+
+HOSTILE = {  # what is planted at the history's path -> the warning's reason
+    "deep": (lambda p: p.write_bytes(b"[" * 200_000), r"it is not JSON \(RecursionError"),
+    "tiny eager": (lambda p: p.write_text(_steps(5e-324, 9e8)), r"a step of 5e-324 s \(allowed: 1e-09 to 1e\+06\)"),
+    "tiny compiled": (lambda p: p.write_text(_steps(9e8, 5e-324)), r"a step of 900000000\.0 s"),
+    "ratio": (lambda p: p.write_text(_steps(1e-9, 9e5)), r"a compiled/eager step ratio of 9e\+14 \(allowed: "),
+    "nan": (lambda p: p.write_text(_steps(float("nan"), 1.0)), r"a step of nan s"),
+    "nodes": (lambda p: p.write_text(json.dumps({"format": 1, "kinds": {"cpu:default": {
+        "compiles": [{"nodes": 10**30, "cpu_s": 1.0}]}}})), r"a graph of 10{30} nodes"),
+    "compile": (lambda p: p.write_text(json.dumps({"format": 1, "kinds": {"cpu:default": {
+        "compiles": [{"nodes": 1, "cpu_s": 1e300}]}}})), r"a compile of 1e\+300 CPU seconds"),
+    "directory": (lambda p: (p.mkdir(), (p / "x").write_text("{}")), r"it is not a regular file but a directory"),
+    "fifo": (_plant_fifo, r"it is not a regular file but a FIFO"),
+    "socket": (lambda p: __import__("socket").socket(__import__("socket").AF_UNIX).bind(str(p)),
+               r"it cannot be opened \(No such device or address\)"),
+}
+
+
+@pytest.mark.parametrize("kind", list(HOSTILE))
+def test_a_hostile_history_gives_a_warning_and_the_defaults(tmp_path, kind):
+    """Whatever is at the history's path (content, value or type of file): one warning naming why, the defaults,
+    a decision the policy accepts; never a crash or a hang (the read runs on a thread that the test bounds: a
+    read still blocked on a FIFO after 60 s is released by opening its other end, and fails the test). The next
+    write sets it aside whole and writes a history a later read uses."""
+    import threading
+
+    path = tmp_path / history_mod.FILENAME
+    HOSTILE[kind][0](path)
+    before = sorted(os.listdir(tmp_path))
+    got, caught = {}, []
+
+    def read():
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                got["h"] = History(str(path))
+            except BaseException as e:  # (reported below, with the test's assertion)
+                got["error"] = e
+        caught.extend(seen)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(60)
+    if reader.is_alive():  # blocked: release it (a writer opens the FIFO), then fail
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(10)
+        pytest.fail(f"reading a history that is a {kind} blocked")
+    assert "error" not in got, got
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1, messages
+    assert re.search(rf"not using the compile history '{re.escape(str(path))}': .*{HOSTILE[kind][1]}", messages[0]), \
+        messages[0]
+    h = got["h"]
+    assert h.predict("cpu:default", 100) == (history_mod.DEFAULT_BASE_S + history_mod.DEFAULT_PER_NODE_S * 100,
+                                             history_mod.DEFAULT_RATIO, "default")
+    _judged(h)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        h.add_compile("cpu:default", 100, 5.0)
+    assert sorted(os.listdir(tmp_path)) == sorted(before + [history_mod.FILENAME + ".damaged"])
+    assert History(str(path)).predict("cpu:default", 100).source == "history"
+
+
+def test_values_from_the_history_reach_the_policy_clamped(tmp_path):
+    """The edges a history may hold, and predictions for graphs far from them: the compile stays within
+    COMPILE_S (over 0.1 s), the ratio within RATIO, both finite; what no measurement gives is not recorded; a key
+    of the file functrain does not read (a deep one included) is dropped, not written back."""
+    path = tmp_path / "h.json"
+    lo, hi = history_mod.STEP_S
+    deep = "[" * 900 + "]" * 900
+    path.write_text('{"format": 1, "extra": %s, "kinds": {"cpu:default": {"x": %s, "compiles": [{"nodes": 0, '
+                    '"cpu_s": 1e7}, {"nodes": 1000000000, "cpu_s": 0}], "steps": [{"eager_s": %r, '
+                    '"compiled_s": %r}]}}}' % (deep, deep, hi, hi * history_mod.RATIO[0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        h = History(str(path))
+    _judged(h)
+    assert h.predict("cpu:default", 10).compile_cpu_s == history_mod.COMPILE_S[1]  # 1e7 s x 10 nodes, clamped
+    assert h.predict("cpu:default", 10**9).compile_cpu_s == 0.1
+    h.add_steps("cpu:default", 5e-324, 9e8)  # not a measurement: not recorded
+    h.add_steps("cpu:default", lo, lo)
+    h.add_compile("cpu:default", -5, 1.0)
+    h.add_compile("cpu:default", 7, float("inf"))
+    again = json.loads(path.read_text())
+    assert "extra" not in again and "x" not in again["kinds"]["cpu:default"]
+    assert again["kinds"]["cpu:default"]["steps"][-1] == {"eager_s": lo, "compiled_s": lo}
+    assert len(again["kinds"]["cpu:default"]["compiles"]) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _judged(History(str(path)))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "tiny eager"])
+def test_a_run_over_a_hostile_history_trains_and_says_why(tmp_path, kind):
+    """The attacker's way: planted at the real path (the history beside the run's inductor caches), a run of 40
+    steps reads it, warns, decides from the defaults and trains (before: a FIFO hung the run on open; a step of
+    5e-324 s killed it with the policy's ValueError)."""
+    cache = _cache(tmp_path)
+    HOSTILE[kind][0](cache / history_mod.FILENAME)
+    r, out = _job(["fresh", "40"], _env(cache, FUNCTRAIN_COMPILE_POLICY="auto"), timeout=300)
+    assert r["steps"] == 40 and r["decision"]["source"] == "default", r
+    assert re.search(HOSTILE[kind][1], out.stderr) and out.stderr.count("not using the compile history") == 1, \
+        out.stderr[-3000:]
 
 
 # -- the Trainer's record of the decision -------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import optree
 import pytest
 import schedulefree
 import torch
@@ -463,3 +464,91 @@ def test_a_stepped_state_that_cannot_be_handed_over_is_refused():
     o.eval()
     with pytest.raises(ValueError, match=r"AdamWScheduleFree has stepped and is in eval mode .*optimizer\.train\(\)"):
         ft.optim.from_torch(o)
+
+
+# ------------------------------------------------------------------- a state that grows after the first update
+class SGDThenEMA(torch.optim.SGD):
+    """SGD that, from its ``start``-th update on, keeps an average of each weight (a state key made then, and a
+    count in the param group) and pulls the weight toward it: a state that grows after the first update."""
+
+    def __init__(self, params, lr, start=4, **kw):
+        super().__init__(params, lr=lr, **kw)
+        self.start = start
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                st["n"] = st.get("n", 0) + 1
+                if st["n"] < self.start:
+                    continue
+                if "ema" not in st:
+                    st["ema"] = p.detach().clone()
+                st["ema"].mul_(0.8).add_(p, alpha=0.2)
+                p.lerp_(st["ema"], 0.5)
+            if any("ema" in self.state[p] for p in group["params"]):
+                group["ema_n"] = group.get("ema_n", 0) + 1
+        return loss
+
+
+class SGDWithSpikes(torch.optim.SGD):
+    """SGD that keeps, once a gradient is large, a record of it: a key whose update depends on the data."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and float(p.grad.abs().max()) > 2.5:
+                    self.state[p]["spike"] = p.grad.abs().max().clone()
+        return loss
+
+
+def test_a_state_that_grows_after_the_first_update_is_followed_bitwise(tmp_path):
+    """The optimizer makes a state tensor and a group number at its 4th update: with layout_steps=4 the
+    functrain state carries them from init on (one structure, so a checkpoint of update 2 loads with init's
+    template and a skipped update's select holds) and every update is torch's own, bit for bit."""
+    theirs, ours = twins()
+    grads = grads_for(theirs)
+    expected, _ = torch_run(theirs, SGDThenEMA(groups_of(theirs, lr=0.02), lr=0.05, momentum=0.9), grads)
+    opt = ft.optim.torch_step(SGDThenEMA(groups_of(ours, lr=0.02), lr=0.05, momentum=0.9), ours, layout_steps=4)
+    _, params, _ = ft.functionalize(ours)
+    template = opt.init(params)
+    assert sorted(template.state["fc.weight"]) == ["ema", "momentum_buffer", "n"]
+    half, state = ft_run(opt, ours, grads[:2])
+    assert not state.state["fc.weight"]["ema"].any()  # not made yet: its placeholder
+    path = ft.save(str(tmp_path / "ckpt"), state)
+    state = ft.load(path, template=template)  # what a resume does (the structure learnt at init)
+    for g in grads[2:]:
+        before = state
+        half, state = opt.update(g, state, half)
+        assert optree.tree_structure(state) == optree.tree_structure(before)
+    assert bits_equal(half, expected)
+    assert [int(g["ema_n"]) for g in state.groups] == [STEPS - 3] * 2
+
+
+@pytest.mark.parametrize("cls, kw, message", [
+    (SGDThenEMA, {}, r"SGDThenEMA\.step\(\) added the state 'ema' to param 'fc\.weight' at update 4: init learnt "
+                     r"the keys from 1 step\(s\) on copies; pass ft\.optim\.torch_step\(optimizer, layout_steps=4\)"),
+    (SGDThenEMA, dict(layout_steps=2), r"added the state 'ema' .* at update 4: init learnt the keys from 2 step"),
+    (SGDWithSpikes, dict(layout_steps=STEPS), r"SGDWithSpikes\.step\(\) added the state 'spike' to param '[\w.]+' at "
+                                              r"update \d+: .*its keys depend on the gradients"),
+], ids=["late", "later", "data"])
+def test_a_state_that_grows_where_init_did_not_learn_it_is_refused_by_name(cls, kw, message):
+    """Before, such a key was dropped after each update (made afresh at the next): 2.0 off torch's own loop,
+    silently."""
+    theirs, ours = twins()
+    opt = ft.optim.torch_step(cls(ours.parameters(), lr=0.05, momentum=0.9), ours, **kw)
+    with pytest.raises(ValueError, match=message):
+        ft_run(opt, ours, [{k: v * 3 for k, v in g.items()} for g in grads_for(theirs)])
+    del theirs
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "4"])
+def test_layout_steps_is_checked(bad):
+    with pytest.raises(ValueError, match=rf"torch_step: layout_steps must be an int >= 1 .*; got {bad!r}"):
+        ft.optim.torch_step(torch.optim.SGD(_p(), lr=0.1), layout_steps=bad)

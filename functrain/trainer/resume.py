@@ -37,8 +37,8 @@ def resume_hyper(restored: Any, fresh: Any, step: int) -> ResumedHyper:
         >>> print(got.line)
         ; the lr schedule and hyper-parameters continue from step 400 with this run's values (lr.warmup_cosine.total_steps 400 -> 4000)
     """
-    if not holders(restored) or len(holders(restored)) != len(holders(fresh)):
-        return ResumedHyper(restored, "")  # (a state without hyper-parameters as data: the step's own numbers)
+    if not holders(fresh):
+        return ResumedHyper(restored, "")  # (a user's step holding no hyper-parameters as data: nothing to take)
     changes = hyper_changes(restored, fresh)
     state = copy_hyper(restored, fresh)
     if not changes:

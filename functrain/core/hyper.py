@@ -40,7 +40,8 @@ import torch
 from .eager import tracing
 from .validate import BadValue, describe
 
-__all__ = ["HYPER_DTYPE", "make", "values", "pack", "unpack", "set_hyper", "get_hyper", "holders", "copy_hyper"]
+__all__ = ["HYPER_DTYPE", "make", "values", "pack", "unpack", "set_hyper", "get_hyper", "holders", "copy_hyper",
+           "hyper_changes"]
 
 HYPER_DTYPE = torch.float64  # torch.optim's scalars are Python floats: doubles
 SEP, PATH_SEP = ";", "/"  # between names, and between a nested name's parts (lr/warmup_cosine/peak)
@@ -343,3 +344,28 @@ def copy_hyper(state: Any, source: Any) -> Any:
     if next(new, None) is not None or count[0] != len(holders(source)):
         raise ValueError("copy_hyper: the states hold different hyper-parameters (another step's state?)")
     return out
+
+
+def hyper_changes(old: Any, new: Any) -> dict:
+    """The hyper-parameters whose values differ between two states of one step: ``{"lr.warmup_cosine.total_steps":
+    (400.0, 4000.0), ...}`` (dotted names as :func:`get_hyper` nests them, host floats; a population's tensors
+    compared whole, shown as lists). What a resume that :func:`copy_hyper` the configuration's values changes.
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> from functrain.core.hyper import hyper_changes
+        >>> a = ft.optim.adam(1e-3).init({"w": torch.ones(1)})
+        >>> hyper_changes(a, ft.set_hyper(a, lr=3e-4))
+        {'lr': (0.001, 0.0003)}
+    """
+    def flat(state: Any) -> dict:
+        paths, leaves, _ = optree.tree_flatten_with_path(get_hyper(state))
+        return {".".join(map(str, p)): x for p, x in zip(paths, leaves)}
+
+    def host(x: Any) -> Any:
+        x = x.detach().cpu()
+        return float(x) if x.numel() == 1 else x.tolist()
+
+    a, b = flat(old), flat(new)
+    return {k: (host(a[k]), host(b[k])) for k in a if k in b and host(a[k]) != host(b[k])}

@@ -128,6 +128,8 @@ class RunClock:
         compile_s = self._compile_s()
         if compile_s is not None and "compile_s" not in self.reported:
             host["compile_s"] = compile_s
+            if self.progress.source is not None:  # "cache": a precompile's or an earlier run's code, loaded
+                host["compile_source"] = self.progress.source
             self.reported.add("compile_s")
         if self.switched_at is not None and "switched_at" not in self.reported:
             host["switched_at"] = self.switched_at
@@ -178,14 +180,16 @@ class RunClock:
             return said + [f"the background compile failed, every step ran eagerly{speeds}: {str(p.reason)[:200]}"]
         if self.switched_at is not None:
             took = f" in {p.compile_s:.1f} s" if p.compile_s is not None else ""
-            return said + [f"compiled in the background{took}; the compiled step took over at step "
-                           f"{self.switched_at}{speeds}"]
+            how = (f"loaded from the compile caches{took} (the trace and the load: a precompile's or an earlier "
+                   f"run's code, no compile)" if p.source == "cache" else f"compiled in the background{took}")
+            return said + [f"{how}; the compiled step took over at step {self.switched_at}{speeds}"]
         if d is None and p.phase == "eager" and not p.workers and self.policy.total is not None:
             return [f"every step ran eagerly: the run ended before its compile was decided (the compiler's imports "
                     f"and the trace come first){speeds}"]
         if self.steps["eager"] and not self.steps["compiled"]:
             return said + [f"the background compile had not finished: every step ran eagerly{speeds}"]
-        return said + ([f"compiled{speeds}"] if speeds else [])
+        cached = "; its code loaded from the compile caches (a precompile's or an earlier run's code; no compile)"
+        return said + ([f"compiled{speeds}{cached if p.source == 'cache' else ''}"] if speeds else [])
 
 
 def precompile(trainer: Any, quiet: bool = False) -> float:

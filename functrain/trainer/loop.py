@@ -26,6 +26,7 @@ from ..distributed import PeerFailed, gather_state
 from ..distributed.comm import any_rank, check_same
 from ..driver import run_steps
 from ..core.state import TrainState
+from .resume import resume_hyper as _resume_hyper
 from .components import Checkpointing, Evaluation, MetricsLog, MetricsPlot, Sampling, SkippedUpdates
 from .compiling import RunClock, precompile
 from .config import FOLDER_OPTIONS, TrainConfig
@@ -369,14 +370,15 @@ class Trainer:
         if "data" not in extra:
             raise CheckpointError(f"{restored.path}: its extra.json has no data position; it was not written by "
                                   f"ft.Trainer")
-        state = restored.state
+        hyper = _resume_hyper(restored.state, state, restored.step)  # the config's numbers, the file's state
+        state = hyper.state
         self.loader.load_state_dict(extra["data"])
         if "history" in extra:
             self.log.resume(MetricHistory.from_json(extra["history"]).truncate(restored.step))
         else:  # a checkpoint written before the history: its loss curve
             self.log.resume(MetricHistory({"loss": extra.get("losses", [])}).truncate(restored.step))
         if self.rank == 0:
-            print(f"resumed from {restored.path} at step {restored.step}", flush=True)
+            print(f"resumed from {restored.path} at step {restored.step}{hyper.line}", flush=True)
         return state
 
     def _mismatch_message(self, e: StructureMismatch) -> str:

@@ -47,6 +47,8 @@ def test_diffusion_trainer_on_two_processes_resumes(tmp_path):
     assert lr[20] > lr[40] > 0  # warmup (4 updates) then a cosine decay to min_lr
     out = _run(args + ["--steps", "60"])  # run again, longer: it resumes
     assert "resumed from" in out and "at step 40" in out
+    # the schedule continues to the new horizon (and the longer run's warm-up), said in the resume line
+    assert "lr.warmup_cosine.total_steps 40 -> 60" in out and "lr.warmup_cosine.warmup_steps 4 -> 6" in out, out
     assert (results / "sample-60.png").exists()
     # the resume line says that the lr goes back up (a 60-step cosine at step 40), and a finished job's hint names
     # the script's flag, not the config field it sets

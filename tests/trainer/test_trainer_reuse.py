@@ -1,0 +1,98 @@
+"""Compile once, reuse everywhere (issue 40): a Trainer's step precompiled with one run length, lr and warm-up serves
+a later process's run with other ones (and its resume with more steps) without compiling: the numbers are inputs of
+the graph, not constants. Real processes on one fresh inductor cache folder; each compiled run (compiled from its
+first step: ``compile_switch_at=0``) equals a fresh eager run with its numbers, to rounding."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+import functrain as ft
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CHILD = r"""
+import json, sys
+import torch
+import functrain as ft
+mode, steps, lr, warmup, folder = sys.argv[1:]
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.b(torch.tanh(self.a(x))), y)
+
+
+torch.manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+config = ft.TrainConfig(train_batch_size=8, train_lr=float(lr), train_num_steps=int(steps), lr_schedule="warmup_cosine",
+                        warmup_steps=int(warmup), min_lr=1e-4, ema_decay=0.9, ema_update_after_step=0,
+                        ema_update_every=1, results_folder=folder, compile=mode != "eager",
+                        compile_switch_at=0 if mode == "run" else None, log_every=1, save_and_sample_every=1000,
+                        seed=0, trackers=("jsonl",))
+trainer = ft.Trainer(Model(), data, config)
+if mode == "pre":
+    trainer.precompile()
+    state = None
+else:
+    state = trainer.train()
+from torch._dynamo.utils import counters
+print("RESULT " + json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"],
+                              "miss": counters["inductor"]["fxgraph_cache_miss"]}))
+if state is not None:
+    torch.save({"params": state.params, "ema": state.ema, "hyper": ft.get_hyper(state)}, folder + "/final.pt")
+"""
+
+
+def _child(tmp_path, mode, steps, lr, warmup, folder):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "FUNCTRAIN_CACHE"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+               FUNCTRAIN_CACHE_DIR=str(tmp_path / "memo"))
+    proc = subprocess.run([sys.executable, "-c", CHILD, mode, str(steps), str(lr), str(warmup), str(folder)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):]), proc.stdout
+
+
+def _entries(tmp_path):
+    return sorted(os.path.relpath(os.path.join(d, f), tmp_path / "inductor")
+                  for d, _, files in os.walk(tmp_path / "inductor" / "fxgraph") for f in files)
+
+
+def _close(a, b):
+    return ft.tree.tree_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_precompiled_step_serves_other_lengths_lrs_warmups_and_a_longer_resume(tmp_path):
+    pre, _ = _child(tmp_path, "pre", 400, 1e-3, 40, tmp_path / "pre")
+    assert pre["miss"] == 1 and pre["hit"] == 0, pre  # the one compile
+    compiled = _entries(tmp_path)
+    assert len(compiled) == 1, compiled
+    # another length, lr and warm-up: loaded (a hit), nothing compiled, every step compiled, = eager with its numbers
+    run, out = _child(tmp_path, "run", 6, 3e-2, 2, tmp_path / "run")
+    assert run["hit"] == 1 and run["miss"] == 0, (run, out[-2000:])
+    assert "compiled (compiled " in out and "its code loaded from the compile caches" in out, out[-2000:]
+    log = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r.get("compile_source") for r in log if "compile_s" in r] == ["cache"], log
+    assert _entries(tmp_path) == compiled
+    eager, _ = _child(tmp_path, "eager", 6, 3e-2, 2, tmp_path / "eager")
+    assert eager["hit"] == eager["miss"] == 0
+    got, want = torch.load(tmp_path / "run" / "final.pt"), torch.load(tmp_path / "eager" / "final.pt")
+    assert float(got["hyper"]["lr"]["warmup_cosine"]["total_steps"]) == 6
+    assert ft.tree.tree_equal(got["hyper"], want["hyper"])
+    assert _close(got["params"], want["params"]) and _close(got["ema"], want["ema"])
+    # the job continued with more steps: a hit again, the schedule on the new horizon (the resume line says so)
+    more, out = _child(tmp_path, "run", 10, 3e-2, 2, tmp_path / "run")
+    assert more["hit"] == 1 and more["miss"] == 0, (more, out[-2000:])
+    assert "lr.warmup_cosine.total_steps 6 -> 10" in out, out[-2000:]
+    assert _entries(tmp_path) == compiled
+    _child(tmp_path, "eager", 10, 3e-2, 2, tmp_path / "eager")
+    got, want = torch.load(tmp_path / "run" / "final.pt"), torch.load(tmp_path / "eager" / "final.pt")
+    assert _close(got["params"], want["params"]) and _close(got["ema"], want["ema"])

@@ -325,9 +325,13 @@ class _ForeachAsLoops(torch.overrides.TorchFunctionMode):
         n = len(lists[0]) if lists else 0
         columns = [a if isinstance(a, (list, tuple)) else [a] * n for a in args]
         rows = list(zip(*columns)) if columns else [()] * n
-        if op.endswith("_"):  # in place: the Tensor method on each (the first argument)
+        if op.endswith("_"):  # in place: computed out of place and copied in (vmap batches copy_, not addcmul_)
+            out_of_place = getattr(torch, op[:-1], None)
             for row in rows:
-                getattr(row[0], op)(*row[1:], **kwargs)
+                if out_of_place is None:
+                    getattr(row[0], op)(*row[1:], **kwargs)
+                else:
+                    row[0].copy_(out_of_place(*row, **kwargs))
             return None
         if op == "norm":
             ord_ = kwargs.pop("ord", 2) if len(args) < 2 else None

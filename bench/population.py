@@ -42,7 +42,14 @@ def main() -> None:
     p.add_argument("--variants", default="population,sequential,hand_loop,hand_stacked,population_eager")
     p.add_argument("--backend", default="inductor")
     p.add_argument("--out-json", default=None)
+    p.add_argument("--inductor-cache", default="fresh",
+                   help="TORCHINDUCTOR_CACHE_DIR: 'fresh' (default: an empty temp folder, cold compile times), "
+                        "'default' (leave it), or a folder")
     args = p.parse_args()
+    if args.inductor_cache != "default":
+        import tempfile
+        folder = tempfile.mkdtemp(prefix="h39-inductor-") if args.inductor_cache == "fresh" else args.inductor_cache
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
 
     import torch
     torch.set_num_threads(1)
@@ -81,11 +88,14 @@ def main() -> None:
     variants: dict = {}
     compile_s: dict = {}
     state_bytes: dict = {}
+    peak: dict = {}  # ft.memory: the state, and what one call allocates above it (traced, not run)
     wanted = args.variants.split(",")
 
     if "population" in wanted or "population_eager" in wanted:
         pstate = pop.init(lambda s: ft.functionalize(model(s))[1], seeds=seeds)
         state_bytes["population"] = nbytes(pstate)
+        est = ft.memory(pop, pstate, data[0])
+        peak["population (one call)"] = est.step_peak + est.new_state
     if "population" in wanted:
         cpop = ft.compile(pop, backend=args.backend) if args.backend != "inductor" else ft.compile(pop)
         t0 = time.perf_counter()
@@ -111,6 +121,8 @@ def main() -> None:
         cstep = ft.compile(step, backend=args.backend) if args.backend != "inductor" else ft.compile(step)
         states = [step.init(ft.functionalize(model(s))[1], seed=None) for s in seeds]
         state_bytes["sequential"] = sum(nbytes(s) for s in states)
+        est = ft.memory(step, states[0], (data[0][0][0], data[0][1][0]))
+        peak["sequential (one member's call)"] = est.step_peak + est.new_state
         t0 = time.perf_counter()
         states[0] = cstep(states[0], (data[0][0][0], data[0][1][0]))[0]
         compile_s["sequential (one graph, shared by the 16)"] = time.perf_counter() - t0
@@ -182,7 +194,7 @@ def main() -> None:
 
     steps = args.steps
     out = {"members": n, "rounds": args.rounds, "steps": steps, "load_avg": spread(loads), "cores": os.cpu_count(),
-           "compile_s": compile_s, "state_bytes": state_bytes, "variants": {}}
+           "compile_s": compile_s, "state_bytes": state_bytes, "step_peak_bytes": peak, "variants": {}}
     print(f"{n} W1 MLPs, {args.rounds} rounds x {steps} population steps; load average "
           f"{median(loads):.1f} (min {min(loads):.1f}, max {max(loads):.1f}) on {os.cpu_count()} cores")
     print(f"{'variant':18s} {'pop steps/s wall':>17s} {'per CPU s':>10s} {'x sequential (paired, wall)':>28s} "
@@ -203,6 +215,8 @@ def main() -> None:
         print(f"compile, first call: {k}: {v:.1f} s")
     for k, v in state_bytes.items():
         print(f"state bytes: {k}: {v / 1024:.0f} KiB")
+    for k, v in peak.items():
+        print(f"allocated by a call above the state (ft.memory): {k}: {v / 1024:.0f} KiB")
     if args.out_json:
         with open(args.out_json, "w") as f:
             json.dump(out, f, indent=1)

@@ -11,8 +11,11 @@ Two fields stay shared, by design: ``state.step`` (the count of calls: one call 
 it). Both are what the host-side machinery (the RNG hand-over, ``ft.compile``'s runner, ``ft.run``) reads as one
 value. :func:`member` gives member ``i`` as an ordinary state of the inner step.
 
+``ft.data_parallel()`` composes: every rank holds every member, and the members' gradients are all-reduced in one
+collective (:func:`_batch_collectives`). A sharded data-parallel step is refused.
+
 The law (tests/transforms/test_population.py): member ``i`` of a population equals a single run of the inner
-step from member ``i``'s initial state, to float rounding, eager and compiled. Random draws are the exception:
+step from member ``i``'s initial state, to float rounding, eager and compiled, on 1 and 2 processes. Random draws are the exception:
 a member's draws are its own but not those a single run with its seed makes (vmap draws one batched tensor).
 """
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from ..core import tree as T
 from ..core.checks import check_batch
+from ..core.eager import tracing
 from ..core.rng import rng_init, with_rng
 from ..core.state import TrainState
 from ..core.step import Step
@@ -55,15 +59,49 @@ def _uses(t: Transform, hook: str) -> bool:
 def _refusal(t: Transform) -> str | None:
     """Why ``t`` cannot run inside ``vmap`` (``None``: it can). Decided from what a transform declares."""
     if t.shards_state:
-        return (f"{t!r} shards the state over processes (shards_state=True); a population holds every member "
-                f"on every process")
-    for hook in ("reduce", "agree", "rng_offset"):
-        if _uses(t, hook):
-            return (f"{t!r} implements {hook!r}: it talks to other processes (a collective of c10d), which has no "
-                    f"rule under torch.func.vmap (a batched all-reduce would need one: the reduction of the "
-                    f"(n, ...) stacked gradients in one collective); data-parallel populations are not supported "
-                    f"yet: train a population per process, or each member's run under data_parallel")
+        return (f"{t!r} shards the state over processes (shards_state=True), cutting flat buffers that a "
+                f"population's member axis would cut across; a data-parallel population is replicated: "
+                f"ft.data_parallel() (shard='none'), each rank holding every member")
     return None
+
+
+def _talks(t: Transform) -> bool:
+    """Whether ``t`` talks to other processes (a data-parallel transform: it implements ``reduce``, ``agree`` or
+    ``rng_offset``)."""
+    return any(_uses(t, hook) for hook in ("reduce", "agree", "rng_offset"))
+
+
+_BATCHED_COLLECTIVES: list = []  # the torch.library that holds the rules below, once made (kept alive)
+
+
+def _batch_collectives() -> None:
+    """Give torch's functional all-reduce a ``vmap`` rule: the all-reduce of the batched tensor as it is.
+
+    An all-reduce is elementwise over the ranks, so reducing the stacked ``(n, ...)`` gradients of every member in
+    one collective is each member's own all-reduce: one collective per dtype for the whole population. torch has
+    no such rule (its fallback refuses collectives); registered once, when the first population of a step with a
+    data-parallel transform is made (a change to torch's dispatcher for this process: only ``vmap`` of these two
+    ops is affected)."""
+    if _BATCHED_COLLECTIVES:
+        return
+    import torch.distributed._functional_collectives  # noqa: F401 - defines the _c10d_functional ops
+
+    lib = torch.library.Library("_c10d_functional", "FRAGMENT")
+
+    def all_reduce(info: Any, in_dims: tuple, x: torch.Tensor, op: str, group: str) -> tuple:
+        return torch.ops._c10d_functional.all_reduce(x, op, group), in_dims[0]
+
+    def wait_tensor(info: Any, in_dims: tuple, x: torch.Tensor) -> tuple:
+        return torch.ops._c10d_functional.wait_tensor(x), in_dims[0]
+
+    def wrap(info: Any, in_dims: tuple, x: torch.Tensor) -> tuple:
+        return torch.ops._c10d_functional._wrap_tensor_autograd(x), in_dims[0]
+
+    rules = {"all_reduce": all_reduce, "wait_tensor": wait_tensor, "_wrap_tensor_autograd": wrap}
+    for name, rule in rules.items():
+        if hasattr(torch.ops._c10d_functional, name):
+            torch.library.register_vmap(f"_c10d_functional::{name}", rule, lib=lib)
+    _BATCHED_COLLECTIVES.append(lib)
 
 
 class Population(Step):
@@ -114,6 +152,11 @@ class Population(Step):
                 raise PopulationError(f"population: cannot vmap the step's transform {t.name!r}: {why}")
         super().__init__(step.loss_fn, step.optimizer, step.transforms)
         self.inner, self.n, self.batch, self.randomness = step, n, batch, randomness
+        # a data-parallel step: its collectives run batched (one all-reduce for every member), and its eager
+        # step takes the traced path inside the vmap (torch's functional collectives, not c10d's in-place ones)
+        self._collective = any(_talks(t) for t in step.transforms)
+        if self._collective:
+            _batch_collectives()
         self._named = False  # the first call's failure under vmap is named by the transform (see _explain)
 
     # -- building ---------------------------------------------------------------------------
@@ -283,9 +326,14 @@ class Population(Step):
 
         per_member = self.batch == "per_member"
         batch_dims = [0 if per_member and torch.is_tensor(x) else None for x in batch_leaves]
+        vmapped = torch.func.vmap(one, in_dims=(0, batch_dims), randomness=self.randomness)
         try:
-            out, metrics = torch.func.vmap(one, in_dims=(0, batch_dims), randomness=self.randomness)(
-                leaves, batch_leaves)
+            if self._collective and not tracing():
+                from ..compiler.capture import _compiling  # (the flag a trace sets: the functional collectives)
+                with _compiling():
+                    out, metrics = vmapped(leaves, batch_leaves)
+            else:
+                out, metrics = vmapped(leaves, batch_leaves)
         except Exception as e:
             raise self._explain(e) from e
         params, buffers, opt_state, slots = optree.tree_unflatten(spec, out)

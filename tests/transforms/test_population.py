@@ -224,23 +224,12 @@ class HostRead(ft.Transform):
             ctx.grads = ft.tree.tree_scale(ctx.grads, 0.0)
 
 
-class Allreduce(ft.Transform):
-    name = "my_allreduce"
-
-    def reduce(self, ctx):
-        pass
-
-
 def test_refusals_name_what_cannot_be_vmapped():
     step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1))
     pop = ft.population(2, batch="shared")(HostRead()(step))
     state = pop.init({"w": torch.ones(2)})
     with pytest.raises(ft.PopulationError, match=r"transform 'host_read' \(HostRead.transform\)"):
         pop(state, torch.ones(2))
-    with pytest.raises(ft.PopulationError, match="my_allreduce.*implements 'reduce'"):
-        ft.population(2, batch="shared")(Allreduce()(step))
-    with pytest.raises(ft.PopulationError, match="my_allreduce"):  # applied after: the same refusal
-        Allreduce()(ft.population(2, batch="shared")(step))
     with pytest.raises(ft.PopulationError, match="batch must be 'shared'.*got 'both'"):
         ft.population(2, batch="both")(step)
     with pytest.raises(TypeError, match="batch"):
@@ -258,10 +247,41 @@ def test_refusals_name_what_cannot_be_vmapped():
         ft.member(state, 2)
 
 
-def test_data_parallel_is_refused_by_name():
-    step = ft.data_parallel()(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1)))
-    with pytest.raises(ft.PopulationError, match="'data_parallel'.*not supported yet"):
-        ft.population(2, batch="shared")(step)
+def test_sharded_data_parallel_is_refused_by_name():
+    step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1))
+    with pytest.raises(ft.PopulationError, match="'data_parallel'.*shards the state over processes"):
+        ft.population(2, batch="shared")(ft.data_parallel(shard="optimizer")(step))
+    with pytest.raises(ft.PopulationError, match="'data_parallel'.*shards"):  # applied after: the same refusal
+        ft.data_parallel(shard="optimizer")(ft.population(2, batch="shared")(step))
+
+
+def _dp_population_rank(compiled: bool, seeds: list, data: list) -> list:
+    """One rank of a data-parallel population: its half of every batch's rows; the members' params after."""
+    import torch.distributed as dist
+
+    step = ft.data_parallel()(build("adamw", ["clip", "ema"]))
+    pop = ft.population(len(seeds), batch="per_member")(step)
+    state = pop.init(init_params, seeds=seeds)
+    run = ft.compile(pop) if compiled else pop
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for x, y in data:
+        state, metrics = run(state, (x.chunk(world, dim=1)[rank], y.chunk(world, dim=1)[rank]))
+    return [parts(ft.member(state, i)) for i in range(len(seeds))] + [metrics["loss"]]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_data_parallel_population_on_two_processes_equals_single_runs(compiled):
+    """Each rank holds every member and steps on half of each member's rows; the members' gradients are
+    all-reduced (one collective for the population): member i equals its single run on the whole batch."""
+    seeds, data = [3, 4, 5], batches(7, 3, 3, rows=8)
+    results = ft.launch(_dp_population_rank, nprocs=2, args=(compiled, seeds, data), timeout=500)
+    step = build("adamw", ["clip", "ema"])
+    singles = single_runs(step, seeds, data, True)
+    for got in results:  # both ranks hold the same population
+        for i, single in enumerate(singles):
+            for a, b in zip(optree.tree_leaves(got[i]), optree.tree_leaves(parts(single))):
+                torch.testing.assert_close(a, b, **TOL)
+    torch.testing.assert_close(results[0][-1], results[1][-1], rtol=0, atol=0)
 
 
 # -- checkpoints: the population is the pytree --------------------------------------------------

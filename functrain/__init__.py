@@ -34,6 +34,7 @@ from .core.remat import remat
 from .core.rng import HostRandomError
 from .core.flat import FlatParams, flat, unflat
 from .core.state import TrainState
+from .core.hyper import get_hyper, set_hyper
 from .core.step import STAGES, Step, train_step
 from .core.transform import StepContext, Transform
 from .trainer import Callback, TrainConfig, Trainer
@@ -50,7 +51,7 @@ __all__ = [
     "accumulate", "clip", "clip_value", "ema", "EmaState", "skip_nonfinite", "random_flip", "mixed_precision", "Policy",
     "LossScaleState", "optim", "tree", "data_parallel", "local_sgd", "gather_state", "launch", "distributed", "TrainConfig", "shard", "ShardedLoader", "gather_for_eval", "data", "save", "load", "load_extra", "CheckpointManager",
     "CheckpointError", "Trainer", "Callback", "export_state_dict", "export_weights", "Restored", "register_checkpoint_type", "checkpoint", "trackers",
-    "fit_batch", "BatchFit",
+    "fit_batch", "BatchFit", "set_hyper", "get_hyper",
 ]
 __all__ += ["population", "Population", "PopulationError", "member"]
 

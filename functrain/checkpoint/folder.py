@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..core.flat import reflat, unflat
-from .format import EXTRA, FORMAT, MARKER, TENSORS, TREE, VERSION, CheckpointError, CheckpointSpaceError, check_size, decode, encode, fill, json_bytes, match, tensor_refs
+from .format import EXTRA, FORMAT, MARKER, TENSORS, TREE, VERSION, CheckpointError, CheckpointSpaceError, check_size, complete, decode, encode, fill, json_bytes, match, tensor_refs
 from .bounded import TREE_FACTOR, loads_json
 from .lock import hold_dir, try_hold_dir
 from .safe_io import LinkRefused, open_fd
@@ -399,7 +399,7 @@ def check_structure(path: str | os.PathLike, template: Any) -> None:
     """
     path = os.path.abspath(os.fspath(path))
     tree, _ = _read_structure(path, read_marker(path))
-    match(tree, unflat(template), path)
+    match(complete(tree, unflat(template)), unflat(template), path)
 
 
 def load(path: str | os.PathLike, template: Any = None, *, device: Any = None, mmap: bool = True) -> Any:
@@ -427,6 +427,8 @@ def load(path: str | os.PathLike, template: Any = None, *, device: Any = None, m
     path = os.path.abspath(os.fspath(path))
     files = read_marker(path)
     tree, refs = _read_structure(path, files)
+    if template is not None:  # what an older checkpoint lacks (hyper-parameters as data): the template's
+        tree = complete(tree, unflat(template))
     targets = match(tree, unflat(template), path) if template is not None else {}
     tensors = load_tensors(os.path.join(path, TENSORS), files[TENSORS], refs, bool(mmap))
     dev = _device(device)

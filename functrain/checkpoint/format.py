@@ -10,6 +10,7 @@ import collections
 import json
 from typing import Any
 
+import optree
 import torch
 
 from ..core.validate import path_str
@@ -244,12 +245,16 @@ def decode(node: Any, file: str) -> Any:
             if cls is None:
                 raise CheckpointError(f"{file}: node type {name!r} is not an allowed checkpoint type; if it is "
                                       f"yours, call ft.register_checkpoint_type(<the class>, name={name!r}) first")
-            if names != list(cls._fields):
+            known, defaults = list(cls._fields), cls._field_defaults
+            # a type that gained fields with defaults since the file was written (e.g. an optimizer state's
+            # ``hyper``): the file's fields are a prefix; the new ones take their defaults here, the template's
+            # values in complete()
+            if names != known and not (names == known[:len(names)] and all(f in defaults for f in known[len(names):])):
                 raise bad(f"{name} has fields {names}, the registered class has {list(cls._fields)}")
             out = children(kids)
             if len(out) != len(names):
                 raise bad(f"{name} needs {len(names)} children")
-            return cls._make(out)
+            return cls._make(out + [defaults[f] for f in known[len(names):]])
         if t in ("none", "bool", "int", "float", "str"):
             return scalar(n)
         raise bad(f"unknown node type {t!r}")
@@ -258,6 +263,49 @@ def decode(node: Any, file: str) -> Any:
         return dec(node)
     except RecursionError:
         raise bad("nested too deeply") from None
+
+
+def complete(loaded: Any, template: Any) -> Any:
+    """``loaded`` (a decoded tree) with what an older file lacks taken from ``template`` (e.g. ``step.init``'s state).
+
+    Two things, both additions of a newer functrain that hold settings, not training progress: a ``NamedTuple``
+    field that the class gives a default (``None``) and the loaded tree holds at that default, where the template
+    holds a value (an optimizer state's ``hyper``, the hyper-parameters as data: the template's are the
+    constructor's, what the old code used); and a dict entry (a transform's slot) only in the template whose value is
+    a ``NamedTuple`` all of whose fields have defaults (a slot of settings only, such as ``clip``'s). The
+    template's tensors are copied. Everything else is left for :func:`match` to compare.
+
+    Example::
+
+        >>> import torch
+        >>> from functrain.optim import adam
+        >>> state = adam(1e-3).init({"w": torch.ones(1)})
+        >>> old = state._replace(hyper=None)            # what a checkpoint written before the field loads as
+        >>> float(complete(old, adam(3e-4).init({"w": torch.ones(1)})).hyper["lr"])
+        0.0003
+    """
+    def copy(x: Any) -> Any:
+        return optree.tree_map(lambda t: t.detach().clone() if torch.is_tensor(t) else t, x)
+
+    def walk(a: Any, b: Any) -> Any:
+        cls = type(a)
+        if isinstance(a, tuple) and hasattr(cls, "_fields") and type(b) is cls:
+            defaults = cls._field_defaults
+            return cls._make(copy(y) if f in defaults and x is defaults[f] and y is not defaults[f] else walk(x, y)
+                             for f, x, y in zip(cls._fields, a, b))
+        if isinstance(a, dict) and isinstance(b, dict):
+            out = cls((k, walk(v, b[k]) if k in b else v) for k, v in a.items())
+            for k, v in b.items():
+                if k not in a and isinstance(v, tuple) and hasattr(type(v), "_fields") \
+                        and len(type(v)._field_defaults) == len(type(v)._fields):
+                    out[k] = copy(v)
+            return out
+        if isinstance(a, (list, tuple)) and not hasattr(cls, "_fields") and isinstance(b, (list, tuple)) \
+                and len(a) == len(b):
+            return cls(walk(x, y) for x, y in zip(a, b))
+        return a
+
+    return walk(loaded, template)
 
 
 def tensor_refs(tree: Any) -> list[TensorRef]:

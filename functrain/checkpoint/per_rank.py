@@ -47,7 +47,7 @@ from ..core.validate import path_str
 from ..core.flat import SLOT, FlatLayout, ShardState, reflat, unflat
 from ..distributed.faults import PeerFailed
 from . import folder
-from .format import FORMAT, MARKER, VERSION, CheckpointError, json_bytes
+from .format import FORMAT, MARKER, VERSION, CheckpointError, complete, json_bytes
 
 __all__ = ["save", "load", "load_extra", "is_sharded", "is_sharded_checkpoint", "SHARDS_MARK"]
 
@@ -451,10 +451,12 @@ def load(path: str | os.PathLike, template: Any = None, *, device: Any = None, m
             if int(tslot.world) == world:  # same cut: this rank reads its own shard only
                 mine = folder.load(os.path.join(path, rank_dir(int(tslot.rank))), mmap=mmap)
                 if is_sharded(mine) and _same_slot(mine.slots[SLOT], tslot):
-                    return _like(mine, template, path, device)
+                    return _like(complete(mine, template), template, path, device)
         logical = _whole([folder.load(os.path.join(path, rank_dir(r)), mmap=mmap) for r in range(world)], path)
     else:
         logical = folder.load(path, mmap=mmap)
+    if template is not None:  # what an older checkpoint lacks (hyper-parameters as data): the template's
+        logical = complete(logical, unflat(template))
     out = _cut(logical, template, path) if sharded_template else logical
     if template is not None:  # a flat template (ft.flat) takes the named tensors packed again
         return reflat(_like(out, unflat(template), path, device), template)

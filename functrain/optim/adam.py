@@ -7,8 +7,9 @@ import optree
 import torch
 
 from ..core.registry import register_checkpoint_type
-from .base import (Optimizer, shared_docs, TreespecCache, check_betas, check_lr, check_real, double, flatten_params, flatten_update,
-                   host_number, init_count, lr_value, make_learning_rate, per_step, sub_scaled_ratio)
+from .base import (Optimizer, add_scalar_, shared_docs, TreespecCache, check_betas, check_lr, check_real, double, flatten_params, flatten_update,
+                   host_number, hyper_values, init_count, lerp_weight, lr_hyper, lr_value, make_hyper, make_learning_rate,
+                   per_step, scaled_sq_into, sub_scaled_ratio)
 from .groups import Group, check_group_args, group_lr, make_groups, run_groups
 
 __all__ = ["adam", "adamw", "AdamState"]
@@ -22,19 +23,24 @@ class AdamState(NamedTuple):
         count: the number of updates already taken, an int64 scalar tensor (0 after ``init``).
         exp_avg: the first moment estimate, a tree shaped like the params.
         exp_avg_sq: the second moment estimate (of the squared gradient), a tree shaped like the params.
+        hyper: the hyper-parameters ``update`` reads, ``{"lr", "beta1", "beta2", "eps", "weight_decay"}``, each a
+            0-dim float64 tensor (``"lr"``: a schedule's constants, ``{kind: {name: tensor}}``), filled by ``init``
+            from the constructor (:mod:`functrain.core.hyper`; change them with :func:`functrain.set_hyper`).
+            ``None`` (a state saved before they were data): the constructor's values.
 
     Example::
 
         >>> import torch
         >>> from functrain.optim import adam
         >>> state = adam(lr=1e-3).init({"w": torch.ones(2)})
-        >>> int(state.count), state.exp_avg["w"], state.exp_avg_sq["w"]
-        (0, tensor([0., 0.]), tensor([0., 0.]))
+        >>> int(state.count), state.exp_avg["w"], state.exp_avg_sq["w"], float(state.hyper["beta2"])
+        (0, tensor([0., 0.]), tensor([0., 0.]), 0.999)
     """
 
     count: torch.Tensor
     exp_avg: Any
     exp_avg_sq: Any
+    hyper: Any = None
 
 
 def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool, weight_decay_mask: Any,
@@ -46,21 +52,27 @@ def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool, wei
     check_group_args(owner, weight_decay, weight_decay_mask, lr_multipliers)
 
     flatten = TreespecCache()  # the params' treespec, cached for the eager update
+    # the values a user changes between runs: data in the state (AdamState.hyper), not constants of the graph
+    defaults = {**lr_hyper(lr), "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
 
     def init(params: Any) -> AdamState:
         leaves, spec = flatten_params(params)
         make_groups(params, weight_decay_mask, lr_multipliers)  # check the mask / multipliers now
         zeros = lambda: optree.tree_unflatten(spec, [torch.zeros_like(p) for p in leaves])  # noqa: E731
-        return AdamState(count=init_count(leaves), exp_avg=zeros(), exp_avg_sq=zeros())
+        count = init_count(leaves)
+        return AdamState(count=count, exp_avg=zeros(), exp_avg_sq=zeros(), hyper=make_hyper(defaults, count.device))
 
     def update(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState]:
         count = state.count
         unflatten, p, g, (m, v) = flatten_update(grads, params, state.exp_avg, state.exp_avg_sq, flatten=flatten)
         if not p:
             return params, state._replace(count=count + 1)
-        # torch.optim's scalars, in its order: Python floats eagerly (host_number: a CPU counter and a
-        # scheduled lr read on the host), float64 tensors traced or on a device, computed once per step
-        lr_base = host_number(lr_value(lr, count))
+        # torch.optim's scalars, in its order: Python floats eagerly (host_number: a CPU counter, the state's
+        # hyper-parameters and a scheduled lr read on the host), float64 tensors traced or on a device, computed
+        # once per step
+        h = hyper_values(state.hyper, defaults)
+        beta1, beta2, eps, weight_decay = h["beta1"], h["beta2"], h["eps"], h["weight_decay"]
+        lr_base = host_number(lr_value(lr, count, h))
         step = double(host_number(count) + 1)
         bias_correction1, bias_correction2_sqrt = per_step(1 - beta1**step, (1 - beta2**step) ** 0.5)
 
@@ -72,7 +84,7 @@ def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool, wei
             # p - step_size * m / (sqrt(v) / bias_correction2_sqrt + eps), in torch's order
             denom = torch._foreach_sqrt(v)
             torch._foreach_div_(denom, bias_correction2_sqrt)
-            torch._foreach_add_(denom, eps)
+            add_scalar_(denom, eps)
             if decayed is None:
                 return sub_scaled_ratio(p, m, denom, step_size), m, v
             return sub_scaled_ratio(decayed, m, denom, step_size, owned=True), m, v  # decayed: this update's
@@ -83,26 +95,34 @@ def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool, wei
             count=count + 1,
             exp_avg=unflatten(m),
             exp_avg_sq=unflatten(v),
+            hyper=state.hyper,
         )
         return unflatten(new_p), new_state
 
-    return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr),
-                     per_param=weight_decay_mask is not None or lr_multipliers is not None, schedule=lr)
+    return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr, defaults),
+                     per_param=weight_decay_mask is not None or lr_multipliers is not None, schedule=lr,
+                     hyper=defaults)
 
 
-def _decay_and_moments(group: Group, p: list, g: list, m: list, v: list, lr_t: Any, beta1: float, beta2: float,
-                       weight_decay: float, decoupled: bool) -> tuple[list | None, list, list]:
+def _decay_and_moments(group: Group, p: list, g: list, m: list, v: list, lr_t: Any, beta1: Any, beta2: Any,
+                       weight_decay: Any, decoupled: bool) -> tuple[list | None, list, list]:
     """Weight decay and both moment updates, in torch.optim's order; returns ``(decayed params or None, m, v)``
-    (coupled decay folds into the gradient, so the params come back ``None``: untouched)."""
+    (coupled decay folds into the gradient, so the params come back ``None``: untouched).
+
+    A number (eagerly) is torch.optim's float arithmetic, a decay of 0 skipped on the host; a tensor (a traced
+    or device state's value) always decays, by ``wd * p``, which is exact for ``wd = 0`` (so a graph built with
+    0 serves a run with decay, and inductor fuses it into the update's one pass)."""
     decayed = None
-    if weight_decay != 0 and group.decay:
+    if group.decay and (isinstance(weight_decay, torch.Tensor) or weight_decay != 0):
         if decoupled:
             decayed = torch._foreach_mul(p, 1 - lr_t * weight_decay)
+        elif isinstance(weight_decay, torch.Tensor):  # add(alpha=) takes a number only
+            g = torch._foreach_add(g, torch._foreach_mul(p, weight_decay))
         else:
             g = torch._foreach_add(g, p, alpha=weight_decay)
-    m = torch._foreach_lerp(m, g, 1 - beta1)
+    m = torch._foreach_lerp(m, g, lerp_weight(1 - beta1, m))
     v = torch._foreach_mul(v, beta2)
-    torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+    scaled_sq_into(v, g, 1 - beta2)
     return decayed, m, v
 
 

@@ -17,11 +17,12 @@ from ..core import validate as _validate
 # describe / is_real / leaf_path are re-exported for the optimizers (one copy, in _validate).
 from ..core.validate import describe, is_real  # noqa: F401
 from ..core.validate import path_str as leaf_path  # noqa: F401
+from ..core.hyper import make as make_hyper, values as hyper_values  # noqa: F401
 # the one-path interface the optimizers' updates are written against (eager shortcuts inside)
 from ..core.eager import (TreespecCache, double, host_number, per_step, select, sub_scaled,  # noqa: F401
                           sub_scaled_ratio)
 
-__all__ = ["Optimizer"]
+__all__ = ["Optimizer", "Schedule"]
 
 
 class Optimizer(NamedTuple):
@@ -47,6 +48,9 @@ class Optimizer(NamedTuple):
         eval_params: (default ``None``) ``eval_params(params, opt_state) -> params`` for an optimizer
             whose evaluation weights are not the trained ones (schedule-free AdamW's ``x``);
             :func:`functrain.optim.eval_params` reads it (``None``: the params themselves).
+        hyper: (default ``None``) the constructor's hyper-parameters, ``{name: number}`` (a schedule's constants
+            nest under ``"lr"``): what ``init`` puts in the state's ``hyper`` field, where ``update`` reads them
+            (:mod:`functrain.core.hyper`); not part of the compiled graph's structure (``None``: none as data).
 
     Example::
 
@@ -66,6 +70,7 @@ class Optimizer(NamedTuple):
     per_param: bool = False
     schedule: Any = None
     eval_params: Callable[[Any, Any], Any] | None = None
+    hyper: dict | None = None
 
 
 # ----------------------------------------------------------------- validation
@@ -182,24 +187,129 @@ def flatten_update(grads: Any, params: Any, *trees: Any,
 # ----------------------------------------------------------------- scalars
 
 
-def lr_value(lr: float | Callable[[Any], Any], count: torch.Tensor) -> float | torch.Tensor:
-    """The lr for the update taken at ``count``: the float, or ``schedule(count)`` as float64."""
+def count_f64(count: Any) -> torch.Tensor:
+    """``count`` as a float64 tensor (on its device when it is a tensor; a Python int made one)."""
+    if isinstance(count, torch.Tensor):
+        return count.to(torch.float64)
+    return torch.tensor(count, dtype=torch.float64)
+
+
+class Schedule:
+    """A learning-rate schedule whose constants are data: ``schedule(count)`` uses the ones it was built with,
+    ``schedule.at(count, constants)`` the ones an optimizer's state holds (``state.hyper["lr"][name]``), so a
+    compiled step reads them as inputs and one graph serves every peak, warm-up and horizon.
+
+    Attributes:
+        name: the kind (``"warmup_cosine"``, ...): the state holds ``{name: constants}``, so a schedule of another
+            kind is refused by :func:`functrain.set_hyper` instead of being read with the wrong formula.
+        constants: ``{name: number}`` (a tree for :func:`join` and :func:`scale`) it was built with.
+        total_steps: the horizon (see the module docstring), ``None`` for a schedule that never ends.
+
+    Example::
+
+        >>> import torch
+        >>> from functrain.optim.schedules import warmup_cosine
+        >>> s = warmup_cosine(1.0, warmup_steps=2, total_steps=6)
+        >>> s.name, s.constants["total_steps"], round(float(s(4)), 6)
+        ('warmup_cosine', 6, 0.5)
+        >>> c = {**s.constants, "total_steps": torch.tensor(10.0, dtype=torch.float64)}
+        >>> round(float(s.at(torch.tensor(6), c)), 6)   # count 6 of a 10-step run
+        0.5
+    """
+
+    def __init__(self, name: str, constants: dict, formula: Callable[[torch.Tensor, dict], torch.Tensor],
+                 total_steps: int | None):
+        self.name, self.constants, self._formula, self.total_steps = name, constants, formula, total_steps
+
+    def __call__(self, count: Any) -> torch.Tensor:
+        return self.at(count, self.constants)
+
+    def at(self, count: Any, constants: dict) -> torch.Tensor:
+        """The lr at ``count`` with ``constants`` (numbers, or the state's 0-dim float64 tensors)."""
+        return self._formula(count_f64(count), constants)
+
+    def hyper_values(self) -> dict:
+        """``{name: constants}``: what an optimizer's state holds for this schedule (its ``hyper["lr"]``)."""
+        return {self.name: self.constants}
+
+    def __repr__(self) -> str:
+        return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in self.constants.items())})"
+
+
+
+
+def lr_hyper(lr: float | Callable[[Any], Any]) -> dict:
+    """What an optimizer built with ``lr`` keeps of it in its state's ``hyper``: ``{"lr": the number}``, ``{"lr":
+    {kind: constants}}`` for a :class:`Schedule`, nothing for another callable (its constants stay its own)."""
     if not callable(lr):
-        return lr
-    value = lr(count)
+        return {"lr": lr}
+    if isinstance(lr, Schedule):
+        return {"lr": lr.hyper_values()}
+    return {}
+
+
+def lr_value(lr: float | Callable[[Any], Any], count: torch.Tensor, hyper: dict | None = None) -> float | torch.Tensor:
+    """The lr for the update taken at ``count``: the number, or the schedule's value at ``count`` as float64;
+    with ``hyper`` (a state's values, :func:`functrain.core.hyper.values`) the number or the schedule's
+    constants come from there."""
+    if not callable(lr):
+        return lr if hyper is None else hyper["lr"]
+    if isinstance(lr, Schedule) and hyper is not None:
+        value = lr.at(count, hyper["lr"][lr.name])
+    else:
+        value = lr(count)
     if isinstance(value, torch.Tensor):
         return per_step(value.to(dtype=torch.float64, device=count.device))[0]  # a cosine once, not per vector
     return torch.tensor(value, dtype=torch.float64, device=count.device)
 
 
-def make_learning_rate(lr: float | Callable[[Any], Any]) -> Callable[[Any], Any]:
+def make_learning_rate(lr: float | Callable[[Any], Any], defaults: dict | None = None) -> Callable[[Any], Any]:
     """``learning_rate(opt_state)`` for an optimizer built with ``lr`` (give ``lr`` to the
-    :class:`Optimizer` as its ``schedule`` too)."""
+    :class:`Optimizer` as its ``schedule`` too). With ``defaults`` (the optimizer's hyper-parameters) the lr
+    is read from the state's ``hyper`` field (the constructor's when the state has none)."""
 
     def learning_rate(opt_state: Any) -> float | torch.Tensor:
-        return lr_value(lr, opt_state.count)
+        if defaults is None:
+            return lr_value(lr, opt_state.count)
+        return lr_value(lr, opt_state.count, hyper_values(opt_state.hyper, defaults))
 
     return learning_rate
+
+
+def lerp_weight(weight: Any, leaves: list[torch.Tensor]) -> Any:
+    """A lerp weight for ``torch._foreach_lerp(leaves, ...)``: a number as it is; a tensor (a state's
+    hyper-parameter) as one 0-dim weight per leaf in the leaf's dtype, the precision lerp computes in for a number
+    (``_foreach_lerp`` takes a tensor weight only as a list)."""
+    if not isinstance(weight, torch.Tensor):
+        return weight
+    return [weight.to(x.dtype) for x in leaves]
+
+
+def add_scalar_(xs: list[torch.Tensor], s: Any) -> None:
+    """``xs += s`` in place: a number as ``_foreach_add_(xs, s)``; a tensor (a state's hyper-parameter) as one 0-dim
+    tensor per leaf in its dtype (Dynamo reads a lone tensor given as ``_foreach_add``'s scalar as a number, a
+    constant of the graph with a guard on it: a recompile per value)."""
+    if isinstance(s, torch.Tensor):
+        torch._foreach_add_(xs, [s.to(x.dtype) for x in xs])
+    else:
+        torch._foreach_add_(xs, s)
+
+
+def add_scaled(xs: list[torch.Tensor], ys: list[torch.Tensor], s: Any) -> list[torch.Tensor]:
+    """``xs + s * ys``, new tensors: ``_foreach_add(xs, ys, alpha=s)`` for a number (torch.optim's), ``xs + ys * s``
+    for a tensor (a state's hyper-parameter; ``alpha=`` takes a number only)."""
+    if isinstance(s, torch.Tensor):
+        return torch._foreach_add(xs, torch._foreach_mul(ys, s))
+    return torch._foreach_add(xs, ys, alpha=s)
+
+
+def scaled_sq_into(v: list[torch.Tensor], g: list[torch.Tensor], value: Any) -> None:
+    """``v += value * g * g`` in place (the second moment): ``addcmul(value=)`` for a number, as torch.optim;
+    for a tensor, which ``addcmul`` takes only per leaf, ``v += (g * value) * g`` (torch.optim's tensor path)."""
+    if isinstance(value, torch.Tensor):
+        torch._foreach_addcmul_(v, torch._foreach_mul(g, value), g, value=1)
+    else:
+        torch._foreach_addcmul_(v, g, g, value=value)
 
 
 # -- the paragraphs every optimizer's docstring shares, written once -------------------------------------------

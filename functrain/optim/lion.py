@@ -7,7 +7,7 @@ import optree
 import torch
 
 from ..core.registry import register_checkpoint_type
-from .base import (Optimizer, shared_docs, TreespecCache, check_betas, check_lr, check_real, flatten_params, flatten_update,
+from .base import (Optimizer, hyper_values, lerp_weight, lr_hyper, make_hyper, shared_docs, TreespecCache, check_betas, check_lr, check_real, flatten_params, flatten_update,
                    host_number, init_count, lr_value, make_learning_rate, sub_scaled)
 from .groups import Group, check_group_args, group_lr, make_groups, run_groups
 
@@ -21,6 +21,9 @@ class LionState(NamedTuple):
     Attributes:
         count: the number of updates already taken, an int64 scalar tensor (0 after ``init``).
         exp_avg: the momentum, a tree shaped like the params.
+        hyper: the hyper-parameters ``update`` reads (``"lr"``, ``"beta1"``, ``"beta2"``, ``"weight_decay"``),
+            0-dim float64 tensors filled by ``init`` from the constructor (:mod:`functrain.core.hyper`);
+            ``None``: the constructor's.
 
     Example::
 
@@ -33,6 +36,7 @@ class LionState(NamedTuple):
 
     count: torch.Tensor
     exp_avg: Any
+    hyper: Any = None
 
 
 @shared_docs
@@ -89,30 +93,37 @@ def lion(
     check_group_args("lion", weight_decay, weight_decay_mask, lr_multipliers)
 
     flatten = TreespecCache()  # the params' treespec, cached for the eager update
+    # the values a user changes between runs: data in the state (LionState.hyper), not constants of the graph
+    defaults = {**lr_hyper(lr), "beta1": beta1, "beta2": beta2, "weight_decay": weight_decay}
 
     def init(params: Any) -> LionState:
         leaves, spec = flatten_params(params)
         make_groups(params, weight_decay_mask, lr_multipliers)  # check the mask / multipliers now
-        return LionState(count=init_count(leaves),
-                         exp_avg=optree.tree_unflatten(spec, [torch.zeros_like(p) for p in leaves]))
+        count = init_count(leaves)
+        return LionState(count=count, exp_avg=optree.tree_unflatten(spec, [torch.zeros_like(p) for p in leaves]),
+                         hyper=make_hyper(defaults, count.device))
 
     def update(grads: Any, state: LionState, params: Any) -> tuple[Any, LionState]:
         count = state.count
         unflatten, p, g, (m,) = flatten_update(grads, params, state.exp_avg, flatten=flatten)
         if not p:
             return params, state._replace(count=count + 1)
-        lr_base = host_number(lr_value(lr, count))  # eagerly, a scheduled lr read as a float
+        # eagerly the state's values (and a scheduled lr) read as floats; traced or on a device, tensors
+        h = hyper_values(state.hyper, defaults)
+        beta1, beta2, weight_decay = h["beta1"], h["beta2"], h["weight_decay"]
+        lr_base = host_number(lr_value(lr, count, h))
 
         def group_update(group: Group, p: list, g: list, m: list) -> tuple[list, list]:
             lr_t = group_lr(lr_base, group)
-            if weight_decay != 0 and group.decay:
-                p = torch._foreach_mul(p, 1 - lr_t * weight_decay)
-            direction = torch._foreach_sign(torch._foreach_lerp(m, g, 1 - beta1))
-            return sub_scaled(p, direction, lr_t), torch._foreach_lerp(m, g, 1 - beta2)
+            if group.decay and (isinstance(weight_decay, torch.Tensor) or weight_decay != 0):
+                p = torch._foreach_mul(p, 1 - lr_t * weight_decay)  # a tensor always decays: exact for 0
+            direction = torch._foreach_sign(torch._foreach_lerp(m, g, lerp_weight(1 - beta1, m)))
+            return sub_scaled(p, direction, lr_t), torch._foreach_lerp(m, g, lerp_weight(1 - beta2, m))
 
         groups = make_groups(params, weight_decay_mask, lr_multipliers, n=len(p))
         new_p, new_m = run_groups(groups, group_update, p, g, m)
-        return unflatten(new_p), LionState(count=count + 1, exp_avg=unflatten(new_m))
+        return unflatten(new_p), LionState(count=count + 1, exp_avg=unflatten(new_m), hyper=state.hyper)
 
-    return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr),
-                     per_param=weight_decay_mask is not None or lr_multipliers is not None, schedule=lr)
+    return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr, defaults),
+                     per_param=weight_decay_mask is not None or lr_multipliers is not None, schedule=lr,
+                     hyper=defaults)

@@ -7,7 +7,7 @@ import optree
 import torch
 
 from ..core.registry import register_checkpoint_type
-from .base import (Optimizer, shared_docs, TreespecCache, check_lr, check_real, flatten_params, flatten_update, host_number,
+from .base import (Optimizer, add_scaled, hyper_values, lr_hyper, make_hyper, shared_docs, TreespecCache, check_lr, check_real, flatten_params, flatten_update, host_number,
                    init_count, lr_value, make_learning_rate, select, sub_scaled)
 from .groups import Group, check_group_args, group_lr, make_groups, run_groups
 
@@ -22,6 +22,10 @@ class SGDState(NamedTuple):
         count: the number of updates already taken, an int64 scalar tensor (0 after ``init``).
         momentum_buffer: the momentum buffers, a tree shaped like the params, or ``None`` when
             ``momentum=0``.
+        hyper: the hyper-parameters ``update`` reads (``"lr"``, ``"weight_decay"``, and with momentum
+            ``"momentum"`` and ``"dampening"``), 0-dim float64 tensors filled by ``init`` from the constructor
+            (:mod:`functrain.core.hyper`); ``None``: the constructor's. Whether there is momentum (and
+            ``nesterov``) is the step's structure, not a value.
 
     Example::
 
@@ -34,6 +38,7 @@ class SGDState(NamedTuple):
 
     count: torch.Tensor
     momentum_buffer: Any
+    hyper: Any = None
 
 
 @shared_docs
@@ -99,6 +104,10 @@ def sgd(
     check_group_args("sgd", weight_decay, weight_decay_mask, lr_multipliers)
 
     flatten = TreespecCache()  # the params' treespec, cached for the eager update
+    # the values a user changes between runs: data in the state (SGDState.hyper), not constants of the graph
+    defaults = {**lr_hyper(lr), "weight_decay": weight_decay}
+    if momentum != 0:  # without momentum there is no buffer: a structure, not a value
+        defaults.update(momentum=momentum, dampening=dampening)
 
     def init(params: Any) -> SGDState:
         leaves, spec = flatten_params(params)
@@ -106,7 +115,8 @@ def sgd(
         buf = None
         if momentum != 0:
             buf = optree.tree_unflatten(spec, [torch.zeros_like(p) for p in leaves])
-        return SGDState(count=init_count(leaves), momentum_buffer=buf)
+        count = init_count(leaves)
+        return SGDState(count=count, momentum_buffer=buf, hyper=make_hyper(defaults, count.device))
 
     def update(grads: Any, state: SGDState, params: Any) -> tuple[Any, SGDState]:
         count = state.count
@@ -114,30 +124,37 @@ def sgd(
         unflatten, p, g, trees = flatten_update(grads, params, *bufs_in, flatten=flatten)
         if not p:
             return params, state._replace(count=count + 1)
-        lr_base = host_number(lr_value(lr, count))  # eagerly, a scheduled lr read as a float
+        # eagerly the state's values (and a scheduled lr) read as floats, torch.optim's arithmetic; else tensors
+        h = hyper_values(state.hyper, defaults)
+        lr_base = host_number(lr_value(lr, count, h))
+        wd = h["weight_decay"]
 
         def group_update(group: Group, p: list, g: list, *bufs: list) -> tuple[list, ...]:
-            # One torch.optim param group: its own lr (base * multiplier) and weight decay.
-            if weight_decay != 0 and group.decay:
-                g = torch._foreach_add(g, p, alpha=weight_decay)
+            # One torch.optim param group: its own lr (base * multiplier) and weight decay (a tensor always
+            # decays: exact for 0, so one graph serves both).
+            if group.decay and (isinstance(wd, torch.Tensor) or wd != 0):
+                g = add_scaled(g, p, wd)
             new_buf = []
             if momentum != 0:
+                mom, damp = h["momentum"], h["dampening"]
                 # The buffers start at zero, so momentum * 0 + 1 * g == g reproduces torch's
                 # "first buffer = grad" exactly; with dampening the first step needs a select.
-                buf = summed = torch._foreach_mul(bufs[0], momentum)
-                torch._foreach_add_(summed, g, alpha=1.0 - dampening)
-                if dampening != 0:  # torch.optim's first buffer is a copy of the gradient
+                summed = add_scaled(torch._foreach_mul(bufs[0], mom), g, 1.0 - damp)
+                buf = summed
+                if isinstance(damp, torch.Tensor) or damp != 0:  # torch.optim's first buffer is a copy of the gradient
                     buf = select(host_number(count) == 0, g, lambda: summed)
                 new_buf = [buf]
-                d = torch._foreach_add(g, buf, alpha=momentum) if nesterov else buf
+                d = add_scaled(g, buf, mom) if nesterov else buf
             else:
                 d = g
             return (sub_scaled(p, d, group_lr(lr_base, group)), *new_buf)  # torch's p.add(d, alpha=-lr)
 
         groups = make_groups(params, weight_decay_mask, lr_multipliers, n=len(p))
         new_p, *new_buf = run_groups(groups, group_update, p, g, *trees)
-        new_state = SGDState(count=count + 1, momentum_buffer=unflatten(new_buf[0]) if new_buf else None)
+        new_state = SGDState(count=count + 1, momentum_buffer=unflatten(new_buf[0]) if new_buf else None,
+                             hyper=state.hyper)
         return unflatten(new_p), new_state
 
-    return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr),
-                     per_param=weight_decay_mask is not None or lr_multipliers is not None, schedule=lr)
+    return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr, defaults),
+                     per_param=weight_decay_mask is not None or lr_multipliers is not None, schedule=lr,
+                     hyper=defaults)

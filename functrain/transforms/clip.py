@@ -1,13 +1,40 @@
 """Gradient clipping: by global L2 norm and by value (stage ``transform``)."""
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 
 from ..core import tree as T
+from ..core.hyper import make as make_hyper, values as hyper_values
+from ..core.registry import register_checkpoint_type
 from ..core.validate import BadValue, describe, is_real
 from ..core.transform import StepContext, Transform
 
-__all__ = ["clip", "clip_value"]
+__all__ = ["clip", "clip_value", "ClipState"]
+
+
+@register_checkpoint_type("functrain.ClipState")
+class ClipState(NamedTuple):
+    """The slot of :func:`clip` and :func:`clip_value`: their bound as data (``{"max_norm": tensor}`` or
+    ``{"value": tensor}``, a 0-dim float64 tensor), so a compiled step serves every bound
+    (:func:`functrain.set_hyper`, e.g. ``ft.set_hyper(state, clip={"max_norm": 0.5})``). ``None`` (a state
+    saved before it was data): the constructor's.
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> step = ft.clip(1.0)(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1)))
+        >>> float(step.init({"w": torch.zeros(1)}).slots["clip"].hyper["max_norm"])
+        1.0
+    """
+
+    hyper: Any = None
+
+
+def _slot(params: Any, defaults: dict) -> ClipState:
+    leaves = T.tree_leaves(params)
+    return ClipState(make_hyper(defaults, leaves[0].device if leaves else None))
 
 
 def _positive(name: str, value: float) -> float:
@@ -36,12 +63,18 @@ class Clip(Transform):
     def __init__(self, max_norm: float):
         self.max_norm = _positive("clip: max_norm", max_norm)
 
+    def init(self, params: Any, buffers: Any) -> ClipState:
+        return _slot(params, {"max_norm": self.max_norm})
+
     def transform(self, ctx: StepContext) -> None:
         norm = T.global_norm(ctx.grads)
         if ctx.shard_group is not None:  # ctx.grads is this rank's shard: the norm is over every rank's shard
             norm = ctx.global_sum(norm.square()).sqrt()  # (the shards' zero padding adds nothing)
         ctx.metrics["grad_norm"] = norm
-        coef = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
+        max_norm = hyper_values(ctx.slot(self).hyper, {"max_norm": self.max_norm})["max_norm"]
+        if isinstance(max_norm, torch.Tensor):  # the state's value: in the norm's precision, as a number would be
+            max_norm = max_norm.to(norm.dtype)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         ctx.grads = T.tree_scale(ctx.grads, coef)
 
     def __repr__(self) -> str:
@@ -58,9 +91,15 @@ class ClipValue(Transform):
     def __init__(self, value: float):
         self.value = _positive("clip_value: value", value)
 
+    def init(self, params: Any, buffers: Any) -> ClipState:
+        return _slot(params, {"value": self.value})
+
     def transform(self, ctx: StepContext) -> None:
-        v = self.value
-        ctx.grads = T.tree_map(lambda g: torch.clamp(g, -v, v), ctx.grads)
+        v = hyper_values(ctx.slot(self).hyper, {"value": self.value})["value"]
+        if isinstance(v, torch.Tensor):  # the state's value: clamp takes a tensor bound as min and max both
+            ctx.grads = T.tree_map(lambda g: torch.clamp(g, -v.to(g.dtype), v.to(g.dtype)), ctx.grads)
+        else:
+            ctx.grads = T.tree_map(lambda g: torch.clamp(g, -v, v), ctx.grads)
 
     def __repr__(self) -> str:
         return f"clip_value({self.value})"
@@ -77,7 +116,7 @@ def clip(max_norm: float) -> Clip:
         max_norm: the largest norm kept, a number > 0 (``float("inf")``: measure, never clip).
 
     Returns:
-        The :class:`Clip` transform (stage ``transform``, no slot).
+        The :class:`Clip` transform (stage ``transform``, slot ``"clip"``: its :class:`ClipState`, the bound as data).
 
     Raises:
         BadValue: ``max_norm`` is not a positive number.
@@ -100,7 +139,7 @@ def clip_value(value: float) -> ClipValue:
         value: the bound, a number > 0.
 
     Returns:
-        The :class:`ClipValue` transform (stage ``transform``, no slot).
+        The :class:`ClipValue` transform (stage ``transform``, slot ``"clip_value"``: its :class:`ClipState`).
 
     Raises:
         BadValue: ``value`` is not a positive number.

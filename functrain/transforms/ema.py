@@ -8,6 +8,7 @@ import torch
 from ..core import tree as T
 from ..core.validate import BadValue, check_int, check_real
 from ..core.eager import TreespecCache, as_tensor, host_number, select
+from ..core.hyper import make as make_hyper, values as hyper_values
 from ..core.transform import StepContext, Transform
 from ..core.registry import register_checkpoint_type
 
@@ -27,6 +28,10 @@ class EmaState(NamedTuple):
     Attributes:
         params: the averaged params, a tree shaped like the params.
         count: the updates applied so far, an int64 scalar tensor.
+        hyper: the EMA's constants as data (``"decay"``, ``"every"``, ``"start_step"``, and with a warm-up
+            ``"power"``, ``"inv_gamma"``, ``"min_decay"``), 0-dim float64 tensors filled by ``init``
+            (:func:`functrain.set_hyper`: ``ft.set_hyper(state, ema={"decay": 0.999})``); ``None``: the
+            constructor's. Whether there is a warm-up is the step's structure.
 
     Example::
 
@@ -39,6 +44,7 @@ class EmaState(NamedTuple):
 
     params: Any
     count: torch.Tensor
+    hyper: Any = None
 
 
 class EMA(Transform):
@@ -77,9 +83,14 @@ class EMA(Transform):
             raise BadValue(f"ema: inv_gamma and min_decay shape the warm-up, which power= turns on; with "
                            f"power=None they would be unused; got inv_gamma={inv_gamma!r}, min_decay={min_decay!r}")
         self._flatten = TreespecCache()
+        # the values a user changes between runs: data in the slot (EmaState.hyper), not constants of the graph
+        self.hyper = {"decay": self.decay, "every": self.every, "start_step": self.start_step}
+        if self.power is not None:
+            self.hyper.update(power=self.power, inv_gamma=self.inv_gamma, min_decay=self.min_decay)
 
-    def decay_at(self, k: Any) -> Any:
-        """The decay of a blend at applied update ``k`` (an int, or an int64 tensor: then a float64 tensor).
+    def decay_at(self, k: Any, hyper: dict | None = None) -> Any:
+        """The decay of a blend at applied update ``k`` (an int, or an int64 tensor: then a float64 tensor), with
+        the constants ``hyper`` (a slot's, read by :func:`functrain.core.hyper.values`; default: the constructor's).
 
         Example::
 
@@ -87,32 +98,40 @@ class EMA(Transform):
             >>> round(EMA(0.995, start_step=100, power=2 / 3).decay_at(110), 4)   # ema-pytorch's ramp
             0.7978
         """
+        h = self.hyper if hyper is None else hyper
+        decay = h["decay"]
         if self.power is None:
-            return self.decay
-        if isinstance(k, torch.Tensor):
-            epoch = (k - self.start_step).to(torch.float64)
-            return (1.0 - (1.0 + epoch / self.inv_gamma) ** -self.power).clamp(self.min_decay, self.decay)
-        value = 1.0 - (1.0 + (k - self.start_step) / self.inv_gamma) ** -self.power
-        return min(self.decay, max(self.min_decay, value))
+            return decay
+        start, inv_gamma, power, min_decay = h["start_step"], h["inv_gamma"], h["power"], h["min_decay"]
+        if isinstance(k, torch.Tensor) or isinstance(decay, torch.Tensor):
+            epoch = torch.as_tensor(k - start).to(torch.float64)
+            value = 1.0 - (1.0 + epoch / inv_gamma) ** -power
+            if isinstance(decay, torch.Tensor):  # the state's bounds: clamp takes tensors for both
+                return torch.maximum(torch.minimum(value, decay), min_decay)
+            return value.clamp(min_decay, decay)
+        value = 1.0 - (1.0 + (k - start) / inv_gamma) ** -power
+        return min(decay, max(min_decay, value))
 
     def init(self, params, buffers) -> EmaState:
         leaves = T.tree_leaves(params)
+        device = leaves[0].device
         return EmaState(T.tree_map(lambda p: p.detach().clone(), params),
-                        torch.zeros((), dtype=torch.int64, device=leaves[0].device))
+                        torch.zeros((), dtype=torch.int64, device=device), make_hyper(self.hyper, device))
 
     def after(self, ctx: StepContext) -> None:
         old: EmaState = ctx.slot(self)
         ema, spec = self._flatten(old.params)
         params = spec.flatten_up_to(ctx.params)
+        h = hyper_values(old.hyper, self.hyper)  # eagerly, CPU: Python numbers, the decisions made on the host
         applied = True if ctx.apply is None else ctx.apply  # skipped updates do not count
         count = host_number(old.count) + applied  # eagerly, every update applied: a host int, decided on the host
-        copy = applied & (count <= self.start_step)
-        blend = applied & (count > self.start_step) & (count % self.every == 0)
-        new = select(blend, lambda: self._blend(ema, params, count), lambda: select(copy, params, ema))
-        ctx.set_slot(self, EmaState(T.tree_unflatten(spec, new), as_tensor(count, like=old.count)))
+        copy = applied & (count <= h["start_step"])
+        blend = applied & (count > h["start_step"]) & (count % h["every"] == 0)
+        new = select(blend, lambda: self._blend(ema, params, count, h), lambda: select(copy, params, ema))
+        ctx.set_slot(self, EmaState(T.tree_unflatten(spec, new), as_tensor(count, like=old.count), old.hyper))
 
-    def _blend(self, ema: list, params: list, count: Any) -> list:
-        weight = 1.0 - self.decay_at(count)  # a Python float, or (count a tensor, with a warm-up) a float64 tensor
+    def _blend(self, ema: list, params: list, count: Any, h: dict) -> list:
+        weight = 1.0 - self.decay_at(count, h)  # a Python float, or (count or the constants tensors) a float64 tensor
         if isinstance(weight, torch.Tensor):
             # one weight per leaf, in float32 (float64 leaves: float64), the precision lerp computes in for a
             # Python-float weight; a float of the count would be a host read

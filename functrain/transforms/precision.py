@@ -6,6 +6,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ..core import tree as T
+from ..core.hyper import make as make_hyper, values as hyper_values
 from ..core.validate import check_int, check_real
 from ..core.transform import StepContext, Transform
 from ..core.registry import register_checkpoint_type
@@ -44,6 +45,9 @@ class LossScaleState(NamedTuple):
     Attributes:
         scale: the current loss scale, a float32 scalar tensor.
         good_steps: the finite updates since the scale last changed, an int64 scalar tensor.
+        hyper: the scale's settings as data (``"growth_factor"``, ``"backoff_factor"``, ``"growth_interval"``),
+            0-dim float64 tensors (:func:`functrain.set_hyper`: ``ft.set_hyper(state, mixed_precision=
+            {"growth_interval": 500})``); ``None``: the constructor's. ``init_scale`` is the first ``scale``.
 
     Example::
 
@@ -56,6 +60,7 @@ class LossScaleState(NamedTuple):
 
     scale: torch.Tensor
     good_steps: torch.Tensor
+    hyper: Any = None
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
@@ -99,6 +104,9 @@ class MixedPrecision(Transform):
         self.backoff_factor = check_real("mixed_precision: backoff_factor", backoff_factor, lo=0, hi=1,
                                          lo_open=True, hi_open=True)
         self.growth_interval = check_int("mixed_precision: growth_interval", growth_interval, minimum=1)
+        # the values a user changes between runs: data in the slot (LossScaleState.hyper), not graph constants
+        self.hyper = {"growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                      "growth_interval": self.growth_interval}
 
     def init(self, params, buffers) -> LossScaleState | None:
         for leaf in T.tree_leaves(params):
@@ -109,7 +117,7 @@ class MixedPrecision(Transform):
             return None
         device = T.tree_leaves(params)[0].device
         return LossScaleState(torch.full((), self.init_scale, dtype=torch.float32, device=device),
-                              torch.zeros((), dtype=torch.int64, device=device))
+                              torch.zeros((), dtype=torch.int64, device=device), make_hyper(self.hyper, device))
 
     @property
     def _casts(self) -> bool:
@@ -157,14 +165,16 @@ class MixedPrecision(Transform):
         s: LossScaleState = ctx.slot(self)
         finite = ctx.finite
         good = torch.where(finite, s.good_steps + 1, torch.zeros_like(s.good_steps))
-        grow = good >= self.growth_interval
-        scale = torch.where(finite, torch.where(grow, s.scale * self.growth_factor, s.scale),
-                            s.scale * self.backoff_factor)
+        h = hyper_values(s.hyper, self.hyper)
+        grow, up, down = good >= h["growth_interval"], h["growth_factor"], h["backoff_factor"]
+        if isinstance(up, torch.Tensor):  # the state's values: in the scale's float32, as a number would be
+            up, down = up.to(s.scale.dtype), down.to(s.scale.dtype)
+        scale = torch.where(finite, torch.where(grow, s.scale * up, s.scale), s.scale * down)
         good = torch.where(grow, torch.zeros_like(good), good)
         if ctx.boundary is not None:  # within a streaming window the scale must not change
             scale = torch.where(ctx.boundary, scale, s.scale)
             good = torch.where(ctx.boundary, good, s.good_steps)
-        ctx.set_slot(self, LossScaleState(scale, good))
+        ctx.set_slot(self, LossScaleState(scale, good, s.hyper))
 
     def __repr__(self) -> str:
         return f"mixed_precision({self.policy})"

@@ -16,6 +16,7 @@ import torch
 import functrain as ft
 from functrain import tree as T
 from functrain.checkpoint import folder
+from functrain.checkpoint.format import complete
 from functrain.core.flat import SLOT, FlatLayout, FlatParams
 
 OLD = pathlib.Path(__file__).parent / "old_checkpoints"
@@ -25,9 +26,14 @@ from make_old_checkpoints import problem  # noqa: E402  (the problem the old cod
 
 @pytest.mark.parametrize("mode", ["optimizer", "params"])
 def test_an_old_sharded_checkpoint_loads_whole_and_resharded(mode):
-    logical = ft.load(OLD / f"logical_{mode}")
-    assert T.tree_equal(ft.load(OLD / f"sharded_{mode}"), logical)  # the two rank folders joined
+    bare = ft.load(OLD / f"logical_{mode}")
+    assert T.tree_equal(ft.load(OLD / f"sharded_{mode}"), bare)  # the two rank folders joined
     step, params, buffers, batch = problem()
+    # written before the hyper-parameters were data: loaded with a template, its are the template's (the
+    # constructor's), everything the file holds is the file's
+    logical = complete(bare, step.init(params, buffers))
+    assert bare.opt_state.hyper is None and float(logical.opt_state.hyper["lr"]) == 1e-2
+    assert float(logical.slots["clip"].hyper["max_norm"]) == 1.0 and float(logical.slots["ema"].hyper["decay"]) == 0.5
     assert T.tree_equal(ft.load(OLD / f"sharded_{mode}", step.init(params, buffers)), logical)  # unsharded template
     one = ft.data_parallel(shard=mode)(step)
     loaded = ft.load(OLD / f"sharded_{mode}", one.init(params, buffers))  # cut again for 1 rank
@@ -46,7 +52,7 @@ def test_an_old_sharded_checkpoint_loads_whole_and_resharded(mode):
 
 def test_an_old_flat_checkpoint_loads_into_a_flat_template():
     step, params, buffers, _ = problem()
-    plain = ft.load(OLD / "flat")
+    plain = complete(ft.load(OLD / "flat"), step.init(params, buffers))  # (hyper-parameters: the template's)
     state = ft.load(OLD / "flat", ft.flat(step.init(params, buffers)))
     assert isinstance(state.params, FlatParams) and isinstance(state.opt_state.exp_avg, FlatParams)
     assert sorted(state.params.buffers) == ["float32", "float64"]

@@ -217,8 +217,10 @@ def test_the_declarations_the_trainer_and_sharding_read_exist():
      "runner = step if isinstance(step, (Runner, DynamoRunner)) else getattr(step, \"fast_path\", None)",
      "getattr(step, 'fast_path')"),
     # the schedule stashed on the optimizer's learning_rate closure, read back by schedules.horizon
-    ("optim/base.py", "        return lr_value(lr, opt_state.count)\n\n    return learning_rate",
-     "        return lr_value(lr, opt_state.count)\n\n    learning_rate.schedule = lr\n    return learning_rate",
+    ("optim/base.py", "        return lr_value(lr, opt_state.count, hyper_values(opt_state.hyper, defaults))\n\n"
+     "    return learning_rate",
+     "        return lr_value(lr, opt_state.count, hyper_values(opt_state.hyper, defaults))\n\n"
+     "    learning_rate.schedule = lr\n    return learning_rate",
      "learning_rate.schedule = ...: an attribute stashed"),
     ("optim/schedules.py", "    return obj.schedule if isinstance(obj, Optimizer) else obj",
      "    learning_rate = getattr(obj, 'learning_rate', None)\n"

@@ -372,7 +372,7 @@ class _ForeachAsLoops(torch.overrides.TorchFunctionMode):
         lists = [a for a in args if isinstance(a, (list, tuple))]
         n = len(lists[0]) if lists else 0
         columns = [a if isinstance(a, (list, tuple)) else [a] * n for a in args]
-        rows = list(zip(*columns)) if columns else [()] * n
+        rows = [_like_first(row) for row in zip(*columns)] if columns else [()] * n
         if op.endswith("_"):  # in place: computed out of place and copied in (vmap batches copy_, not addcmul_)
             out_of_place = getattr(torch, op[:-1], None)
             for row in rows:
@@ -386,6 +386,17 @@ class _ForeachAsLoops(torch.overrides.TorchFunctionMode):
             return [torch.linalg.vector_norm(row[0], row[1] if len(row) > 1 else ord_, **kwargs) for row in rows]
         fn = getattr(torch, op)
         return [fn(*row, **kwargs) for row in rows]
+
+
+def _like_first(row: tuple) -> tuple:
+    """A foreach op's scalar arguments given as 0-dim tensors (a hyper-parameter in the state: float64, and a
+    member's own value under vmap) in the dtype of the tensor they scale, as the foreach op takes a scalar: the
+    per-tensor ops (``lerp``, ``addcmul``) want one dtype."""
+    first = row[0]
+    if not torch.is_tensor(first):
+        return row
+    return tuple(x.to(first.dtype) if i and torch.is_tensor(x) and x.dim() == 0 and x.dtype != first.dtype
+                 and x.is_floating_point() and first.is_floating_point() else x for i, x in enumerate(row))
 
 
 _FIELDS = ("state.params", "state.buffers", "state.opt_state", "state.slots")

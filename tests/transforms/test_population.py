@@ -109,6 +109,42 @@ def test_member_i_equals_a_single_run_with_its_seed(opt, names, seeds, per_membe
         assert_member_equals(state, i, single, **TOL)
 
 
+HYPER = st.fixed_dictionaries({
+    "lr": st.floats(1e-4, 5e-2), "weight_decay": st.floats(0.0, 0.3), "max_norm": st.floats(0.01, 2.0),
+    "decay": st.floats(0.5, 0.999)})
+
+
+def hyper_of(h: dict) -> dict:
+    return {"lr": h["lr"], "weight_decay": h["weight_decay"], "clip": {"max_norm": h["max_norm"]},
+            "ema": {"decay": h["decay"]}}
+
+
+@FAST
+@given(members=st.lists(st.tuples(st.integers(0, 1000), HYPER), min_size=1, max_size=4),
+       data_seed=st.integers(0, 2**16))
+def test_member_i_equals_a_single_run_with_its_hyper_parameters(members, data_seed):
+    """Per-member lr, weight decay, clip norm and EMA decay (ft.set_hyper with tensors of shape (n,)): member i
+    equals the single run with its seed and its values."""
+    step = build("adamw", ["clip", "ema"])
+    n = len(members)
+    pop = ft.population(n, batch="shared")(step)
+    state = pop.init(init_params, seeds=[s for s, _ in members])
+    stacked = {k: torch.tensor([h[k] for _, h in members], dtype=torch.float64) for k in HYPER_KEYS}
+    state = ft.set_hyper(state, **hyper_of(stacked))
+    data = batches(data_seed, 3, None)
+    for b in data:
+        state, metrics = pop(state, b)
+    torch.testing.assert_close(metrics["lr"], stacked["lr"])
+    for i, (seed, h) in enumerate(members):
+        single = ft.set_hyper(step.init(init_params(seed), seed=None), **hyper_of(h))
+        for b in data:
+            single, _ = step(single, b)
+        assert_member_equals(state, i, single, **TOL)
+
+
+HYPER_KEYS = ("lr", "weight_decay", "max_norm", "decay")
+
+
 def test_the_reference_discriminates():
     """The law's check fails for a wrong member: members with different seeds end apart by far more than TOL."""
     step = build("adamw", ["clip"])
@@ -320,7 +356,8 @@ def test_compiled_population_equals_eager_and_single_runs(compiled, seeds, data_
     step, pop, cstep = compiled
     before = cstep.compiles
     data = batches(data_seed, 3, 4)
-    eager = c = pop.init(init_params, seeds=seeds)
+    lrs = torch.tensor([1e-3, 3e-3, 1e-2, 3e-2], dtype=torch.float64)[torch.randperm(4)]
+    eager = c = ft.set_hyper(pop.init(init_params, seeds=seeds), lr=lrs)  # values: inputs of the one graph
     for b in data:
         c, cm = cstep(c, b)
         eager, em = pop(eager, b)
@@ -328,5 +365,8 @@ def test_compiled_population_equals_eager_and_single_runs(compiled, seeds, data_
     for a, b in zip(optree.tree_leaves(c), optree.tree_leaves(eager)):
         torch.testing.assert_close(a, b, **TOL)
     torch.testing.assert_close(cm["loss"], em["loss"], **TOL)
-    for i, single in enumerate(single_runs(step, seeds, data, True)):
+    for i, seed in enumerate(seeds):
+        single = ft.set_hyper(step.init(init_params(seed), seed=None), lr=float(lrs[i]))
+        for x, y in data:
+            single, _ = step(single, (x[i], y[i]))
         assert_member_equals(c, i, single, **TOL)

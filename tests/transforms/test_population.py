@@ -298,7 +298,9 @@ def _dp_population_rank(compiled: bool, seeds: list, data: list) -> list:
     step = ft.data_parallel()(build("adamw", ["clip", "ema"]))
     pop = ft.population(len(seeds), batch="per_member")(step)
     state = pop.init(init_params, seeds=seeds)
-    run = ft.compile(pop) if compiled else pop
+    # (aot_eager: the same captured graph, the collectives and the vmap traced into it, without inductor's
+    # codegen on two loaded ranks; the inductor-compiled population is tested in one process below)
+    run = ft.compile(pop, backend="aot_eager") if compiled else pop
     rank, world = dist.get_rank(), dist.get_world_size()
     for x, y in data:
         state, metrics = run(state, (x.chunk(world, dim=1)[rank], y.chunk(world, dim=1)[rank]))

@@ -14,9 +14,13 @@ value. :func:`member` gives member ``i`` as an ordinary state of the inner step.
 ``ft.data_parallel()`` composes: every rank holds every member, and the members' gradients are all-reduced in one
 collective (:func:`_batch_collectives`). A sharded data-parallel step is refused.
 
+Per-member hyper-parameters are the state's values with the member axis: ``ft.set_hyper(state, lr=lrs)`` with
+``lrs`` of shape ``(n,)`` (weight decay, clip norm, EMA decay alike).
+
 The law (tests/transforms/test_population.py): member ``i`` of a population equals a single run of the inner
-step from member ``i``'s initial state, to float rounding, eager and compiled, on 1 and 2 processes. Random draws are the exception:
-a member's draws are its own but not those a single run with its seed makes (vmap draws one batched tensor).
+step from member ``i``'s initial state and hyper-parameters, to float rounding, eager and compiled, on 1 and 2
+processes. Random draws are the exception: a member's draws are its own but not those a single run with its seed
+makes (vmap draws one batched tensor).
 """
 from __future__ import annotations
 
@@ -157,7 +161,6 @@ class Population(Step):
         self._collective = any(_talks(t) for t in step.transforms)
         if self._collective:
             _batch_collectives()
-        self._named = False  # the first call's failure under vmap is named by the transform (see _explain)
 
     # -- building ---------------------------------------------------------------------------
     def with_transform(self, transform: Transform) -> "Population":

@@ -37,7 +37,7 @@ import torch
 from .eager import host_number
 from .validate import BadValue, describe
 
-__all__ = ["HYPER_DTYPE", "make", "values", "set_hyper", "get_hyper", "holders"]
+__all__ = ["HYPER_DTYPE", "make", "values", "set_hyper", "get_hyper", "holders", "copy_hyper"]
 
 HYPER_DTYPE = torch.float64  # torch.optim's scalars are Python floats: doubles
 
@@ -239,4 +239,37 @@ def get_hyper(state: Any) -> dict:
         found = holders(slot)
         if found:
             out[name] = {k: v for h in found for k, v in h.hyper.items()}
+    return out
+
+
+def copy_hyper(state: Any, source: Any) -> Any:
+    """``state`` with every ``hyper`` field taken from ``source`` (a state of the same step, e.g. a fresh
+    ``step.init``): a resumed run whose configuration says other numbers (a longer run, another lr) trains with the
+    configuration's, not the checkpoint's. The holders are matched in tree order; their structure must agree.
+
+    Raises:
+        ValueError: the two states do not hold the same hyper-parameters (another step's state).
+
+    Example::
+
+        >>> import torch, functrain as ft
+        >>> from functrain.core.hyper import copy_hyper
+        >>> old = ft.optim.adam(1e-3).init({"w": torch.ones(1)})
+        >>> float(copy_hyper(old, ft.optim.adam(3e-4).init({"w": torch.ones(1)})).hyper["lr"])
+        0.0003
+    """
+    new = iter(holders(source))
+    count = [len(holders(state))]
+
+    def take(holder: Any) -> Any:
+        other = next(new, None)
+        if other is None or optree.tree_structure(other.hyper) != optree.tree_structure(holder.hyper):
+            raise ValueError(f"copy_hyper: the states hold different hyper-parameters: {sorted(holder.hyper)} and "
+                             f"{None if other is None else sorted(other.hyper)}")
+        return holder._replace(hyper=optree.tree_map(
+            lambda x, y: y.detach().to(dtype=x.dtype, device=x.device).clone(), holder.hyper, other.hyper))
+
+    out = _replace_in(state, take)
+    if next(new, None) is not None or count[0] != len(holders(source)):
+        raise ValueError("copy_hyper: the states hold different hyper-parameters (another step's state?)")
     return out

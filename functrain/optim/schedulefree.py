@@ -23,7 +23,8 @@ import optree
 import torch
 
 from ..core.registry import register_checkpoint_type
-from .base import (Optimizer, TreespecCache, check_betas, check_lr, check_real, check_steps, flatten_params,
+from .base import (Optimizer, add_scalar_, add_scaled, hyper_values, lerp_weight, lr_hyper, make_hyper,
+                   scaled_sq_into, TreespecCache, check_betas, check_lr, check_real, check_steps, flatten_params,
                    flatten_update, host_number, init_count, lr_value, make_learning_rate, per_step, sub_scaled)
 
 __all__ = ["adamw_schedulefree", "ScheduleFreeState"]
@@ -39,6 +40,9 @@ class ScheduleFreeState(NamedTuple):
         exp_avg_sq: the second moment estimate, a tree shaped like the params.
         weight_sum: the sum of the averaging weights so far, a float64 scalar tensor.
         lr_max: the largest (warmed-up) lr so far, a float64 scalar tensor (``-1`` after ``init``).
+        hyper: the hyper-parameters ``update`` reads (``"lr"``, ``"beta1"``, ``"beta2"``, ``"eps"``,
+            ``"weight_decay"``, ``"warmup_steps"``, ``"r"``, ``"weight_lr_power"``), 0-dim float64 tensors filled
+            by ``init`` (:mod:`functrain.core.hyper`); ``None``: the constructor's.
 
     Example::
 
@@ -54,14 +58,16 @@ class ScheduleFreeState(NamedTuple):
     exp_avg_sq: Any
     weight_sum: torch.Tensor
     lr_max: torch.Tensor
+    hyper: Any = None
 
 
-def _scalars(k: Any, lr: Any, weight_sum: Any, lr_max: Any, beta2: float, warmup_steps: int, r: float,
-             weight_lr_power: float) -> tuple:
+def _scalars(k: Any, lr: Any, weight_sum: Any, lr_max: Any, beta2: Any, warmup_steps: Any, r: Any,
+             weight_lr_power: Any) -> tuple:
     """The package's per-step scalars: ``(lr, bias_correction2, ckp1, weight_sum, lr_max)``.
 
     Python numbers eagerly (its formulas, in its order); float64 tensors when traced."""
-    if not any(isinstance(x, torch.Tensor) for x in (k, lr, weight_sum, lr_max)):
+    values = (k, lr, weight_sum, lr_max, beta2, warmup_steps, r, weight_lr_power)
+    if not any(isinstance(x, torch.Tensor) for x in values):
         sched = (k + 1) / warmup_steps if k < warmup_steps else 1.0
         bias_correction2 = 1 - beta2 ** (k + 1)
         lr = lr * sched
@@ -70,10 +76,10 @@ def _scalars(k: Any, lr: Any, weight_sum: Any, lr_max: Any, beta2: float, warmup
         weight_sum = weight_sum + weight
         ckp1 = weight / weight_sum if weight_sum != 0 else 0
         return lr, bias_correction2, ckp1, weight_sum, lr_max
-    device = next(x.device for x in (k, lr, weight_sum, lr_max) if isinstance(x, torch.Tensor))
+    device = next(x.device for x in values if isinstance(x, torch.Tensor))
     f64 = lambda x: torch.as_tensor(x, dtype=torch.float64, device=device)  # noqa: E731
     k1 = f64(k) + 1
-    sched = torch.where(k1 <= warmup_steps, k1 / max(warmup_steps, 1), f64(1.0))
+    sched = torch.where(k1 <= warmup_steps, k1 / f64(warmup_steps).clamp(min=1), f64(1.0))
     bias_correction2 = 1 - torch.pow(f64(beta2), k1)
     lr = f64(lr) * sched
     lr_max = torch.maximum(lr, f64(lr_max))
@@ -148,6 +154,9 @@ def adamw_schedulefree(
     r = check_real("r", r, lo=0.0)
     weight_lr_power = check_real("weight_lr_power", weight_lr_power, lo=0.0)
     flatten = TreespecCache()
+    # the values a user changes between runs: data in the state (ScheduleFreeState.hyper), not graph constants
+    defaults = {**lr_hyper(lr), "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
+                "warmup_steps": warmup_steps, "r": r, "weight_lr_power": weight_lr_power}
 
     def init(params: Any) -> ScheduleFreeState:
         leaves, spec = flatten_params(params)
@@ -155,37 +164,42 @@ def adamw_schedulefree(
         scalar = lambda v: torch.tensor(v, dtype=torch.float64, device=count.device)  # noqa: E731
         return ScheduleFreeState(count=count, z=optree.tree_unflatten(spec, [p.clone() for p in leaves]),
                                  exp_avg_sq=optree.tree_unflatten(spec, [torch.zeros_like(p) for p in leaves]),
-                                 weight_sum=scalar(0.0), lr_max=scalar(-1.0))
+                                 weight_sum=scalar(0.0), lr_max=scalar(-1.0), hyper=make_hyper(defaults, count.device))
 
     def update(grads: Any, state: ScheduleFreeState, params: Any) -> tuple[Any, ScheduleFreeState]:
         count = state.count
         unflatten, y, g, (z, v) = flatten_update(grads, params, state.z, state.exp_avg_sq, flatten=flatten)
+        h = hyper_values(state.hyper, defaults)  # eagerly on the CPU: Python numbers, the package's arithmetic
+        beta1, beta2, eps, weight_decay = h["beta1"], h["beta2"], h["eps"], h["weight_decay"]
         lr_t, bias_correction2, ckp1, weight_sum, lr_max = _scalars(
-            host_number(count), host_number(lr_value(lr, count)), host_number(state.weight_sum),
-            host_number(state.lr_max), beta2, warmup_steps, r, weight_lr_power)
+            host_number(count), host_number(lr_value(lr, count, h)), host_number(state.weight_sum),
+            host_number(state.lr_max), beta2, h["warmup_steps"], h["r"], h["weight_lr_power"])
         as_state = lambda x: torch.as_tensor(x, dtype=torch.float64, device=count.device)  # noqa: E731
         new_scalars = dict(count=count + 1, weight_sum=as_state(weight_sum), lr_max=as_state(lr_max))
         if not y:
             return params, state._replace(**new_scalars)
         v = torch._foreach_mul(v, beta2)
-        torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+        scaled_sq_into(v, g, 1 - beta2)
         denom = torch._foreach_div(v, bias_correction2)
         torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, eps)
+        add_scalar_(denom, eps)
         gn = torch._foreach_div(g, denom)
-        if weight_decay != 0:
+        if isinstance(weight_decay, torch.Tensor):  # the state's value: always added (exact for 0)
+            gn = add_scaled(gn, y, weight_decay)
+        elif weight_decay != 0:
             torch._foreach_add_(gn, y, alpha=weight_decay)
         # a tensor weight (traced) goes as one per leaf: the number overload would read it on the host
         new_y = torch._foreach_lerp(y, z, [ckp1] * len(y) if isinstance(ckp1, torch.Tensor) else ckp1)
         new_y = sub_scaled(new_y, gn, -(lr_t * (beta1 * (1 - ckp1) - 1)))  # the package's add_(g', alpha=...)
         new_z = sub_scaled(z, gn, lr_t)
-        new_state = ScheduleFreeState(z=unflatten(new_z), exp_avg_sq=unflatten(v), **new_scalars)
+        new_state = ScheduleFreeState(z=unflatten(new_z), exp_avg_sq=unflatten(v), **new_scalars, hyper=state.hyper)
         return unflatten(new_y), new_state
 
     def eval_params(params: Any, state: ScheduleFreeState) -> Any:
         """``x``: the params moved towards ``z`` as the package's ``eval()`` moves them."""
         unflatten, y, _, (z,) = flatten_update(params, params, state.z)
-        return unflatten(torch._foreach_lerp(y, z, 1 - 1 / beta1)) if y else params
+        beta1 = hyper_values(state.hyper, defaults)["beta1"]
+        return unflatten(torch._foreach_lerp(y, z, lerp_weight(1 - 1 / beta1, y))) if y else params
 
-    return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr), schedule=lr,
-                     eval_params=eval_params)
+    return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr, defaults), schedule=lr,
+                     eval_params=eval_params, hyper=defaults)

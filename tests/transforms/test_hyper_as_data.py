@@ -2,7 +2,7 @@
 compiled graph, not a constant of it (functrain/core/hyper.py).
 
 For each value (the lr schedule's peak, warm-up, horizon and final lr; Adam's betas, eps and weight decay; SGD's lr,
-momentum, dampening and weight decay; Lion's betas; clip's max norm; clip_value's bound; the EMA's decay, start and
+momentum, dampening and weight decay; Lion's betas; schedule-free AdamW's warm-up, ``r``, betas and decay; clip's max norm; clip_value's bound; the EMA's decay, start and
 warm-up; the fp16 loss scale's growth and backoff): a compiled step that ran with the constructor's values runs a
 state whose value was changed with ``ft.set_hyper`` without compiling anything (``cstep.compiles`` stays 1), and
 its result equals a fresh eager run of a step built with that value (to the compiled-vs-eager rounding; eagerly
@@ -34,7 +34,7 @@ def problem():
 BASE = {"peak": 2e-2, "warmup_steps": 3, "total_steps": 12, "final": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8,
         "weight_decay": 0.0, "momentum": 0.9, "dampening": 0.0, "max_norm": 0.5, "clip_value": None,
         "ema_decay": 0.8, "ema_start": 2, "ema_power": 2 / 3, "fp16": False, "growth_interval": 3,
-        "backoff_factor": 0.5}
+        "backoff_factor": 0.5, "sf_warmup": 0, "sf_r": 0.0}
 
 
 def build(opt: str, **over):
@@ -46,6 +46,9 @@ def build(opt: str, **over):
         "sgd": lambda: ft.optim.sgd(lr, momentum=v["momentum"], dampening=v["dampening"],
                                     weight_decay=v["weight_decay"]),
         "lion": lambda: ft.optim.lion(lr, betas=v["betas"], weight_decay=v["weight_decay"]),
+        "schedulefree": lambda: ft.optim.adamw_schedulefree(lr, betas=v["betas"], eps=v["eps"],
+                                                            weight_decay=v["weight_decay"],
+                                                            warmup_steps=v["sf_warmup"], r=v["sf_r"]),
     }[opt]()
     step = ft.clip(v["max_norm"])(ft.train_step(ftt.mlp_loss, optimizer))
     if v["clip_value"] is not None:
@@ -80,6 +83,9 @@ CHANGES = {
     "sgd-weight_decay": ("sgd", {"weight_decay": 0.5}, {"weight_decay": 0.5}),
     "lion-betas": ("lion", {"betas": (0.5, 0.7)}, {"betas": (0.5, 0.7)}),
     "lion-weight_decay": ("lion", {"weight_decay": 5.0}, {"weight_decay": 5.0}),
+    "schedulefree-warmup": ("schedulefree", {"sf_warmup": 5, "sf_r": 1.0}, {"warmup_steps": 5, "r": 1.0}),
+    "schedulefree-betas": ("schedulefree", {"betas": (0.5, 0.9), "weight_decay": 0.5},
+                           {"betas": (0.5, 0.9), "weight_decay": 0.5}),
 }
 
 
@@ -227,3 +233,74 @@ def test_a_population_of_hyper_parameters_under_vmap_equals_each_member_alone():
             stacked_p, state = update(g, state, stacked_p)
     for i in range(3):
         assert T.tree_allclose({k: v[i] for k, v in stacked_p.items()}, member(i), rtol=1e-5, atol=1e-7)
+
+
+# A second process, as a user's second run: the main job's transforms (warm-up + cosine, Adam, clip, EMA) built with
+# other numbers, the run 10x longer, compiled with inductor on the first one's cache folder.
+CHILD = r"""
+import json, sys
+import torch
+import functrain as ft
+import functrain.testing as ftt
+from torch._dynamo.utils import counters
+peak, warmup, total, b2, eps, norm, decay, cache = sys.argv[1:]
+torch.manual_seed(0)
+params = {"w0": torch.randn(6, 8) / 6**0.5, "b0": torch.zeros(8), "w1": torch.randn(8, 3) / 8**0.5, "b1": torch.zeros(3)}
+batch = (torch.randn(8, 6), torch.randn(8, 3))
+opt = ft.optim.adam(ft.optim.schedules.warmup_cosine(float(peak), int(warmup), int(total)), betas=(0.9, float(b2)),
+                    eps=float(eps))
+step = ft.ema(float(decay))(ft.clip(float(norm))(ft.train_step(ftt.mlp_loss, opt)))
+cstep = ft.compile(step, cache_dir=cache)
+got = want = step.init(params)
+for _ in range(int(warmup) + 2):
+    got, _ = cstep(got, batch)
+    want, _ = step(want, batch)
+print(json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"], "miss": counters["inductor"]["fxgraph_cache_miss"],
+                  "equal": bool(ft.tree.tree_allclose(got, want, rtol=1e-5, atol=1e-6)),
+                  "ema0": float(got.ema["b1"][0])}))
+"""
+
+
+def _child(tmp_path, *args):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(OMP_NUM_THREADS="1", FUNCTRAIN_CACHE_DIR=str(tmp_path / "memo"))
+    proc = subprocess.run([sys.executable, "-c", CHILD, *map(str, args), str(tmp_path / "cache")], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_run_with_other_numbers_and_length_loads_the_first_runs_graph(tmp_path):
+    """The first process compiles (a miss); the second, with every number changed (peak lr, warm-up, a 10x longer
+    horizon, beta2, eps, clip's norm, the EMA's decay), traces the same graph and loads it from inductor's cache
+    (a hit, no miss): the numbers are inputs of the graph. Each equals its own eager run."""
+    first = _child(tmp_path, 1e-2, 2, 400, 0.999, 1e-8, 1.0, 0.9)
+    assert first["miss"] == 1 and first["hit"] == 0 and first["equal"], first
+    second = _child(tmp_path, 3e-2, 3, 4000, 0.99, 1e-6, 0.5, 0.5)
+    assert second["hit"] == 1 and second["miss"] == 0 and second["equal"], second
+    assert first["ema0"] != second["ema0"]  # (and the numbers did change what was trained)
+
+
+def test_a_resume_takes_the_checkpoints_values_and_copy_hyper_the_configurations(tmp_path):
+    """A checkpoint holds the values it trained with (state is data); a run resumed with other numbers (a longer
+    run) takes its configuration's with ``copy_hyper`` from a fresh ``init``, everything else from the file."""
+    from functrain.core.hyper import copy_hyper
+
+    params, batches = problem()
+    step = build("adamw")
+    state = run(step, step.init(params), batches[:3])
+    ft.save(tmp_path / "c", state)
+    longer = build("adamw", total_steps=4000, ema_decay=0.5)
+    fresh = longer.init(params)
+    loaded = ft.load(tmp_path / "c", fresh)
+    assert float(loaded.opt_state.hyper["lr"]["warmup_cosine"]["total_steps"]) == 12  # the checkpoint's
+    resumed = copy_hyper(loaded, fresh)
+    assert T.tree_equal(ft.get_hyper(resumed), ft.get_hyper(fresh))
+    assert T.tree_equal(resumed.params, state.params) and T.tree_equal(resumed.opt_state.exp_avg, state.opt_state.exp_avg)
+    with pytest.raises(ValueError, match="different hyper-parameters"):
+        copy_hyper(loaded, build("sgd").init(params))

@@ -41,6 +41,7 @@ from .trainer import Callback, TrainConfig, Trainer
 from .trainer.batch_fit import BatchFit, fit_batch
 from .trainer.trackers import trackers
 from .transforms import EmaState, LossScaleState, Policy, accumulate, clip, clip_value, ema, mixed_precision, random_flip, skip_nonfinite
+from .transforms import Population, PopulationError, member, population
 
 __version__ = "0.1.0"
 
@@ -52,6 +53,7 @@ __all__ = [
     "CheckpointError", "Trainer", "Callback", "export_state_dict", "export_weights", "Restored", "register_checkpoint_type", "checkpoint", "trackers",
     "fit_batch", "BatchFit", "set_hyper", "get_hyper",
 ]
+__all__ += ["population", "Population", "PopulationError", "member"]
 
 __all__ += ["benchmark"]
 

@@ -303,8 +303,8 @@ def grad_with_aux(fn: Callable[..., tuple[torch.Tensor, Any]], leaves: list[torc
 
     ``aux`` is a tree of tensors, returned detached. Eagerly ``torch.autograd.grad`` (the same
     math as ``torch.func`` at a third of its per-call Python cost; a leaf the objective does
-    not use gets a zero gradient); traced ``torch.func.grad_and_value``, which composes with
-    Dynamo.
+    not use gets a zero gradient); traced, or inside a ``torch.func`` transform (``vmap``: an
+    ``ft.population``), ``torch.func.grad_and_value``, which composes with Dynamo and with vmap.
 
     Example::
 
@@ -315,7 +315,8 @@ def grad_with_aux(fn: Callable[..., tuple[torch.Tensor, Any]], leaves: list[torc
     """
     # traced: torch.func composes with Dynamo; but a trace that reuses repeated blocks (invoke_subgraph, which has
     # no torch.func rule) differentiates with torch.autograd.grad below, which make_fx traces as well
-    if tracing() and not regions.active():
+    # and under a torch.func transform (a population's vmap): autograd cannot mark its wrapped tensors
+    if (tracing() and not regions.active()) or torch._C._functorch.peek_interpreter_stack() is not None:
         grads, (_, aux) = torch.func.grad_and_value(fn, has_aux=True)(leaves, *args)
         return list(grads), aux
     live = [p.detach().requires_grad_(True) for p in leaves]

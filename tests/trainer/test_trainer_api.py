@@ -170,7 +170,10 @@ def test_a_ready_step_is_used_as_is(tmp_path):
     expected = _reference(step, T.tree_map(torch.clone, params), buffers, data, config)
     got = ft.Trainer(model, data, config, step=step).train()
     assert T.tree_equal(got, expected)
-    assert got.ema is None and "clip" not in got.slots  # nothing added on one process
+    # nothing added on one process: no EMA, and the one clip slot is the step's own (its max_norm, since clip's
+    # norm is data in the state), not the config's
+    assert got.ema is None and list(got.slots) == ["clip"]
+    assert float(ft.get_hyper(got)["clip"]["max_norm"]) == 0.5
     with pytest.raises(TypeError, match="uses the step as is"):
         ft.Trainer(model, data, config, step=step, optimizer=ft.optim.sgd(0.1))
     with pytest.raises(ValueError, match=r"accumulates 2 micro-batches but TrainConfig.gradient_accumulate_every=1"):

@@ -205,7 +205,7 @@ def run_one(what: str, root: str, opts: dict, threads: int, memo: str, timeout: 
            "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
     load0 = os.getloadavg()[0]
     out = subprocess.run([sys.executable, "-c", CHILD, what, repo, json.dumps(opts)], env=env, capture_output=True,
-                         text=True, timeout=timeout)
+                         text=True, timeout=timeout, cwd=repo)  # (-c puts the cwd first on sys.path)
     lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     if out.returncode or not lines:
         raise RuntimeError(f"{what} failed:\n{(out.stdout + out.stderr)[-3000:]}")
@@ -267,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--opts", default="{}", help="inductor config to set (JSON; dotted keys for sub-configs)")
     p.add_argument("--threads", type=int, default=1, help="inductor compile_threads (default 1: see above)")
     p.add_argument("--memo", action="store_true", help="measure with the probe memo of a first cold run")
+    p.add_argument("--machine", default=None,
+                   help="a folder kept across runs as the machine's probe memo and temp folder (precompiled header): "
+                        "empty, the first compile is a new machine's; then each later one is a new graph on it")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--out-json", default=None)
     args = p.parse_args(argv)
@@ -274,12 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for what in [w.strip() for w in args.what.split(",") if w.strip()]:
-            memo = tempfile.mkdtemp(prefix="memo-", dir=root)
-            os.chmod(memo, 0o700)
+            memo = args.machine or tempfile.mkdtemp(prefix="memo-", dir=root)
+            os.makedirs(memo, mode=0o700, exist_ok=True)
             if args.memo:
                 run_one(what, root, json.loads(args.opts), args.threads, memo, args.timeout)
             r = run_one(what, root, json.loads(args.opts), args.threads, memo, args.timeout)
-            r["memo"] = args.memo
+            r["memo"] = args.memo or bool(args.machine)
             show(r)
             rows.append(r)
             sys.stdout.flush()

@@ -83,11 +83,6 @@ class CountingBackend:
         return getattr(self.backend, name)
 
 
-# Inductor's options for a graph whose inputs are all on the CPU, where ``options.options`` does not set them
-# (make_backend says why each): torch's own random kernels, and the graph's kernels in one C++ translation unit.
-CPU_GRAPH_OPTIONS: dict[str, Any] = {"fallback_random": True, "cpp_wrapper": True}
-
-
 def make_backend(options: Options, lock_timeout: float = 600.0) -> CountingBackend:
     """The counting backend for ``options`` (inductor made lazily; on the direct path without its per-call
     size asserts, which the runtime's signature check makes redundant; CUDA graphs there are functrain's);
@@ -102,14 +97,7 @@ def make_backend(options: Options, lock_timeout: float = 600.0) -> CountingBacke
     with the ops around it. The choice is made from the inputs the backend is called with, so a compile
     worker (:mod:`functrain.compiler.worker`, which rebuilds this backend from the same ``Options`` and
     compiles fake inputs of the same devices) makes the same one, and the configuration both compile under,
-    which keys inductor's caches, is the same.
-
-    The C++ compiler, per graph: a graph whose inputs are all on the CPU compiles with inductor's
-    ``cpp_wrapper=True`` (unless ``options.options`` sets it), so that its kernels and the code that calls them
-    are one C++ translation unit, built by one compiler run. Inductor's default builds each kernel apart, and each
-    build pays a fixed ~0.7 CPU seconds (loading the precompiled header of ATen's vector library, linking against
-    libtorch) for ~0.1-0.2 s of the kernel's own code: W1's 8 kernels cost ~9 CPU s as 8 units and ~3 s as one
-    (bench/compile_phases.py). The kernels are the same code, so the results are the same bit for bit."""
+    which keys inductor's caches, is the same."""
     backend, mode, extra = options.backend, options.mode, options.options
     direct = options.path == "direct"
     if backend in (None, "inductor"):
@@ -120,18 +108,16 @@ def make_backend(options: Options, lock_timeout: float = 600.0) -> CountingBacke
         if wrapper is None:  # pragma: no cover - older torch: count through the registry's inductor
             from torch._dynamo.backends.registry import lookup_backend
             return CountingBackend(lookup_backend("inductor"), shared=True, lock_timeout=lock_timeout)
-        cpu_defaults = {k: v for k, v in CPU_GRAPH_OPTIONS.items() if k not in (extra or {})}
-        if cpu_defaults:
-            class PerDevice(wrapper):  # type: ignore[misc, valid-type]
-                """Inductor with :data:`CPU_GRAPH_OPTIONS` (those ``options`` does not set) for a graph whose
-                inputs are all on the CPU."""
+        if "fallback_random" not in (extra or {}):
+            class RandomPerDevice(wrapper):  # type: ignore[misc, valid-type]
+                """Inductor with ``fallback_random=True`` for a graph whose inputs are all on the CPU."""
 
                 def __call__(self, model_: Any, inputs_: Any, *, config_patches: Any = None) -> Any:
                     if not any(torch.is_tensor(t) and t.device.type != "cpu" for t in inputs_):
-                        config_patches = {**cpu_defaults, **(config_patches or {})}
+                        config_patches = {"fallback_random": True, **(config_patches or {})}
                     return super().__call__(model_, inputs_, config_patches=config_patches)
 
-            wrapper = PerDevice
+            wrapper = RandomPerDevice
         return CountingBackend(functools.partial(wrapper, mode, extra, options.dynamic), shared=True,
                                lock_timeout=lock_timeout)
     if isinstance(backend, str):

@@ -1,8 +1,8 @@
 """The per-call time of a compiled step under two inductor option sets, paired and interleaved, and whether the two
 compiled steps compute the same numbers bit for bit.
 
-    python bench/percall_ab.py                                   # W1: options={"cpp_wrapper": True} (A)
-                                                                 # against functrain's defaults (B)
+    python bench/percall_ab.py                                   # W1: functrain's defaults (cpp_wrapper on a
+                                                                 # CPU graph) against options={"cpp_wrapper": False}
     python bench/percall_ab.py --workload W3 --rounds 30 --calls 100
 
 Both steps are compiled in this process (fresh inductor cache folder), from the same initial state; each round
@@ -24,8 +24,8 @@ import time
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="W1")
-    p.add_argument("--a", default='{"cpp_wrapper": true}', help="inductor options of A (JSON; {} = functrain's defaults)")
-    p.add_argument("--b", default="{}", help="inductor options of B (JSON)")
+    p.add_argument("--a", default="{}", help="inductor options of A (JSON; {} = functrain's defaults)")
+    p.add_argument("--b", default='{"cpp_wrapper": false}', help="inductor options of B (JSON)")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--check", type=int, default=5)

@@ -83,6 +83,11 @@ class CountingBackend:
         return getattr(self.backend, name)
 
 
+# Inductor's options for a graph whose inputs are all on the CPU, where ``options.options`` does not set them
+# (make_backend says why each): torch's own random kernels, and the graph's kernels in one C++ translation unit.
+CPU_GRAPH_OPTIONS: dict[str, Any] = {"fallback_random": True, "cpp_wrapper": True}
+
+
 def make_backend(options: Options, lock_timeout: float = 600.0) -> CountingBackend:
     """The counting backend for ``options`` (inductor made lazily; on the direct path without its per-call
     size asserts, which the runtime's signature check makes redundant; CUDA graphs there are functrain's);
@@ -97,7 +102,17 @@ def make_backend(options: Options, lock_timeout: float = 600.0) -> CountingBacke
     with the ops around it. The choice is made from the inputs the backend is called with, so a compile
     worker (:mod:`functrain.compiler.worker`, which rebuilds this backend from the same ``Options`` and
     compiles fake inputs of the same devices) makes the same one, and the configuration both compile under,
-    which keys inductor's caches, is the same."""
+    which keys inductor's caches, is the same.
+
+    The C++ compiler, per graph: a graph whose inputs are all on the CPU compiles with inductor's
+    ``cpp_wrapper=True`` (unless ``options.options`` sets it), so that its kernels and the code that calls them
+    are one C++ translation unit, built by one compiler run. Inductor's default builds each kernel apart, and each
+    build pays a fixed ~0.7 CPU seconds (loading the precompiled header of ATen's vector library, linking against
+    libtorch) for ~0.1-0.2 s of the kernel's own code: W1's 8 kernels cost ~8 CPU s as 8 units and ~3 s as one
+    (bench/compile_phases.py, bench/README.md "Issue 41"). The kernels are the same code, so the results are the
+    same bit for bit (tests/compiler/test_cpp_units.py), and the C++ wrapper is faster per call than the Python one.
+    A graph with reused block regions (``invoke_subgraph``) keeps inductor's default: torch 2.13's ``cpp_wrapper``
+    has no code for them."""
     backend, mode, extra = options.backend, options.mode, options.options
     direct = options.path == "direct"
     if backend in (None, "inductor"):
@@ -108,16 +123,21 @@ def make_backend(options: Options, lock_timeout: float = 600.0) -> CountingBacke
         if wrapper is None:  # pragma: no cover - older torch: count through the registry's inductor
             from torch._dynamo.backends.registry import lookup_backend
             return CountingBackend(lookup_backend("inductor"), shared=True, lock_timeout=lock_timeout)
-        if "fallback_random" not in (extra or {}):
-            class RandomPerDevice(wrapper):  # type: ignore[misc, valid-type]
-                """Inductor with ``fallback_random=True`` for a graph whose inputs are all on the CPU."""
+        cpu_defaults = {k: v for k, v in CPU_GRAPH_OPTIONS.items() if k not in (extra or {})}
+        if cpu_defaults:
+            class PerDevice(wrapper):  # type: ignore[misc, valid-type]
+                """Inductor with :data:`CPU_GRAPH_OPTIONS` (those ``options`` does not set) for a graph whose
+                inputs are all on the CPU."""
 
                 def __call__(self, model_: Any, inputs_: Any, *, config_patches: Any = None) -> Any:
                     if not any(torch.is_tensor(t) and t.device.type != "cpu" for t in inputs_):
-                        config_patches = {"fallback_random": True, **(config_patches or {})}
+                        defaults = dict(cpu_defaults)
+                        if _has_regions(model_):  # (torch 2.13's cpp_wrapper has no code for invoke_subgraph)
+                            defaults.pop("cpp_wrapper", None)
+                        config_patches = {**defaults, **(config_patches or {})}
                     return super().__call__(model_, inputs_, config_patches=config_patches)
 
-            wrapper = RandomPerDevice
+            wrapper = PerDevice
         return CountingBackend(functools.partial(wrapper, mode, extra, options.dynamic), shared=True,
                                lock_timeout=lock_timeout)
     if isinstance(backend, str):
@@ -237,8 +257,20 @@ def _compile_once(backend: Callable, gm: torch.fx.GraphModule, metas: tuple) -> 
         return backend(gm, fake_inputs(metas))
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = fake_inputs(metas, fake_mode)  # static shapes, as captured: the signature check guarantees them
+    for node, fake in zip(gm.graph.find_nodes(op="placeholder"), fakes):
+        # inductor's cpp_wrapper compiles for the placeholders' recorded values when the graph has them (a traced
+        # graph does, one rebuilt in a compile worker does not): the same ones in every process, so that the
+        # worker's cache entry and the training process's load have one key
+        node.meta["val"] = fake
     with tracing(TracingContext(fake_mode)), _no_reuse_across_regions(gm):
         return backend(gm, fakes)
+
+
+def _has_regions(gm: Any) -> bool:
+    """Whether ``gm`` calls reused block regions (``invoke_subgraph``: :mod:`functrain.core.regions`)."""
+    graph = getattr(gm, "graph", None)
+    return graph is not None and any(
+        n.op == "call_function" and getattr(n.target, "__name__", "") == "invoke_subgraph" for n in graph.nodes)
 
 
 @contextlib.contextmanager

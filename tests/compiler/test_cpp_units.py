@@ -1,0 +1,87 @@
+"""A CPU graph's kernels are built as one C++ translation unit (inductor's ``cpp_wrapper``), with the same numbers.
+
+Each C++ unit inductor builds pays a fixed ~0.7 CPU seconds (the precompiled header's load, the link against
+libtorch) for ~0.1-0.2 s of its kernel (bench/compile_phases.py); inductor's default builds one unit per kernel;
+``ft.compile`` builds a CPU graph's kernels and the code that calls them as one (``cpp_wrapper``) unless
+``options`` says otherwise. The kernels are the same code either
+way: the steps agree bit for bit, random draws (dropout, functrain's ``fallback_random``) and donation included.
+"""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+import functrain as ft
+
+# A constant of this run's own, baked into the kernels' source: no earlier run's entry in inductor's caches (the
+# machine's default folder, kept between runs) matches, so the compiles below build their C++ units here.
+SCALE = 1.0 + (uuid.uuid4().int % 10**6) * 1e-9
+
+
+def loss_fn(params, buffers, batch):
+    x, y = batch
+    h = torch.nn.functional.dropout(torch.tanh(x @ params["w1"] + params["b1"]), 0.25)
+    return SCALE * torch.nn.functional.mse_loss(h @ params["w2"], y)
+
+
+@pytest.fixture(scope="module")
+def units(tmp_path_factory):
+    """Per option set: the C++ units its compile built (target files) and its state and metrics after 3 steps."""
+    from torch._inductor import cpp_builder, cpu_vec_isa
+
+    built, probing = [], [False]
+    real_build, real_check = cpp_builder.CppBuilder.build, cpu_vec_isa.VecISA.check_build
+
+    def build(self):  # a spy: the real build, its target noted unless it is inductor's CPU ISA probe
+        if not probing[0]:
+            built.append(self.get_target_file_path())
+        return real_build(self)
+
+    def check_build(self, code):
+        probing[0] = True
+        try:
+            return real_check(self, code)
+        finally:
+            probing[0] = False
+
+    g = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(13, 27, generator=g), "b1": torch.randn(27, generator=g),
+              "w2": torch.randn(27, 5, generator=g)}
+    batches = [(torch.randn(6, 13, generator=g), torch.randn(6, 5, generator=g)) for _ in range(3)]
+    step = ft.clip(1.0)(ft.train_step(loss_fn, ft.optim.adamw(1e-2)))
+    cache = tmp_path_factory.mktemp("units")
+    out = {}
+    cpp_builder.CppBuilder.build, cpu_vec_isa.VecISA.check_build = build, check_build
+    try:
+        for name, options in (("one", None), ("apart", {"cpp_wrapper": False})):
+            built.clear()
+            cstep = ft.compile(step, donate=True, cache_dir=cache, **({"options": options} if options else {}))
+            state = step.init({k: v.clone() for k, v in params.items()}, {}, seed=3)
+            for batch in batches:
+                state, metrics = cstep(state, batch)
+            units = [t for t in built if t.endswith(".so")]  # (not the precompiled header's preprocessing)
+            out[name] = (units, state, metrics)
+    finally:
+        cpp_builder.CppBuilder.build, cpu_vec_isa.VecISA.check_build = real_build, real_check
+    return out
+
+
+def test_a_cpu_graph_is_one_cpp_unit(units):
+    one, _, _ = units["one"]
+    apart, _, _ = units["apart"]
+    assert len(one) == 1, one
+    assert len(apart) > 1, apart  # inductor's own layout, as options={"cpp_wrapper": False} asks: a unit per kernel
+
+
+def test_one_unit_computes_the_same_bits(units):
+    _, s1, m1 = units["one"]
+    _, s2, m2 = units["apart"]
+    l1, l2 = ft.tree.tree_leaves((s1, m1)), ft.tree.tree_leaves((s2, m2))
+    assert len(l1) == len(l2)
+    for a, b in zip(l1, l2):
+        if torch.is_tensor(a):
+            assert torch.equal(a, b), (a, b)
+        else:
+            assert a == b

@@ -33,7 +33,7 @@ from .host_sync import HostSync, data_dependent, no_print
 from .memory import Memory, Written
 
 __all__ = ["Captured", "Signature", "CaptureError", "trace", "draws_random", "flatten", "tensor_metas", "preload",
-           "importing", "wait_for_imports"]
+           "importing", "wait_for_imports", "reshape_views"]
 
 
 class CaptureError(RuntimeError):
@@ -307,6 +307,7 @@ def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: boo
         raise CaptureError(f"the trace holds {op}, whose value or size depends on the data") \
             from HostSync(op)
     constants = _lift_constants(gm)
+    reshape_views(gm)
     plan = record["plan"]
     step_t = getattr(state, "step", None)  # a TrainState's step counter (an owned donation re-homes only it)
     step_index = next((k for k, i in enumerate(sig.tensor_pos) if leaves[i] is step_t), None)
@@ -347,6 +348,69 @@ def _compiling() -> Iterator[None]:
         yield
     finally:
         torch.compiler._is_compiling_flag = old
+
+
+def reshape_views(gm: torch.fx.GraphModule) -> int:
+    """Turn each ``aten.view`` of a value nothing writes in place into ``aten.reshape``; returns how many.
+
+    Why: ``make_fx`` records the choice a composite op made for the strides it saw. ``matmul`` of a
+    transposed key (``query @ key.transpose(-1, -2)``, every attention) reshapes its ``expand``: a ``view``
+    where the traced strides allow one, else a copy. The backend traces the graph again with its own
+    decompositions, and those need not give eager's strides: inductor's ``aten.cat`` of one non-empty
+    tensor (transformers' key/value cache concatenates the new keys to an empty tensor) is a ``clone``
+    keeping the input's stride order, where eager's ``cat`` is contiguous (torch 2.13 and 2.14). The
+    recorded ``view`` then cannot be taken, and inductor fails with ``Cannot view a tensor with shape ...``
+    (GPT-2, T5). ``reshape`` is that ``view`` wherever the view can be taken and a copy where it cannot,
+    which is what eager's ``matmul`` would have chosen for those strides: the same numbers. It is exact
+    only where no alias is observed, so a view whose base (or any view of it) is written in place by the
+    graph is left as it is. Graphs the backend calls as regions (``invoke_subgraph``) are rewritten too.
+    """
+    count = 0
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            n = _reshape_views(module.graph)
+            if n:
+                module.recompile()
+            count += n
+    return count
+
+
+def _reshape_views(graph: torch.fx.Graph) -> int:
+    view, reshape = torch.ops.aten.view.default, torch.ops.aten.reshape.default
+    root: dict = {}  # node -> the node whose storage it aliases (itself if it has its own)
+    written: set = set()  # roots some op writes in place, or hands to an op whose effects are unknown
+
+    def base(a: Any) -> Any:
+        return root.get(a, a)
+
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if target is operator.getitem:  # an element of split/unbind: a view of its base
+            root[node] = base(node.args[0])
+            continue
+        if not isinstance(target, torch._ops.OpOverload):  # a region, a higher-order op: whatever it gets
+            for a in node.all_input_nodes:                # may be written
+                written.add(base(a))
+            continue
+        schema = target._schema
+        for i, arg in enumerate(schema.arguments):
+            info = arg.alias_info
+            if info is None:
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            values = value if isinstance(value, (list, tuple)) else [value]
+            for v in values:
+                if isinstance(v, torch.fx.Node):
+                    if info.is_write:
+                        written.add(base(v))
+                    if any(r.alias_info is not None for r in schema.returns):  # a view, or an in-place result
+                        root[node] = base(v)
+    views = [n for n in graph.nodes if n.op == "call_function" and n.target is view and base(n) not in written]
+    for node in views:
+        node.target = reshape
+    return len(views)
 
 
 def _lift_constants(gm: torch.fx.GraphModule) -> list:

@@ -286,7 +286,7 @@ def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: boo
         draws = recording(host_seed) if host_seed is not None else contextlib.nullcontext()
         with _compiling(), _regions(reuse), host_random_refused("ft.compile", name_calls=name_calls,
                                                                 recorded_by=RECORDER_CODES), \
-                draws as plan, no_print():
+                draws as plan, no_print(), _eager_dropout():
             plans[:] = [plan]
             return make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
 
@@ -317,6 +317,51 @@ def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: boo
                     state_spec=state_spec, trivial_out=all(p is None for p in plan), stable=None,
                     step_index=step_index, walk_gm=gm, draws=plans[0] if plans and plans[0] is not None and plans[0].draws
                     else None)
+
+
+class _EagerDropout(torch.overrides.TorchFunctionMode):
+    """While the step is traced, CPU dropout draws its mask as eager's kernel does, so that the compiled step
+    draws the eager step's masks element for element.
+
+    The trace runs under ``torch.func.grad``, whose dropout (functorch's) draws the mask as a new contiguous
+    tensor, while eager's CPU dropout draws it into ``empty_like(input)``, in the input's memory order: on a
+    transposed input (Whisper's encoder, after its convolutions) the masks differ (torch 2.13 and 2.14). Here
+    ``F.dropout`` on a CPU tensor is eager's own formula, ``input * empty_like(input).bernoulli_(1 - p) /
+    (1 - p)``, its mask drawn in eager's order (:func:`_mask_in_memory_order`); elsewhere (CUDA, where eager
+    fuses dropout), in place, and ``p`` of 0 or 1, it is left as it is."""
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.dropout or func is torch.dropout:
+            names = ("input", "p", "training", "inplace") if func is torch.nn.functional.dropout \
+                else ("input", "p", "train")
+            bound = dict(zip(names, args), **kwargs)
+            x, p = bound.get("input"), bound.get("p", 0.5)
+            train = bound.get("training", bound.get("train", True))
+            if torch.is_tensor(x) and x.device.type == "cpu" and train and 0 < p < 1 and not bound.get("inplace"):
+                return x * _mask_in_memory_order(x, p)  # (this mode is off in here)
+        return func(*args, **kwargs)
+
+
+def _mask_in_memory_order(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Eager's CPU dropout mask of ``x``: drawn (``bernoulli_``) into ``empty_like(x)``, i.e. in ``x``'s memory
+    order. Drawn here into a contiguous tensor of ``x``'s dimensions in memory order, then permuted back: the
+    functionalised graph (``bernoulli`` out of place, which draws in logical order) keeps that order."""
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+    expected, dense = 1, True
+    for d in reversed(order):  # innermost first: each stride is the product of the sizes inside it
+        if x.shape[d] != 1:
+            dense, expected = dense and x.stride(d) == expected, expected * x.shape[d]
+    dims = order if dense else list(range(x.dim()))  # (not dense: empty_like is contiguous, logical order)
+    back = sorted(range(len(dims)), key=dims.__getitem__)
+    noise = torch.empty([x.shape[d] for d in dims], dtype=x.dtype, device=x.device)
+    return noise.bernoulli_(1 - p).div_(1 - p).permute(back)
+
+
+@contextlib.contextmanager
+def _eager_dropout() -> Iterator[None]:
+    with _EagerDropout():
+        yield
 
 
 @contextlib.contextmanager

@@ -288,7 +288,7 @@ def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: boo
                                                                 recorded_by=RECORDER_CODES), \
                 draws as plan, no_print(), _eager_dropout():
             plans[:] = [plan]
-            return make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+            return make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True, **_stack_traces())(*example)
 
     try:
         try:
@@ -362,6 +362,20 @@ def _mask_in_memory_order(x: torch.Tensor, p: float) -> torch.Tensor:
 def _eager_dropout() -> Iterator[None]:
     with _EagerDropout():
         yield
+
+
+RECORD_STACKS = True
+
+
+def _stack_traces() -> dict:
+    """``make_fx`` keeps the Python stack of each node (``node.meta["stack_trace"]``): a backend that cannot
+    compile a node is then reported at the model's line that made it (:func:`functrain.compiler.errors.node_where`)."""
+    import inspect
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    if RECORD_STACKS and "record_stack_traces" in inspect.signature(make_fx).parameters:
+        return {"record_stack_traces": True}
+    return {}
 
 
 @contextlib.contextmanager

@@ -60,9 +60,11 @@ class HostSync(RuntimeError):
         self.what, self.where = what, where
 
 
-def _is_users(filename: str) -> bool:
+def is_users(filename: str) -> bool:
+    """Whether ``filename`` is the user's code (a model's included): outside torch's and functrain's packages."""
     path = os.path.abspath(filename)
-    return not (path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIR) or filename.startswith("<frozen"))
+    return not (path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIR) or filename.startswith("<"))
+
 
 
 def _users_frame(frame: Any) -> Where | None:

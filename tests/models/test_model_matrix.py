@@ -3,8 +3,8 @@
 Each goes the documented way: ``ft.functionalize``, the model's own ``.loss``, ``ft.clip(1.0)(ft.accumulate(2)(
 ft.train_step(loss_fn, ft.optim.adamw(1e-3))))`` on a seeded state (dropout on where the family has it: the compiled
 step draws the eager step's masks) and ``ft.compile(step, background=False)``: one graph, no recompile over 3 steps,
-and the compiled states and metrics equal to the eager ones within the suite's compiled-vs-eager tolerance (rtol
-1e-5, atol 1e-6: tests/conftest.py). Every family is checked through functrain's capture with ``aot_eager`` (eager's
+and the compiled states and metrics equal to the eager ones: within the suite's compiled-vs-eager tolerance (rtol
+1e-5, atol 1e-6: tests/conftest.py) with aot_eager, within atol 5e-5 with inductor (``TOLERANCE``: why). Every family is checked through functrain's capture with ``aot_eager`` (eager's
 kernels: seconds); GPT-2 and T5, which inductor could not lower before (issue 38), and Whisper (convolutions in, a
 transposed dropout) also with inductor, which generates code (tens of seconds each). The whole matrix under inductor
 is tests/models/test_model_matrix_inductor.py, in CI's second half. Two families also train through ``ft.Trainer``,
@@ -25,9 +25,19 @@ from tiny_models import MODELS, documented_step  # noqa: E402
 INDUCTOR = ("gpt2", "t5", "whisper")
 
 
+# compiled vs eager, per backend: aot_eager runs eager's kernels (the suite's rtol 1e-5, atol 1e-6 hold); inductor's
+# fused kernels round differently, and AdamW's first steps divide each gradient element by its own size (plus eps
+# 1e-8): an element whose gradient is near eps, or rounding noise (a key bias's exact gradient is 0), moves by an
+# amount its last bits decide. Measured: one element in a few thousand off by ~1.4e-6 after one step (Mistral's MLP,
+# ViT's key bias), up to 1.3e-5 after 3 steps (issue 38's table, T5); atol 5e-5 is 5% of the learning rate.
+TOLERANCE = {"aot_eager": (1e-5, 1e-6), None: (1e-5, 5e-5)}
+
+
 def check_compiles_whole(name: str, backend: str | None) -> None:
     step, state, batch, _ = documented_step(name)
-    compiled = ftt.assert_compiled_equals_eager(step, state, batch, steps=3, backend=backend, background=False)
+    rtol, atol = TOLERANCE[backend]
+    compiled = ftt.assert_compiled_equals_eager(step, state, batch, steps=3, rtol=rtol, atol=atol, backend=backend,
+                                                background=False)
     assert compiled.compiles == 1, f"{name}: {compiled.compiles} graphs over 3 steps"
 
 
@@ -67,8 +77,7 @@ def test_the_model_trains_compiled_through_the_trainer(name, tmp_path):
 
     eager, _ = train(False)
     compiled, trainer = train(True)
-    # atol 1e-5, not the suite's 1e-6: an attention's key bias has no gradient in exact arithmetic (softmax does not
-    # change when every key moves by the same q.b), so its gradient is rounding noise, which inductor's kernels round
-    # differently; AdamW divides it by its own size, and the bias moves by a different ~1e-6 (ViT: 1.5e-6 here)
-    ftt.assert_same_state(compiled.params, eager.params, rtol=1e-5, atol=1e-5, what=f"{name}: compiled vs eager")
+    # inductor's tolerance (TOLERANCE above; ViT's key bias, whose exact gradient is 0, was off by 1.5e-6 here)
+    rtol, atol = TOLERANCE[None]
+    ftt.assert_same_state(compiled.params, eager.params, rtol=rtol, atol=atol, what=f"{name}: compiled vs eager")
     assert int(compiled.step) == int(eager.step) == 3

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import operator
+import sys
 import threading
 from typing import Any, Callable, Iterator
 
@@ -29,7 +30,7 @@ from ..core import regions
 from ..core.rng import HostRandomError, host_random_refused
 from .host_draws import RECORDER_CODES, recording
 from .fx_tracing import FX_TRACING
-from .host_sync import HostSync, data_dependent, no_print
+from .host_sync import HostSync, data_dependent, no_print, users_frame
 from .memory import Memory, Written
 
 __all__ = ["Captured", "Signature", "CaptureError", "trace", "draws_random", "flatten", "tensor_metas", "preload",
@@ -286,9 +287,9 @@ def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: boo
         draws = recording(host_seed) if host_seed is not None else contextlib.nullcontext()
         with _compiling(), _regions(reuse), host_random_refused("ft.compile", name_calls=name_calls,
                                                                 recorded_by=RECORDER_CODES), \
-                draws as plan, no_print(), _eager_dropout():
+                draws as plan, no_print(), _trace_mode():
             plans[:] = [plan]
-            return make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True, **_stack_traces())(*example)
+            return make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
 
     try:
         try:
@@ -319,28 +320,58 @@ def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: boo
                     else None)
 
 
-class _EagerDropout(torch.overrides.TorchFunctionMode):
-    """While the step is traced, CPU dropout draws its mask as eager's kernel does, so that the compiled step
-    draws the eager step's masks element for element.
+class _TraceMode(torch.overrides.TorchFunctionMode):
+    """While the step is traced: each node gets the model's line that made it, and CPU dropout draws its mask as
+    eager's kernel does.
 
-    The trace runs under ``torch.func.grad``, whose dropout (functorch's) draws the mask as a new contiguous
-    tensor, while eager's CPU dropout draws it into ``empty_like(input)``, in the input's memory order: on a
-    transposed input (Whisper's encoder, after its convolutions) the masks differ (torch 2.13 and 2.14). Here
-    ``F.dropout`` on a CPU tensor is eager's own formula, ``input * empty_like(input).bernoulli_(1 - p) /
+    Lines: ``make_fx`` keeps only the frames of ``forward`` methods in a node's ``stack_trace`` (its nodes made in
+    a function, like transformers' ``eager_attention_forward``, are placed at the ``forward`` that called it): the
+    innermost frame of the user's code at each torch call is added to the nodes the call made, so that a backend
+    that fails on a node names that line (:func:`functrain.compiler.errors.backend_failed`; the stack survives
+    AOTAutograd into inductor's nodes).
+
+    Dropout: the trace runs under ``torch.func.grad``, whose dropout (functorch's) draws the mask as a new
+    contiguous tensor, while eager's CPU dropout draws it into ``empty_like(input)``, in the input's memory order:
+    on a transposed input (Whisper's encoder, after its convolutions) the masks differ (torch 2.13 and 2.14).
+    Here ``F.dropout`` on a CPU tensor is eager's own formula, ``input * empty_like(input).bernoulli_(1 - p) /
     (1 - p)``, its mask drawn in eager's order (:func:`_mask_in_memory_order`); elsewhere (CUDA, where eager
     fuses dropout), in place, and ``p`` of 0 or 1, it is left as it is."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.graph: torch.fx.Graph | None = None
+
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch.nn.functional.dropout or func is torch.dropout:
-            names = ("input", "p", "training", "inplace") if func is torch.nn.functional.dropout \
-                else ("input", "p", "train")
-            bound = dict(zip(names, args), **kwargs)
-            x, p = bound.get("input"), bound.get("p", 0.5)
-            train = bound.get("training", bound.get("train", True))
-            if torch.is_tensor(x) and x.device.type == "cpu" and train and 0 < p < 1 and not bound.get("inplace"):
-                return x * _mask_in_memory_order(x, p)  # (this mode is off in here)
-        return func(*args, **kwargs)
+        graph = self.graph
+        if graph is None:
+            from torch.fx.experimental.proxy_tensor import get_proxy_mode
+            mode = get_proxy_mode()
+            graph = self.graph = mode.tracer.graph if mode is not None else None
+        last = next(reversed(graph.nodes), None) if graph is not None else None
+        out = _dropout(func, args, kwargs)  # (this mode is off in here: the calls it makes are not seen)
+        if graph is not None and next(reversed(graph.nodes), None) is not last:
+            where = users_frame(sys._getframe(1))
+            if where is not None:
+                frame = f'File "{where.file}", line {where.line}, in {where.function}\n    {where.text}'
+                for node in reversed(graph.nodes):
+                    if node is last:
+                        break
+                    stack = node.meta.get("stack_trace")
+                    node.meta["stack_trace"] = f"{stack}\n  {frame}" if stack else frame
+        return out
+
+
+def _dropout(func: Callable, args: tuple, kwargs: dict) -> Any:
+    if func is torch.nn.functional.dropout or func is torch.dropout:
+        names = ("input", "p", "training", "inplace") if func is torch.nn.functional.dropout \
+            else ("input", "p", "train")
+        bound = dict(zip(names, args), **kwargs)
+        x, p = bound.get("input"), bound.get("p", 0.5)
+        train = bound.get("training", bound.get("train", True))
+        if torch.is_tensor(x) and x.device.type == "cpu" and train and 0 < p < 1 and not bound.get("inplace"):
+            return x * _mask_in_memory_order(x, p)
+    return func(*args, **kwargs)
 
 
 def _mask_in_memory_order(x: torch.Tensor, p: float) -> torch.Tensor:
@@ -359,23 +390,9 @@ def _mask_in_memory_order(x: torch.Tensor, p: float) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _eager_dropout() -> Iterator[None]:
-    with _EagerDropout():
+def _trace_mode() -> Iterator[None]:
+    with _TraceMode():
         yield
-
-
-RECORD_STACKS = True
-
-
-def _stack_traces() -> dict:
-    """``make_fx`` keeps the Python stack of each node (``node.meta["stack_trace"]``): a backend that cannot
-    compile a node is then reported at the model's line that made it (:func:`functrain.compiler.errors.node_where`)."""
-    import inspect
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    if RECORD_STACKS and "record_stack_traces" in inspect.signature(make_fx).parameters:
-        return {"record_stack_traces": True}
-    return {}
 
 
 @contextlib.contextmanager

@@ -67,7 +67,7 @@ def is_users(filename: str) -> bool:
 
 
 
-def _users_frame(frame: Any) -> Where | None:
+def users_frame(frame: Any) -> Where | None:
     """The innermost frame of the user's code at or above ``frame``, or ``None`` if that is functrain's (its
     own host work, not the user's) or there is none."""
     while frame is not None:
@@ -120,7 +120,7 @@ def no_print() -> Iterator[None]:
     real = builtins.print
 
     def refused(*args: Any, **kwargs: Any) -> None:
-        where = _users_frame(sys._getframe(1))
+        where = users_frame(sys._getframe(1))
         if where is None:
             return real(*args, **kwargs)
         raise HostSync("print", where)
@@ -206,7 +206,7 @@ class _Recorder(torch.overrides.TorchFunctionMode):
         if self.found is None:
             name = _is_read(func, args)
             if name is not None:
-                where = _users_frame(sys._getframe(1))
+                where = users_frame(sys._getframe(1))
                 if where is not None:
                     self.found = (name, where)
         return func(*args, **(kwargs or {}))

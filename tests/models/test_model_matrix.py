@@ -4,7 +4,8 @@ Each goes the documented way: ``ft.functionalize``, the model's own ``.loss``, `
 ft.train_step(loss_fn, ft.optim.adamw(1e-3))))`` on a seeded state (dropout on where the family has it: the compiled
 step draws the eager step's masks) and ``ft.compile(step, background=False)``: one graph, no recompile over 3 steps,
 and the compiled states and metrics equal to the eager ones: within the suite's compiled-vs-eager tolerance (rtol
-1e-5, atol 1e-6: tests/conftest.py) with aot_eager, within atol 5e-5 with inductor (``TOLERANCE``: why). Every family is checked through functrain's capture with ``aot_eager`` (eager's
+1e-5, atol 1e-6: tests/conftest.py) with aot_eager, within atol 5e-5 with inductor (``TOLERANCE`` says why). Every
+family is checked through functrain's capture with ``aot_eager`` (eager's
 kernels: seconds); GPT-2 and T5, which inductor could not lower before (issue 38), and Whisper (convolutions in, a
 transposed dropout) also with inductor, which generates code (tens of seconds each). The whole matrix under inductor
 is tests/models/test_model_matrix_inductor.py, in CI's second half. Two families also train through ``ft.Trainer``,

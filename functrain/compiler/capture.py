@@ -337,17 +337,12 @@ class _TraceMode(torch.overrides.TorchFunctionMode):
     (1 - p)``, its mask drawn in eager's order (:func:`_mask_in_memory_order`); elsewhere (CUDA, where eager
     fuses dropout), in place, and ``p`` of 0 or 1, it is left as it is."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.graph: torch.fx.Graph | None = None
-
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
         kwargs = kwargs or {}
-        graph = self.graph
-        if graph is None:
-            from torch.fx.experimental.proxy_tensor import get_proxy_mode
-            mode = get_proxy_mode()
-            graph = self.graph = mode.tracer.graph if mode is not None else None
+        mode = get_proxy_mode()  # (the graph being traced now: a reused block's region has its own)
+        graph = mode.tracer.graph if mode is not None else None
         last = next(reversed(graph.nodes), None) if graph is not None else None
         out = _dropout(func, args, kwargs)  # (this mode is off in here: the calls it makes are not seen)
         if graph is not None and next(reversed(graph.nodes), None) is not last:

@@ -8,8 +8,8 @@ graphs they share; :mod:`.progress` is a runner's :class:`Progress` and rate met
 component a runner asks while a graph compiles off its thread; :mod:`.memory` is where the new state lives
 (fresh, recycled buffers, donation); :mod:`.cudagraph` replays a donated step as a CUDA
 graph; :mod:`.cache` and :mod:`.package` keep compiled code between processes;
-:mod:`.errors` explains a failed capture or compile, at the model's line; :mod:`.estimate` is ``ft.memory`` (what a step holds and
-allocates, from its capture, before it runs).
+:mod:`.errors` explains a failed capture or compile, at the model's line; :mod:`.estimate` is
+``ft.memory`` (what a step holds and allocates, from its capture, before it runs).
 """
 from .api import CompiledStep, GraphBreakError, compile
 from .estimate import MemoryEstimate, memory

@@ -56,9 +56,9 @@ def build_model(vocab: int, max_len: int) -> tuple[torch.nn.Module, bool]:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
         return TinyLM(vocab, max_len=max_len), False
-    # no special token outside the 32-token vocabulary (GPT-2's default bos/eos id is 50256); PAD is the pad id
+    # GPT-2's own defaults (dropout 0.1 everywhere: the compiled step draws the eager step's masks), but no special
+    # token outside the 32-token vocabulary (GPT-2's default bos/eos id is 50256); PAD is the pad id
     config = GPT2Config(vocab_size=vocab, n_positions=max_len, n_embd=64, n_layer=2, n_head=4,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         bos_token_id=None, eos_token_id=None, pad_token_id=PAD)
     return GPT2LMHeadModel(config), True
 

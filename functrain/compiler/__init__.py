@@ -9,8 +9,8 @@ component a runner asks while a graph compiles off its thread (one record per si
 run's compile budget, the one caller of the compile policy) and :mod:`.jobs` (the worker pool and the jobs); :mod:`.memory` is where the new state lives
 (fresh, recycled buffers, donation); :mod:`.cudagraph` replays a donated step as a CUDA
 graph; :mod:`.cache` and :mod:`.package` keep compiled code between processes;
-:mod:`.errors` explains a failed capture; :mod:`.estimate` is ``ft.memory`` (what a step holds and
-allocates, from its capture, before it runs).
+:mod:`.errors` explains a failed capture or compile, at the model's line; :mod:`.estimate` is
+``ft.memory`` (what a step holds and allocates, from its capture, before it runs).
 """
 from .api import CompiledStep, GraphBreakError, compile
 from .estimate import MemoryEstimate, memory

@@ -24,7 +24,7 @@ import optree
 import torch
 
 from . import cache
-from .codegen import refuse_codegen
+from .codegen import NotCached, refuse_codegen
 from .fx_tracing import FX_TRACING
 from .graph_lock import compile_lock, graph_key
 from .probe_memo import probe_memo
@@ -192,9 +192,20 @@ def compile_graph(backend: Callable, gm: torch.fx.GraphModule, metas: tuple, not
     A compile that fails on a file of the cache (a damaged kernel source inductor would build again at every
     run) is retried once with that file moved aside (:func:`~functrain.compiler.cache.set_aside_damaged`); what
     was moved is said in a warning, or appended to ``notes`` (a worker: its parent says it). A second failure
-    raises :class:`~functrain.compiler.cache.CacheDamaged`, naming the folder to delete."""
+    raises :class:`~functrain.compiler.cache.CacheDamaged`, naming the folder to delete. A compile that fails on
+    one operation of the graph raises :class:`~functrain.compiler.errors.BackendError`, naming the operation and
+    the model's line that made it (:func:`~functrain.compiler.errors.backend_failed`)."""
     with FX_TRACING:  # (torch's tracer is one per process: another thread's trace or graph walk waits)
-        return _compile_graph(backend, gm, metas, notes)
+        try:
+            return _compile_graph(backend, gm, metas, notes)
+        except (cache.CacheDamaged, NotCached):
+            raise
+        except Exception as error:  # noqa: BLE001 - a failure on one operation is named at the model's line
+            from .errors import backend_failed
+            named = backend_failed(error, gm)
+            if named is None:
+                raise
+            raise named from error
 
 
 def _compile_graph(backend: Callable, gm: torch.fx.GraphModule, metas: tuple, notes: list | None) -> Callable:
@@ -330,6 +341,22 @@ def _donating(state: Any, batch: Any, step: Any = None) -> tuple[Any, dict]:
     return state, metrics
 
 
+def _once_logging_ignored() -> Any:
+    """A context in which Dynamo skips the "once" logging methods Hugging Face libraries add to
+    ``logging.Logger`` (``warning_once``, ``info_once``: ``functools.lru_cache`` wrappers, which Dynamo cannot
+    trace): a model's advisory message would otherwise be a graph break (transformers' ``loss_function`` warns
+    once about its ``loss_type``). The message was printed by the eager step, or is printed when the step is
+    called eagerly; a compiled call does not print it. Nothing when no library added them."""
+    import logging
+
+    once = {getattr(logging.Logger, n) for n in ("warning_once", "info_once", "warning_advice")
+            if hasattr(logging.Logger, n)}
+    config = torch._dynamo.config
+    if not once or not hasattr(config, "ignore_logger_methods"):
+        return contextlib.nullcontext()
+    return config.patch(ignore_logger_methods=set(config.ignore_logger_methods) | once)
+
+
 class DynamoCall:
     """``torch.compile`` of ``step.apply`` (its own code object), called through the step's host work.
 
@@ -343,11 +370,13 @@ class DynamoCall:
         fn.__defaults__ = (step,)
         self.compiled = torch.compile(fn, fullgraph=options.fullgraph, backend=backend, dynamic=options.dynamic,
                                       **options.extra)
+        self.quiet = _once_logging_ignored()
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, dict]:
         from .errors import explain
         try:
-            new, metrics = self.step.host_call(self.compiled, state, batch)
+            with self.quiet:
+                new, metrics = self.step.host_call(self.compiled, state, batch)
         except torch._dynamo.exc.TorchDynamoException as error:
             explain(self.step, error, state, batch, tracer="Dynamo", graph_break=False)
             raise

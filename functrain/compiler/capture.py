@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import operator
+import sys
 import threading
 from typing import Any, Callable, Iterator
 
@@ -29,11 +30,11 @@ from ..core import regions
 from ..core.rng import HostRandomError, host_random_refused
 from .host_draws import RECORDER_CODES, recording
 from .fx_tracing import FX_TRACING
-from .host_sync import HostSync, data_dependent, no_print
+from .host_sync import HostSync, data_dependent, no_print, users_frame
 from .memory import Memory, Written
 
 __all__ = ["Captured", "Signature", "CaptureError", "trace", "draws_random", "flatten", "tensor_metas", "preload",
-           "importing", "wait_for_imports"]
+           "importing", "wait_for_imports", "reshape_views"]
 
 
 class CaptureError(RuntimeError):
@@ -286,7 +287,7 @@ def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: boo
         draws = recording(host_seed) if host_seed is not None else contextlib.nullcontext()
         with _compiling(), _regions(reuse), host_random_refused("ft.compile", name_calls=name_calls,
                                                                 recorded_by=RECORDER_CODES), \
-                draws as plan, no_print():
+                draws as plan, no_print(), _trace_mode():
             plans[:] = [plan]
             return make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
 
@@ -307,6 +308,7 @@ def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: boo
         raise CaptureError(f"the trace holds {op}, whose value or size depends on the data") \
             from HostSync(op)
     constants = _lift_constants(gm)
+    reshape_views(gm)
     plan = record["plan"]
     step_t = getattr(state, "step", None)  # a TrainState's step counter (an owned donation re-homes only it)
     step_index = next((k for k, i in enumerate(sig.tensor_pos) if leaves[i] is step_t), None)
@@ -316,6 +318,76 @@ def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: boo
                     state_spec=state_spec, trivial_out=all(p is None for p in plan), stable=None,
                     step_index=step_index, walk_gm=gm, draws=plans[0] if plans and plans[0] is not None and plans[0].draws
                     else None)
+
+
+class _TraceMode(torch.overrides.TorchFunctionMode):
+    """While the step is traced: each node gets the model's line that made it, and CPU dropout draws its mask as
+    eager's kernel does.
+
+    Lines: ``make_fx`` keeps only the frames of ``forward`` methods in a node's ``stack_trace`` (its nodes made in
+    a function, like transformers' ``eager_attention_forward``, are placed at the ``forward`` that called it): the
+    innermost frame of the user's code at each torch call is added to the nodes the call made, so that a backend
+    that fails on a node names that line (:func:`functrain.compiler.errors.backend_failed`; the stack survives
+    AOTAutograd into inductor's nodes).
+
+    Dropout: the trace runs under ``torch.func.grad``, whose dropout (functorch's) draws the mask as a new
+    contiguous tensor, while eager's CPU dropout draws it into ``empty_like(input)``, in the input's memory order:
+    on a transposed input (Whisper's encoder, after its convolutions) the masks differ (torch 2.13 and 2.14).
+    Here ``F.dropout`` on a CPU tensor is eager's own formula, ``input * empty_like(input).bernoulli_(1 - p) /
+    (1 - p)``, its mask drawn in eager's order (:func:`_mask_in_memory_order`); elsewhere (CUDA, where eager
+    fuses dropout), in place, and ``p`` of 0 or 1, it is left as it is."""
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        kwargs = kwargs or {}
+        mode = get_proxy_mode()  # (the graph being traced now: a reused block's region has its own)
+        graph = mode.tracer.graph if mode is not None else None
+        last = next(reversed(graph.nodes), None) if graph is not None else None
+        out = _dropout(func, args, kwargs)  # (this mode is off in here: the calls it makes are not seen)
+        if graph is not None and next(reversed(graph.nodes), None) is not last:
+            where = users_frame(sys._getframe(1))
+            if where is not None:
+                frame = f'File "{where.file}", line {where.line}, in {where.function}\n    {where.text}'
+                for node in reversed(graph.nodes):
+                    if node is last:
+                        break
+                    stack = node.meta.get("stack_trace")
+                    node.meta["stack_trace"] = f"{stack}\n  {frame}" if stack else frame
+        return out
+
+
+def _dropout(func: Callable, args: tuple, kwargs: dict) -> Any:
+    if func is torch.nn.functional.dropout or func is torch.dropout:
+        names = ("input", "p", "training", "inplace") if func is torch.nn.functional.dropout \
+            else ("input", "p", "train")
+        bound = dict(zip(names, args), **kwargs)
+        x, p = bound.get("input"), bound.get("p", 0.5)
+        train = bound.get("training", bound.get("train", True))
+        if torch.is_tensor(x) and x.device.type == "cpu" and train and 0 < p < 1 and not bound.get("inplace"):
+            return x * _mask_in_memory_order(x, p)
+    return func(*args, **kwargs)
+
+
+def _mask_in_memory_order(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Eager's CPU dropout mask of ``x``: drawn (``bernoulli_``) into ``empty_like(x)``, i.e. in ``x``'s memory
+    order. Drawn here into a contiguous tensor of ``x``'s dimensions in memory order, then permuted back: the
+    functionalised graph (``bernoulli`` out of place, which draws in logical order) keeps that order."""
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+    expected, dense = 1, True
+    for d in reversed(order):  # innermost first: each stride is the product of the sizes inside it
+        if x.shape[d] != 1:
+            dense, expected = dense and x.stride(d) == expected, expected * x.shape[d]
+    dims = order if dense else list(range(x.dim()))  # (not dense: empty_like is contiguous, logical order)
+    back = sorted(range(len(dims)), key=dims.__getitem__)
+    noise = torch.empty([x.shape[d] for d in dims], dtype=x.dtype, device=x.device)
+    return noise.bernoulli_(1 - p).div_(1 - p).permute(back)
+
+
+@contextlib.contextmanager
+def _trace_mode() -> Iterator[None]:
+    with _TraceMode():
+        yield
 
 
 @contextlib.contextmanager
@@ -347,6 +419,69 @@ def _compiling() -> Iterator[None]:
         yield
     finally:
         torch.compiler._is_compiling_flag = old
+
+
+def reshape_views(gm: torch.fx.GraphModule) -> int:
+    """Turn each ``aten.view`` of a value nothing writes in place into ``aten.reshape``; returns how many.
+
+    Why: ``make_fx`` records the choice a composite op made for the strides it saw. ``matmul`` of a
+    transposed key (``query @ key.transpose(-1, -2)``, every attention) reshapes its ``expand``: a ``view``
+    where the traced strides allow one, else a copy. The backend traces the graph again with its own
+    decompositions, and those need not give eager's strides: inductor's ``aten.cat`` of one non-empty
+    tensor (transformers' key/value cache concatenates the new keys to an empty tensor) is a ``clone``
+    keeping the input's stride order, where eager's ``cat`` is contiguous (torch 2.13 and 2.14). The
+    recorded ``view`` then cannot be taken, and inductor fails with ``Cannot view a tensor with shape ...``
+    (GPT-2, T5). ``reshape`` is that ``view`` wherever the view can be taken and a copy where it cannot,
+    which is what eager's ``matmul`` would have chosen for those strides: the same numbers. It is exact
+    only where no alias is observed, so a view whose base (or any view of it) is written in place by the
+    graph is left as it is. Graphs the backend calls as regions (``invoke_subgraph``) are rewritten too.
+    """
+    count = 0
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            n = _reshape_views(module.graph)
+            if n:
+                module.recompile()
+            count += n
+    return count
+
+
+def _reshape_views(graph: torch.fx.Graph) -> int:
+    view, reshape = torch.ops.aten.view.default, torch.ops.aten.reshape.default
+    root: dict = {}  # node -> the node whose storage it aliases (itself if it has its own)
+    written: set = set()  # roots some op writes in place, or hands to an op whose effects are unknown
+
+    def base(a: Any) -> Any:
+        return root.get(a, a)
+
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if target is operator.getitem:  # an element of split/unbind: a view of its base
+            root[node] = base(node.args[0])
+            continue
+        if not isinstance(target, torch._ops.OpOverload):  # a region, a higher-order op: whatever it gets
+            for a in node.all_input_nodes:                # may be written
+                written.add(base(a))
+            continue
+        schema = target._schema
+        for i, arg in enumerate(schema.arguments):
+            info = arg.alias_info
+            if info is None:
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            values = value if isinstance(value, (list, tuple)) else [value]
+            for v in values:
+                if isinstance(v, torch.fx.Node):
+                    if info.is_write:
+                        written.add(base(v))
+                    if any(r.alias_info is not None for r in schema.returns):  # a view, or an in-place result
+                        root[node] = base(v)
+    views = [n for n in graph.nodes if n.op == "call_function" and n.target is view and base(n) not in written]
+    for node in views:
+        node.target = reshape
+    return len(views)
 
 
 def _lift_constants(gm: torch.fx.GraphModule) -> list:

@@ -60,7 +60,13 @@ class HostSync(RuntimeError):
         self.what, self.where = what, where
 
 
-def _users_frame(frame: Any) -> Where | None:
+def is_users(filename: str) -> bool:
+    """Whether ``filename`` is the user's code (a model's included): outside torch's and functrain's packages."""
+    path = os.path.abspath(filename)
+    return not (path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIR) or filename.startswith("<"))
+
+
+def users_frame(frame: Any) -> Where | None:
     """The innermost frame of the user's code at or above ``frame``, or ``None`` if that is functrain's (its
     own host work, not the user's) or there is none."""
     while frame is not None:
@@ -113,7 +119,7 @@ def no_print() -> Iterator[None]:
     real = builtins.print
 
     def refused(*args: Any, **kwargs: Any) -> None:
-        where = _users_frame(sys._getframe(1))
+        where = users_frame(sys._getframe(1))
         if where is None:
             return real(*args, **kwargs)
         raise HostSync("print", where)
@@ -199,7 +205,7 @@ class _Recorder(torch.overrides.TorchFunctionMode):
         if self.found is None:
             name = _is_read(func, args)
             if name is not None:
-                where = _users_frame(sys._getframe(1))
+                where = users_frame(sys._getframe(1))
                 if where is not None:
                     self.found = (name, where)
         return func(*args, **(kwargs or {}))

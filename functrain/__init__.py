@@ -24,7 +24,7 @@ Example::
 from . import checkpoint, distributed, optim
 from .core import tree
 from .checkpoint import CheckpointError, CheckpointManager, Restored, export_state_dict, export_weights, load, load_extra, register_checkpoint_type, save
-from .compiler import CompiledStep, GraphBreakError, MemoryEstimate, compile, memory
+from .compiler import BackendError, CompiledStep, GraphBreakError, MemoryEstimate, compile, memory
 from .data import ShardedLoader, gather_for_eval, shard
 from .distributed import data_parallel, gather_state, launch, local_sgd
 from . import data  # noqa: F401 - ``ft.data``: the data package
@@ -47,7 +47,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "TrainState", "Step", "StepContext", "Transform", "STAGES", "train_step",
-    "functionalize", "init_empty", "to_module", "remat", "flat", "unflat", "FlatParams", "compile", "CompiledStep", "GraphBreakError", "HostRandomError", "memory", "MemoryEstimate", "run", "to_device", "Profile",
+    "functionalize", "init_empty", "to_module", "remat", "flat", "unflat", "FlatParams", "compile", "CompiledStep", "GraphBreakError", "BackendError", "HostRandomError", "memory", "MemoryEstimate", "run", "to_device", "Profile",
     "accumulate", "clip", "clip_value", "ema", "EmaState", "skip_nonfinite", "random_flip", "mixed_precision", "Policy",
     "LossScaleState", "optim", "tree", "data_parallel", "local_sgd", "gather_state", "launch", "distributed", "TrainConfig", "shard", "ShardedLoader", "gather_for_eval", "data", "save", "load", "load_extra", "CheckpointManager",
     "CheckpointError", "Trainer", "Callback", "export_state_dict", "export_weights", "Restored", "register_checkpoint_type", "checkpoint", "trackers",

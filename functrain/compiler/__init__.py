@@ -13,9 +13,10 @@ graph; :mod:`.cache` and :mod:`.package` keep compiled code between processes;
 ``ft.memory`` (what a step holds and allocates, from its capture, before it runs).
 """
 from .api import CompiledStep, GraphBreakError, compile
+from .errors import BackendError
 from .estimate import MemoryEstimate, memory
 from .progress import PhaseRates, Progress
 from .runtime import DynamoRunner, Runner
 
-__all__ = ["compile", "CompiledStep", "GraphBreakError", "memory", "MemoryEstimate", "Runner", "DynamoRunner",
+__all__ = ["compile", "CompiledStep", "GraphBreakError", "BackendError", "memory", "MemoryEstimate", "Runner", "DynamoRunner",
            "Progress", "PhaseRates"]

@@ -548,10 +548,16 @@ def compile_apart(cap: Captured, backend: Any, settings: WorkerSettings,
     caller is SIGKILLed (a compile on the caller's thread would leave its ``g++`` running). Returns the code and the
     worker's CPU seconds (its compilers' included); ``(None, 0.0)`` for a graph torch cannot serialize (the caller
     compiles it on its thread). Raises ``RuntimeError`` with the worker's reason if the compile failed."""
+    from .backend import fake_inputs
+    from .graph_lock import graph_key
     from .worker import job_payload
 
     try:
-        payload = job_payload(cap.gm, cap.metas, inductor, lock_timeout=settings.lock_timeout)
+        # the worker compiles without waiting for the graph's machine-wide lock: the caller may hold it itself (its
+        # runner's background job of the same graph), and the caller waits for this worker alone (a wait there
+        # deadlocked until FUNCTRAIN_COMPILE_LOCK_TIMEOUT: Trainer.precompile after a declined run)
+        payload = job_payload(cap.gm, cap.metas, inductor, lock=graph_key(cap.gm, fake_inputs(cap.metas)),
+                              lock_timeout=settings.lock_timeout)
     except Exception:  # noqa: BLE001 - a graph torch cannot serialize: the caller's thread compiles it
         return None, 0.0
     job = WorkerJob(settings)

@@ -106,7 +106,11 @@ def test_a_resume_with_a_changed_config_says_so_in_one_plain_line(tmp_path, capf
     assert int(state.step) == 6
     assert not [w for w in caught if "config" in str(w.message)], [str(w.message) for w in caught]
     lines = [line for line in text.splitlines() if "changed config" in line]
-    assert lines == ["resuming with a changed config: train_lr 0.01 -> 0.02, train_num_steps 4 -> 6"], text
+    # one line for the changed config (with what the lr does now, issue 36 row 15), and the resume line names the
+    # hyper-parameter the resumed state now trains with (issue 40: the config's numbers, not the checkpoint's)
+    assert lines == ["resuming with a changed config: train_lr 0.01 -> 0.02, train_num_steps 4 -> 6; "
+                     "lr: 0.02 (was 0.01 at step 4)"], text
+    assert "continue from step 4 with this run's values (lr 0.01 -> 0.02)" in text, text
 
 
 # ------------------------------------------------------------------------------------------ the best and the latest

@@ -7,7 +7,7 @@ import optree
 import torch
 
 from ..core import tree as T
-from ..core.eager import Sum
+from ..core.eager import Sum, tracing
 from ..core.validate import check_int, path_str
 from ..core.transform import StepContext, Transform
 
@@ -40,6 +40,26 @@ def split_batch(batch: Any, n: int) -> list:
     return [optree.tree_unflatten(spec, [p[i] for p in parts]) for i in range(n)]
 
 
+def after(done: Any, micro: Any) -> Any:
+    """``micro`` (its tensors' values unchanged) made to depend on every tensor of ``done``, in a graph.
+
+    Traced, the micro-batches are independent computations: a compiler may interleave them (inductor fuses the
+    kernels of micro-batch k and k+1 that read the same weights, so each micro-batch's activations are alive at
+    once, and accumulation saves no memory). ``torch.where(c, x, x)`` is ``x`` for any ``c``, but a kernel that
+    computes it reads ``c``, which reads one element of each gradient of the micro-batches before: the next
+    micro-batch starts once their backward passes are done. Eagerly the ops run in order anyway (not called).
+
+    One indexed element of each gradient, stacked: a one-element slice of each, concatenated, was miscompiled by
+    inductor (torch 2.13 and 2.14.1: a clipped ``accumulate(3)`` step's one-element bias 0.02 off eager after one
+    update, while ``aot_eager`` was exact; tests/compiler/test_fast_path.py holds the compiled step to eager)."""
+    firsts = [t.reshape(-1)[0].float() for t in optree.tree_leaves(done) if torch.is_tensor(t) and t.numel()]
+    if not firsts:
+        return micro
+    c = torch.stack(firsts).sum() == 0  # (any value will do)
+    return optree.tree_map(lambda x: torch.where(c if x.device == c.device else c.to(x.device), x, x)
+                           if torch.is_tensor(x) else x, micro)
+
+
 class Accumulate(Transform):
     """Split the batch into ``n`` micro-batches and make one update from their gradients.
 
@@ -67,6 +87,8 @@ class Accumulate(Transform):
         def accumulated(params, buffers, batch):
             grads, out = Sum(), None  # eagerly summed in place into tensors it made, traced out of place
             for micro in split_batch(batch, n):
+                if out is not None and tracing():
+                    micro = after(grads.value, micro)
                 g, o = grad_fn(params, buffers, micro)
                 buffers = o["buffers"]
                 grads.add(g)

@@ -57,10 +57,6 @@ def _check(r: dict) -> None:
     assert r["compiles"] == 1, r
 
 
-@pytest.mark.xfail(strict=True, reason="a compiled ft.accumulate still holds every micro-batch's activations at once "
-                   "(inductor fuses the micro-batches); the ordering that fixed it (accumulate.after, torch.where on "
-                   "the running gradient sum) made compiled differ from eager by 0.055 in "
-                   "test_inductor_fast_path_with_accumulate_clip_ema and was taken out at integration (issue 36 row 10)")
 def test_accumulate_cuts_the_compiled_peak_and_the_estimate_follows(measured):
     """Row 10: the estimate of the whole batch, accumulate(2) and accumulate(4) each within [1.0, 1.2] of the
     compiled step's allocator peak, and both fall with the cut (before: the estimate read 22.1 / 22.6 / 22.6 MiB

@@ -132,7 +132,7 @@ def make_backend(options: Options, lock_timeout: float = 600.0) -> CountingBacke
                 def __call__(self, model_: Any, inputs_: Any, *, config_patches: Any = None) -> Any:
                     if not any(torch.is_tensor(t) and t.device.type != "cpu" for t in inputs_):
                         defaults = dict(cpu_defaults)
-                        if _has_regions(model_):  # (torch 2.13's cpp_wrapper has no code for invoke_subgraph)
+                        if _has_regions(model_) or _returns_a_list_of_one(model_):  # (see each)
                             defaults.pop("cpp_wrapper", None)
                         config_patches = {**defaults, **(config_patches or {})}
                     return super().__call__(model_, inputs_, config_patches=config_patches)
@@ -282,6 +282,22 @@ def _has_regions(gm: Any) -> bool:
     graph = getattr(gm, "graph", None)
     return graph is not None and any(
         n.op == "call_function" and getattr(n.target, "__name__", "") == "invoke_subgraph" for n in graph.nodes)
+
+
+def _returns_a_list_of_one(gm: Any) -> bool:
+    """Whether ``gm`` calls an op that returns a list of one tensor (a ``_foreach_*`` op over one tensor: a flat
+    state, a model of one parameter). torch 2.13's and 2.14's C++ wrapper reads the result of such an op, when it
+    has no C shim (``_foreach_lerp``, ``_foreach_norm``) and is called through Python, as one tensor instead of a
+    list of one, and the step crashes with a segmentation fault (tests/core/test_flat.py found it); a graph with
+    one is compiled with inductor's Python wrapper."""
+    graph = getattr(gm, "graph", None)
+    if graph is None:
+        return False
+    for n in graph.nodes:
+        value = n.meta.get("val", n.meta.get("example_value")) if n.op == "call_function" else None
+        if isinstance(value, (list, tuple)) and len(value) == 1 and torch.is_tensor(value[0]):
+            return True
+    return False
 
 
 @contextlib.contextmanager

@@ -85,3 +85,26 @@ def test_one_unit_computes_the_same_bits(units):
             assert torch.equal(a, b), (a, b)
         else:
             assert a == b
+
+
+def _one_param_loss(params, buffers, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(x @ params["w"], y)
+
+
+@pytest.mark.parametrize("capture", ["auto", "dynamo"])
+def test_a_model_of_one_tensor_compiles_and_matches_eager(capture):
+    """A list of one tensor from an op without a C shim (AdamW's ``_foreach_lerp`` over a model of one parameter,
+    or a flat state) is read by torch's C++ wrapper as one tensor, and the step crashed (a segmentation fault in
+    tests/core/test_flat.py): such a graph compiles with inductor's Python wrapper and equals the eager step."""
+    g = torch.Generator().manual_seed(1)
+    params = {"w": torch.randn(7, 3, generator=g)}
+    batches = [(torch.randn(5, 7, generator=g), torch.randn(5, 3, generator=g)) for _ in range(3)]
+    step = ft.clip(1.0)(ft.train_step(_one_param_loss, ft.optim.adamw(1e-2)))
+    cstep = ft.compile(step, capture=capture, background=False)
+    eager = compiled = step.init({"w": params["w"].clone()}, {})
+    for batch in batches:
+        eager, me = step(eager, batch)
+        compiled, mc = cstep(compiled, batch)
+    assert cstep.compiles == 1
+    assert ft.tree.tree_allclose((eager, me), (compiled, mc), rtol=1e-5, atol=1e-6)

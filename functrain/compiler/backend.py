@@ -293,9 +293,17 @@ def _returns_a_list_of_one(gm: Any) -> bool:
     graph = getattr(gm, "graph", None)
     if graph is None:
         return False
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.lowering import fallbacks, lowerings  # (a fallback, once made, is in both)
+    decomposed = select_decomp_table()
     for n in graph.nodes:
         value = n.meta.get("val", n.meta.get("example_value")) if n.op == "call_function" else None
-        if isinstance(value, (list, tuple)) and len(value) == 1 and torch.is_tensor(value[0]):
+        if not (isinstance(value, (list, tuple)) and len(value) == 1 and torch.is_tensor(value[0])):
+            continue  # (a view that returns a tuple of one, e.g. unbind of a one-value hyper tensor, is lowered)
+        if isinstance(n.target, torch._ops.OpOverload):  # an ATen graph: one that inductor runs as a fallback
+            if n.target in fallbacks or (n.target not in lowerings and n.target not in decomposed):
+                return True
+        elif getattr(n.target, "__name__", "").startswith("_foreach_"):  # a Dynamo graph: torch's functions
             return True
     return False
 

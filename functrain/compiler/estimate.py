@@ -96,8 +96,8 @@ def state_bytes(state: Any) -> dict[str, int]:
         >>> import functrain as ft
         >>> step = ft.ema(0.9)(ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.adamw(1e-3)))
         >>> parts = state_bytes(step.init({"w": torch.zeros(1024)}))
-        >>> parts["params"], parts["optimizer"] >= 8192, parts["slots/ema"]   # the EMA: params and a counter
-        (4096, True, 4104)
+        >>> parts["params"], parts["optimizer"] >= 8192, parts["slots/ema"]   # the EMA: params, a counter, 6 values
+        (4096, True, 4152)
     """
     seen: set = set()
 

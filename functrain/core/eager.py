@@ -49,7 +49,7 @@ import torch
 
 from . import regions
 
-__all__ = ["tracing", "host_number", "double", "as_tensor", "per_step", "select", "divide", "all_reduce_sum", "Sum",
+__all__ = ["tracing", "host_number", "double", "as_tensor", "per_step", "select", "lerp", "divide", "all_reduce_sum", "Sum",
            "sub_scaled", "sub_scaled_ratio", "grad_with_aux", "has_grad", "TreespecCache"]
 
 Tensors = Any  # a tensor or a list of tensors
@@ -245,6 +245,31 @@ class Sum:
     def value(self) -> Any:
         """The sum so far (``None`` before the first :meth:`add`)."""
         return None if self._leaves is None else optree.tree_unflatten(self._spec, self._leaves)
+
+
+def lerp(start: list[torch.Tensor], end: list[torch.Tensor], weight: Any) -> list[torch.Tensor]:
+    """``start + weight * (end - start)`` leafwise, new tensors (a moment's or an average's update).
+
+    ``weight`` a Python number: ``torch._foreach_lerp``, ``torch.optim``'s arithmetic. A tensor, or a list of
+    one tensor per leaf (a state's hyper-parameter, traced or on a device): ``torch.lerp`` leaf by leaf, the same
+    formula. Not ``_foreach_lerp`` with a list of weights: inductor has no lowering for that overload and runs it
+    as a fallback kernel, whose inputs and outputs are buffers of their own (AdamW's compiled step held one more
+    parameter-sized buffer at its peak, and took 27 kernels instead of 16), and which torch's C++ wrapper can only
+    call through Python.
+
+    Example::
+
+        >>> import torch
+        >>> from functrain.core.eager import lerp
+        >>> a, b = [torch.zeros(2)], [torch.ones(2)]
+        >>> [x.tolist() for x in lerp(a, b, 0.25)], [x.tolist() for x in lerp(a, b, torch.tensor(0.25))]
+        ([[0.25, 0.25]], [[0.25, 0.25]])
+    """
+    if isinstance(weight, torch.Tensor):
+        weight = [weight] * len(start)
+    if isinstance(weight, (list, tuple)):
+        return [torch.lerp(s, e, w) for s, e, w in zip(start, end, weight)]
+    return torch._foreach_lerp(start, end, weight)
 
 
 def sub_scaled(p: list[torch.Tensor], d: list[torch.Tensor], s: Any) -> list[torch.Tensor]:

@@ -9,8 +9,8 @@ joined (``"beta1;beta2;eps;lr;weight_decay"``), so the names are the state's str
 of a compiled graph (:func:`make`; :func:`get_hyper` gives them by name). A compiled step reads them as inputs, so
 one graph serves every learning rate, run length, resume and sweep of the same model and shapes (optax's
 ``inject_hyperparams``, as the default). What changes the graph's structure (the model, shapes, dtypes,
-``accumulate(n)``, which transforms, the kind of schedule, ``momentum > 0``, ``nesterov``) stays a constructor
-setting.
+``accumulate(n)``, which transforms, the kind of schedule, ``momentum > 0``, ``weight_decay > 0``, ``nesterov``)
+stays a constructor setting.
 
 Eagerly, :func:`values` reads a CPU state's hyper-parameters as Python floats (one host memory read, no sync), so
 the eager update does ``torch.optim``'s own float arithmetic, bit for bit; traced, under ``torch.func.vmap`` (a
@@ -40,7 +40,7 @@ import torch
 from .eager import tracing
 from .validate import BadValue, describe
 
-__all__ = ["HYPER_DTYPE", "make", "values", "pack", "unpack", "set_hyper", "get_hyper", "holders", "copy_hyper",
+__all__ = ["HYPER_DTYPE", "make", "to_device", "values", "pack", "unpack", "set_hyper", "get_hyper", "holders", "copy_hyper",
            "hyper_changes"]
 
 HYPER_DTYPE = torch.float64  # torch.optim's scalars are Python floats: doubles
@@ -67,7 +67,15 @@ def make(defaults: Mapping[str, Any], device: Any) -> dict:
         {'lr;sched/peak': tensor([0.1000, 1.0000], dtype=torch.float64)}
     """
     paths, leaves, _ = optree.tree_flatten_with_path(dict(defaults))
+    if device is not None and torch.device(device).type == "meta":  # params built there (ft.init_empty): the
+        device = "cpu"  # values are known, so they are real; to_device moves them where the state is made real
     return {_key(paths): torch.tensor([float(v) for v in leaves], dtype=HYPER_DTYPE, device=device)}
+
+
+def to_device(tree: Any, device: Any) -> Any:
+    """``tree`` with every holder's hyper-parameters on ``device`` (a state built from params on the meta device
+    holds them on the CPU until it is made real: :func:`make`)."""
+    return _replace_in(tree, lambda h: h._replace(hyper={k: v.to(device) for k, v in h.hyper.items()}))
 
 
 def _readable(x: torch.Tensor) -> bool:
@@ -268,8 +276,11 @@ def set_hyper(state: Any, **new: Any) -> Any:
     target = _replace_in(target, replace) if new else target
     if unused:
         held = sorted({k for h in holders(target) for k in unpack(h.hyper)} | set(slots or ()))
+        hint = ("; a weight_decay of 0 at construction is the step's structure (no decay term in the graph): build "
+                "the optimizer with a weight_decay > 0 to set it between runs, 0 included" if "weight_decay" in unused
+                else "")
         raise BadValue(f"set_hyper: nothing in this state holds {sorted(unused)}; it holds {held} (a slot's values "
-                       f"as a dict under its name)")
+                       f"as a dict under its name){hint}")
     if slots is None:
         return target if not hasattr(state, "opt_state") else state._replace(opt_state=target)
     new_slots = dict(slots)

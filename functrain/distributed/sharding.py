@@ -79,6 +79,7 @@ import torch.distributed as dist
 
 from ..core.empty import empty_source
 from ..core.flat import SLOT, FlatLayout, ShardState, find_shard_trees
+from ..core.hyper import to_device as hyper_to_device
 from ..core.state import TrainState
 from ..core.step import Step
 from ..core.transform import InitContext, StepContext, Transform, check_needs
@@ -303,7 +304,8 @@ class ShardedDataParallel(Transform):
     def _made_real(self, state: TrainState, device: torch.device) -> TrainState:
         made, self._made = self._made, None
         step = torch.zeros((), dtype=torch.int64, device=device) if state.step.is_meta else state.step
-        state = state._replace(buffers=with_made(state.buffers, made), step=step)
+        state = state._replace(buffers=with_made(state.buffers, made), step=step,
+                               slots=hyper_to_device(state.slots, device))
         for name, slot in state.slots.items():
             if any(torch.is_tensor(x) and x.is_meta for x in optree.tree_leaves(slot)):
                 raise ValueError(f"{self!r}: the {name!r} transform's init made tensors on the meta device from the "

@@ -7,8 +7,8 @@ import optree
 import torch
 
 from ..core.registry import register_checkpoint_type
-from .base import (Optimizer, add_scalar_, shared_docs, TreespecCache, check_betas, check_lr, check_real, double, flatten_params, flatten_update,
-                   host_number, hyper_values, init_count, lerp_weight, lr_hyper, lr_value, make_hyper, make_learning_rate,
+from .base import (Optimizer, add_scalar_, decay_hyper, shared_docs, TreespecCache, check_betas, check_lr, check_real, double, flatten_params, flatten_update,
+                   host_number, hyper_values, init_count, lerp, lerp_weight, lr_hyper, lr_value, make_hyper, make_learning_rate,
                    per_step, scaled_sq_into, sub_scaled_ratio)
 from .groups import Group, check_group_args, group_lr, make_groups, run_groups
 
@@ -53,7 +53,7 @@ def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool, wei
 
     flatten = TreespecCache()  # the params' treespec, cached for the eager update
     # the values a user changes between runs: data in the state (AdamState.hyper), not constants of the graph
-    defaults = {**lr_hyper(lr), "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
+    defaults = {**lr_hyper(lr), "beta1": beta1, "beta2": beta2, "eps": eps, **decay_hyper(weight_decay)}
 
     def init(params: Any) -> AdamState:
         leaves, spec = flatten_params(params)
@@ -71,7 +71,7 @@ def _adam(lr: Any, betas: Any, eps: Any, weight_decay: Any, decoupled: bool, wei
         # hyper-parameters and a scheduled lr read on the host), float64 tensors traced or on a device, computed
         # once per step
         h = hyper_values(state.hyper, defaults)
-        beta1, beta2, eps, weight_decay = h["beta1"], h["beta2"], h["eps"], h["weight_decay"]
+        beta1, beta2, eps, weight_decay = h["beta1"], h["beta2"], h["eps"], h.get("weight_decay", 0.0)
         lr_base = host_number(lr_value(lr, count, h))
         step = double(host_number(count) + 1)
         bias_correction1, bias_correction2_sqrt = per_step(1 - beta1**step, (1 - beta2**step) ** 0.5)
@@ -120,7 +120,7 @@ def _decay_and_moments(group: Group, p: list, g: list, m: list, v: list, lr_t: A
             g = torch._foreach_add(g, torch._foreach_mul(p, weight_decay))
         else:
             g = torch._foreach_add(g, p, alpha=weight_decay)
-    m = torch._foreach_lerp(m, g, lerp_weight(1 - beta1, m))
+    m = lerp(m, g, lerp_weight(1 - beta1, m))
     v = torch._foreach_mul(v, beta2)
     scaled_sq_into(v, g, 1 - beta2)
     return decayed, m, v

@@ -7,7 +7,7 @@ import optree
 import torch
 
 from ..core.registry import register_checkpoint_type
-from .base import (Optimizer, hyper_values, lerp_weight, lr_hyper, make_hyper, shared_docs, TreespecCache, check_betas, check_lr, check_real, flatten_params, flatten_update,
+from .base import (Optimizer, decay_hyper, hyper_values, lerp, lerp_weight, lr_hyper, make_hyper, shared_docs, TreespecCache, check_betas, check_lr, check_real, flatten_params, flatten_update,
                    host_number, init_count, lr_value, make_learning_rate, sub_scaled)
 from .groups import Group, check_group_args, group_lr, make_groups, run_groups
 
@@ -94,7 +94,7 @@ def lion(
 
     flatten = TreespecCache()  # the params' treespec, cached for the eager update
     # the values a user changes between runs: data in the state (LionState.hyper), not constants of the graph
-    defaults = {**lr_hyper(lr), "beta1": beta1, "beta2": beta2, "weight_decay": weight_decay}
+    defaults = {**lr_hyper(lr), "beta1": beta1, "beta2": beta2, **decay_hyper(weight_decay)}
 
     def init(params: Any) -> LionState:
         leaves, spec = flatten_params(params)
@@ -110,15 +110,15 @@ def lion(
             return params, state._replace(count=count + 1)
         # eagerly the state's values (and a scheduled lr) read as floats; traced or on a device, tensors
         h = hyper_values(state.hyper, defaults)
-        beta1, beta2, weight_decay = h["beta1"], h["beta2"], h["weight_decay"]
+        beta1, beta2, weight_decay = h["beta1"], h["beta2"], h.get("weight_decay", 0.0)
         lr_base = host_number(lr_value(lr, count, h))
 
         def group_update(group: Group, p: list, g: list, m: list) -> tuple[list, list]:
             lr_t = group_lr(lr_base, group)
             if group.decay and (isinstance(weight_decay, torch.Tensor) or weight_decay != 0):
                 p = torch._foreach_mul(p, 1 - lr_t * weight_decay)  # a tensor always decays: exact for 0
-            direction = torch._foreach_sign(torch._foreach_lerp(m, g, lerp_weight(1 - beta1, m)))
-            return sub_scaled(p, direction, lr_t), torch._foreach_lerp(m, g, lerp_weight(1 - beta2, m))
+            direction = torch._foreach_sign(lerp(m, g, lerp_weight(1 - beta1, m)))
+            return sub_scaled(p, direction, lr_t), lerp(m, g, lerp_weight(1 - beta2, m))
 
         groups = make_groups(params, weight_decay_mask, lr_multipliers, n=len(p))
         new_p, new_m = run_groups(groups, group_update, p, g, m)

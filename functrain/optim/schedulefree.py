@@ -23,7 +23,7 @@ import optree
 import torch
 
 from ..core.registry import register_checkpoint_type
-from .base import (Optimizer, add_scalar_, add_scaled, hyper_values, lerp_weight, lr_hyper, make_hyper,
+from .base import (Optimizer, add_scalar_, add_scaled, decay_hyper, hyper_values, lerp, lerp_weight, lr_hyper, make_hyper,
                    scaled_sq_into, TreespecCache, check_betas, check_lr, check_real, check_steps, flatten_params,
                    flatten_update, host_number, init_count, lr_value, make_learning_rate, per_step, sub_scaled)
 
@@ -155,7 +155,7 @@ def adamw_schedulefree(
     weight_lr_power = check_real("weight_lr_power", weight_lr_power, lo=0.0)
     flatten = TreespecCache()
     # the values a user changes between runs: data in the state (ScheduleFreeState.hyper), not graph constants
-    defaults = {**lr_hyper(lr), "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
+    defaults = {**lr_hyper(lr), "beta1": beta1, "beta2": beta2, "eps": eps, **decay_hyper(weight_decay),
                 "warmup_steps": warmup_steps, "r": r, "weight_lr_power": weight_lr_power}
 
     def init(params: Any) -> ScheduleFreeState:
@@ -170,7 +170,7 @@ def adamw_schedulefree(
         count = state.count
         unflatten, y, g, (z, v) = flatten_update(grads, params, state.z, state.exp_avg_sq, flatten=flatten)
         h = hyper_values(state.hyper, defaults)  # eagerly on the CPU: Python numbers, the package's arithmetic
-        beta1, beta2, eps, weight_decay = h["beta1"], h["beta2"], h["eps"], h["weight_decay"]
+        beta1, beta2, eps, weight_decay = h["beta1"], h["beta2"], h["eps"], h.get("weight_decay", 0.0)
         lr_t, bias_correction2, ckp1, weight_sum, lr_max = _scalars(
             host_number(count), host_number(lr_value(lr, count, h)), host_number(state.weight_sum),
             host_number(state.lr_max), beta2, h["warmup_steps"], h["r"], h["weight_lr_power"])
@@ -189,7 +189,7 @@ def adamw_schedulefree(
         elif weight_decay != 0:
             torch._foreach_add_(gn, y, alpha=weight_decay)
         # a tensor weight (traced) goes as one per leaf: the number overload would read it on the host
-        new_y = torch._foreach_lerp(y, z, [ckp1] * len(y) if isinstance(ckp1, torch.Tensor) else ckp1)
+        new_y = lerp(y, z, ckp1)
         new_y = sub_scaled(new_y, gn, -(lr_t * (beta1 * (1 - ckp1) - 1)))  # the package's add_(g', alpha=...)
         new_z = sub_scaled(z, gn, lr_t)
         new_state = ScheduleFreeState(z=unflatten(new_z), exp_avg_sq=unflatten(v), **new_scalars, hyper=state.hyper)
@@ -199,7 +199,7 @@ def adamw_schedulefree(
         """``x``: the params moved towards ``z`` as the package's ``eval()`` moves them."""
         unflatten, y, _, (z,) = flatten_update(params, params, state.z)
         beta1 = hyper_values(state.hyper, defaults)["beta1"]
-        return unflatten(torch._foreach_lerp(y, z, lerp_weight(1 - 1 / beta1, y))) if y else params
+        return unflatten(lerp(y, z, lerp_weight(1 - 1 / beta1, y))) if y else params
 
     return Optimizer(init=init, update=update, learning_rate=make_learning_rate(lr, defaults), schedule=lr,
                      eval_params=eval_params, hyper=defaults)

@@ -7,7 +7,7 @@ import optree
 import torch
 
 from ..core.registry import register_checkpoint_type
-from .base import (Optimizer, add_scaled, hyper_values, lr_hyper, make_hyper, shared_docs, TreespecCache, check_lr, check_real, flatten_params, flatten_update, host_number,
+from .base import (Optimizer, add_scaled, decay_hyper, hyper_values, lr_hyper, make_hyper, shared_docs, TreespecCache, check_lr, check_real, flatten_params, flatten_update, host_number,
                    init_count, lr_value, make_learning_rate, select, sub_scaled)
 from .groups import Group, check_group_args, group_lr, make_groups, run_groups
 
@@ -105,7 +105,7 @@ def sgd(
 
     flatten = TreespecCache()  # the params' treespec, cached for the eager update
     # the values a user changes between runs: data in the state (SGDState.hyper), not constants of the graph
-    defaults = {**lr_hyper(lr), "weight_decay": weight_decay}
+    defaults = {**lr_hyper(lr), **decay_hyper(weight_decay)}
     if momentum != 0:  # without momentum there is no buffer: a structure, not a value
         defaults.update(momentum=momentum, dampening=dampening)
 
@@ -127,7 +127,7 @@ def sgd(
         # eagerly the state's values (and a scheduled lr) read as floats, torch.optim's arithmetic; else tensors
         h = hyper_values(state.hyper, defaults)
         lr_base = host_number(lr_value(lr, count, h))
-        wd = h["weight_decay"]
+        wd = h.get("weight_decay", 0.0)
 
         def group_update(group: Group, p: list, g: list, *bufs: list) -> tuple[list, ...]:
             # One torch.optim param group: its own lr (base * multiplier) and weight decay (a tensor always

@@ -7,7 +7,7 @@ import torch
 
 from ..core import tree as T
 from ..core.validate import BadValue, check_int, check_real
-from ..core.eager import TreespecCache, as_tensor, host_number, select
+from ..core.eager import TreespecCache, as_tensor, host_number, lerp, select
 from ..core.hyper import make as make_hyper, values as hyper_values
 from ..core.transform import StepContext, Transform
 from ..core.registry import register_checkpoint_type
@@ -136,7 +136,7 @@ class EMA(Transform):
             # one weight per leaf, in float32 (float64 leaves: float64), the precision lerp computes in for a
             # Python-float weight; a float of the count would be a host read
             weight = [weight.to(torch.promote_types(e.dtype, torch.float32)) for e in ema]
-        return torch._foreach_lerp(ema, params, weight)
+        return lerp(ema, params, weight)
 
     def __repr__(self) -> str:
         warmup = "" if self.power is None else \

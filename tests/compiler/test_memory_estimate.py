@@ -94,7 +94,9 @@ def test_state_bytes_by_part():
     step, state, batch = _step()
     n = sum(p.numel() for p in state.params.values()) * 4
     parts = state_bytes(state)
-    assert parts["params"] == n and parts["slots/ema"] == n + 8  # the EMA's params and its int64 counter
+    hyper = sum(t.numel() * t.element_size() for t in T.tree_leaves(state.slots["ema"].hyper))
+    assert hyper == 8 * len(ft.get_hyper(state)["ema"])  # its decay and warm-up constants, float64 (issue 40)
+    assert parts["params"] == n and parts["slots/ema"] == n + 8 + hyper  # the EMA's params, int64 counter, values
     assert 2 * n <= parts["optimizer"] <= 2 * n + 64  # two moments and a count
     assert parts["slots/mixed_precision"] > 0 and parts["buffers"] == 0
     _, flat, _ = _step(flat=True)

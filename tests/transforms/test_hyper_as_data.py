@@ -32,7 +32,7 @@ def problem():
 
 
 BASE = {"peak": 2e-2, "warmup_steps": 3, "total_steps": 12, "final": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8,
-        "weight_decay": 0.0, "momentum": 0.9, "dampening": 0.0, "max_norm": 0.5, "clip_value": None,
+        "weight_decay": 1e-3, "momentum": 0.9, "dampening": 0.0, "max_norm": 0.5, "clip_value": None,
         "ema_decay": 0.8, "ema_start": 2, "ema_power": 2 / 3, "fp16": False, "growth_interval": 3,
         "backoff_factor": 0.5, "sf_warmup": 0, "sf_r": 0.0}
 
@@ -173,6 +173,13 @@ def test_set_hyper_refuses_what_the_state_does_not_hold():
     plain = ft.train_step(ftt.mlp_loss, ft.optim.sgd(0.1)).init(params)
     with pytest.raises(ValueError, match="momentum"):
         ft.set_hyper(plain, momentum=0.9)
+    # ... and so is a weight decay of 0 (a decay term held as data changed how inductor scheduled a remat step)
+    for opt in (ft.optim.sgd(0.1), ft.optim.adam(1e-3), ft.optim.lion(1e-4)):
+        with pytest.raises(ValueError, match=r"weight_decay of 0 at construction is the step's structure"):
+            ft.set_hyper(ft.train_step(ftt.mlp_loss, opt).init(params), weight_decay=0.1)
+    decayed = ft.set_hyper(ft.train_step(ftt.mlp_loss, ft.optim.sgd(0.1, weight_decay=1e-4)).init(params),
+                           weight_decay=0.0)  # built with a decay: any value, 0 included
+    assert float(ft.get_hyper(decayed)["weight_decay"]) == 0.0
 
 
 def test_set_hyper_leaves_the_state_it_was_given_alone():

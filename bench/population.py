@@ -31,7 +31,9 @@ MSE, AdamW(lr 1e-3, weight decay 0.01); each member its own seed and its own bat
 over the 256-wide ``Denoiser`` MLP with its time embedding and dropout, the only size the example offers) with
 the main job's step (``TrainConfig`` as the example sets it, built by the Trainer's own ``build_step``: AdamW
 lr 1e-3 with warmup + cosine, betas (0.9, 0.99), wd 0, clip 1.0, EMA 0.99 every step), batch 64 digits per member,
-each member its own seed and batches; variants ``population``, ``sequential`` and ``population_eager``.
+each member its own seed and batches; variants ``population``, ``sequential`` and ``population_eager``. The
+sequential runs are ``ft.member(state, i)`` of the population's initial state (so the same weights), each
+compiled-step call drawing its noise from its own state's key.
 
 Reported: population steps per second (wall and process CPU: the machine is shared), paired ratios against
 ``sequential`` per round, compile time of each compiled variant, the state's bytes, and the load average.
@@ -85,6 +87,9 @@ def main() -> None:
                    help="the JAX venv's interpreter: adds the 'jax' variant (w1 only; bench/population_jax.py)")
     p.add_argument("--jax-pin-cpu", type=int, default=(os.cpu_count() or 1) - 1,
                    help="the CPU the JAX worker is pinned to (default: the highest; -1: no pinning)")
+    p.add_argument("--pin-cpu", type=int, default=None,
+                   help="pin this process to one CPU after compiling, before the warm-up round (default: not "
+                        "pinned); with --jax-pin-cpu the same CPU, both sides run on the same core")
     p.add_argument("--jax-timeout", type=float, default=600.0, help="seconds before the JAX worker is declared hung")
     p.add_argument("--out-json", default=None)
     p.add_argument("--inductor-cache", default="fresh",
@@ -444,6 +449,9 @@ def time_and_report(args, bench: Bench) -> None:
     from functrain.bench.stats import median, paired_ratios, spread
 
     variants = bench.variants
+    if args.pin_cpu is not None:  # after the compiles (inductor's compile workers inherit the mask)
+        os.sched_setaffinity(0, {args.pin_cpu})
+        bench.notes.append(f"this process pinned to CPU {args.pin_cpu} for the timed rounds")
     for fn in variants.values():  # warm-up round, untimed
         fn()
     for fn in bench.after_warmup:

@@ -105,6 +105,9 @@ def main() -> None:
             args.variants += ",jax"
     if args.jax_python and args.workload != "w1":
         p.error(f"--jax-python: the JAX anchor is written for --workload w1, not {args.workload!r}")
+    if args.jax_python and not (os.path.isfile(args.jax_python) and os.access(args.jax_python, os.X_OK)):
+        p.error(f"--jax-python {args.jax_python!r} is not an executable file: give the JAX venv's interpreter "
+                f"(python3 -m venv V && V/bin/pip install jax jaxlib optax; then --jax-python V/bin/python)")
     if "jax" in args.variants.split(",") and not args.jax_python:
         p.error("variant 'jax' needs --jax-python (the JAX venv's interpreter, e.g. /work/venv-jax/bin/python)")
     if args.inductor_cache != "default":

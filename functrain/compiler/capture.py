@@ -380,7 +380,9 @@ def _mask_in_memory_order(x: torch.Tensor, p: float) -> torch.Tensor:
             dense, expected = dense and x.stride(d) == expected, expected * x.shape[d]
     dims = order if dense else list(range(x.dim()))  # (not dense: empty_like is contiguous, logical order)
     back = sorted(range(len(dims)), key=dims.__getitem__)
-    noise = torch.empty([x.shape[d] for d in dims], dtype=x.dtype, device=x.device)
+    # x.new_empty, not torch.empty: under torch.func.vmap (ft.population) a factory makes an unbatched tensor,
+    # and vmap(randomness="different") refuses an in-place draw into it; new_empty of a batched x is batched
+    noise = x.new_empty([x.shape[d] for d in dims])
     return noise.bernoulli_(1 - p).div_(1 - p).permute(back)
 
 

@@ -251,6 +251,31 @@ def test_random_draws_differ_by_member_and_repeat_from_the_state():
         refused(refused.init({"w": torch.ones(64)}), torch.ones(64))
 
 
+@pytest.mark.parametrize("batch", ["shared", "per_member"])
+def test_a_compiled_population_with_dropout_draws_the_eager_populations_masks(batch):
+    """A model with nn.Dropout compiles as a population (the trace's CPU dropout draws its mask into a tensor that
+    is batched under vmap, so vmap's randomness="different" accepts it) and draws what the eager population draws,
+    every member its own mask, in one graph."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+    apply_fn, _, _ = ft.functionalize(model)
+    step = ft.train_step(lambda p, b, xy: torch.nn.functional.mse_loss(apply_fn(p, b, xy[0]), xy[1]),
+                         ft.optim.adamw(1e-2))
+    pop = ft.population(3, batch=batch)(step)
+    state = pop.init(model, seeds=[0, 0, 0])  # the same init: only the members' masks tell them apart
+    lead = (3,) if batch == "per_member" else ()
+    xy = (torch.ones(*lead, 16, 8), torch.zeros(*lead, 16, 1))
+    eager, e_metrics = pop(state, xy)
+    cstep = ft.compile(pop, backend="aot_eager")
+    compiled, c_metrics = cstep(state, xy)
+    for a, b in zip(optree.tree_leaves(compiled.params), optree.tree_leaves(eager.params)):
+        torch.testing.assert_close(a, b, **TOL)
+    torch.testing.assert_close(c_metrics["loss"], e_metrics["loss"], **TOL)
+    w = compiled.params["2.weight"]
+    assert not torch.equal(w[0], w[1]) and not torch.equal(w[1], w[2])  # each member its own mask
+    again, _ = cstep(compiled, xy)
+    assert cstep.compiles == 1
+
+
 # -- refusals, before step 1 -------------------------------------------------------------------
 class HostRead(ft.Transform):
     name = "host_read"

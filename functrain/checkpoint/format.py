@@ -13,6 +13,7 @@ from typing import Any
 import optree
 import torch
 
+from ..core.tree import find_nodes
 from ..core.validate import path_str
 from ..core.registry import type_by_name, type_name
 
@@ -311,20 +312,7 @@ def complete(loaded: Any, template: Any) -> Any:
 
 def tensor_refs(tree: Any) -> list[TensorRef]:
     """The tensor references of a structure read from tree.json, in tree order."""
-    out: list[TensorRef] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, TensorRef):
-            out.append(x)
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(tree)
-    return out
+    return find_nodes(tree, lambda x: isinstance(x, TensorRef))
 
 
 def fill(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:

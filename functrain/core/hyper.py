@@ -38,6 +38,7 @@ import optree
 import torch
 
 from .eager import tracing
+from .tree import find_nodes
 from .validate import BadValue, describe
 
 __all__ = ["HYPER_DTYPE", "make", "to_device", "values", "pack", "unpack", "set_hyper", "get_hyper", "holders", "copy_hyper",
@@ -150,21 +151,8 @@ def pack(tree: dict) -> dict:
 
 def holders(tree: Any) -> list:
     """The ``NamedTuple`` nodes of ``tree`` that hold hyper-parameters (a ``hyper`` dict field), in tree order."""
-    found: list = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, tuple) and "hyper" in getattr(type(x), "_fields", ()):
-            if isinstance(x.hyper, dict):
-                found.append(x)
-        if isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(tree)
-    return found
+    return find_nodes(tree, lambda x: isinstance(x, tuple) and "hyper" in getattr(type(x), "_fields", ())
+                      and isinstance(x.hyper, dict))
 
 
 def _replace_in(tree: Any, fn: Any) -> Any:
@@ -309,9 +297,9 @@ def get_hyper(state: Any) -> dict:
     Example::
 
         >>> import torch, functrain as ft
-        >>> state = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1)).init({"w": torch.ones(1)})
+        >>> state = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1, weight_decay=1e-4)).init({"w": torch.ones(1)})
         >>> {k: float(v) for k, v in ft.get_hyper(state).items()}
-        {'lr': 0.1, 'weight_decay': 0.0}
+        {'lr': 0.1, 'weight_decay': 0.0001}
     """
     out: dict = {}
     opt = state.opt_state if hasattr(state, "opt_state") else state

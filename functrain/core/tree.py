@@ -34,6 +34,7 @@ __all__ = [
     "tree_all_finite",
     "tree_allclose",
     "tree_equal",
+    "find_nodes",
 ]
 
 # optree treats ``None`` as an empty subtree; keep that convention everywhere.
@@ -42,6 +43,33 @@ tree_leaves = optree.tree_leaves
 tree_flatten = optree.tree_flatten
 tree_unflatten = optree.tree_unflatten
 tree_structure = optree.tree_structure
+
+
+def find_nodes(tree: Any, match: Any) -> list:
+    """The nodes of ``tree`` for which ``match(node)`` is true, in tree order: a walk through dicts' values, lists
+    and tuples (NamedTuples included), which goes on inside a node that matched. Any node may match, containers too
+    (optree's leaves are only the ends: this finds a state's ``NamedTuple`` holders or a structure's placeholders).
+
+    Example::
+
+        >>> from functrain.core.tree import find_nodes
+        >>> find_nodes({"a": [1, "x", (2, "y")]}, lambda n: isinstance(n, str))
+        ['x', 'y']
+    """
+    found: list = []
+
+    def walk(x: Any) -> None:
+        if match(x):
+            found.append(x)
+        if isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(tree)
+    return found
 
 
 def tree_select(pred: torch.Tensor, on_true: Any, on_false: Any) -> Any:

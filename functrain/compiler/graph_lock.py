@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import threading
 import time
 import warnings
 from typing import Iterator
@@ -20,7 +21,11 @@ import torch
 
 from . import cache
 
-__all__ = ["GraphLock", "compile_lock", "graph_key"]
+__all__ = ["GraphLock", "compile_lock", "graph_key", "held_here"]
+
+# the graph keys this process holds, with how many of its GraphLock objects hold each (only one can: flock)
+_HELD_HERE: dict[str, int] = {}
+_HERE_LOCK = threading.Lock()
 
 
 def graph_key(gm: torch.fx.GraphModule, inputs: list) -> str:
@@ -77,11 +82,13 @@ class GraphLock:
             except BlockingIOError:
                 return False
             self.held = True
+            with _HERE_LOCK:
+                _HELD_HERE[self.key] = _HELD_HERE.get(self.key, 0) + 1
         return True
 
     def held_elsewhere(self) -> bool:
         """Whether another process holds the lock now (a probe: taken and released at once when free)."""
-        if not self.usable or self.held:
+        if not self.usable or self.held or held_here(self.key):
             return False
         if not self.acquire():
             return True
@@ -93,6 +100,10 @@ class GraphLock:
         if self.held:
             self._fcntl.flock(self.fd, self._fcntl.LOCK_UN)
             self.held = False
+            with _HERE_LOCK:
+                left = _HELD_HERE.pop(self.key, 1) - 1
+                if left:
+                    _HELD_HERE[self.key] = left
 
     def close(self) -> None:
         """Release the lock and close its file; the lock is unusable afterwards."""
@@ -110,6 +121,15 @@ class GraphLock:
                 pass
 
 
+def held_here(key: str) -> bool:
+    """Whether a :class:`GraphLock` of this process holds graph ``key``'s lock now. A flock taken on a second open
+    file of the same lock waits for the first even in the same process, so :func:`compile_lock` asks this first: a
+    step compiled on the training thread while a background job of the same graph still holds the lock (a job that
+    outlived its runner: a test, a notebook cell) waited the lock's whole timeout (600 s) for itself."""
+    with _HERE_LOCK:
+        return _HELD_HERE.get(key, 0) > 0
+
+
 @contextlib.contextmanager
 def compile_lock(key: str, timeout: float) -> Iterator[bool]:
     """Hold the machine-wide lock on graph ``key`` while compiling it (yields whether it is held).
@@ -119,6 +139,9 @@ def compile_lock(key: str, timeout: float) -> Iterator[bool]:
     compiles anyway (a warning says so). Without ``fcntl`` (Windows) or a writable lock folder there is no
     lock: each process compiles itself.
     """
+    if held_here(key):  # this process holds it already (a background job of the same graph, one that outlived
+        yield False     # its runner): a flock on a second file of the same process would wait for itself
+        return
     lock = GraphLock(key)
     if not lock.usable:
         if lock.reason != "no fcntl":

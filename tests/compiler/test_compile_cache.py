@@ -148,6 +148,26 @@ def test_a_held_lock_is_waited_for_then_compiled_through_with_a_warning(tmp_path
         assert held is True
 
 
+def test_a_lock_this_process_holds_is_not_waited_for(tmp_path, monkeypatch):
+    """A background job of a graph that outlived its runner holds the graph's lock in this process; a compile of
+    the same graph on the training thread waited for it its whole timeout (600 s; two Trainer tests of the same toy
+    model deadlocked the full suite): a flock on a second open file of the lock waits even in the same process."""
+    monkeypatch.setattr(compile_cache, "_inductor_dir", lambda: str(tmp_path))
+    os.makedirs(tmp_path / "functrain-locks", mode=0o700)
+    job = graph_lock.GraphLock("k")  # as SharedJob holds it while its worker compiles
+    assert job.acquire() and graph_lock.held_here("k")
+    assert not job.held_elsewhere()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "compiling it here too": no wait at all
+        with graph_lock.compile_lock("k", 600.0) as held:
+            assert held is False
+    job.close()
+    assert not graph_lock.held_here("k")
+    with graph_lock.compile_lock("k", 0.3) as held:
+        assert held is True
+
+
 # -- the probe memo -------------------------------------------------------------------------------
 def _isa():
     import platform

@@ -23,7 +23,7 @@ def memory_line(run_step: Any, state: Any, batch: Any) -> str:
         >>> import torch, functrain as ft
         >>> step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1))
         >>> memory_line(step, step.init({"w": torch.zeros(1024)}), torch.ones(1024)).split(" (")[0]
-        'memory per rank on cpu: state 4.03 KiB'
+        'memory per rank on cpu: state 4.04 KiB'
     """
     return str(_prepared(run_step, state, batch, trace=True).finish())
 

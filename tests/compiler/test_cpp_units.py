@@ -18,6 +18,9 @@ import functrain as ft
 # A constant of this run's own, baked into the kernels' source: no earlier run's entry in inductor's caches (the
 # machine's default folder, kept between runs) matches, so the compiles below build their C++ units here.
 SCALE = 1.0 + (uuid.uuid4().int % 10**6) * 1e-9
+# ... and a width of its own, which every kernel's source holds (the optimizer's kernels do not read SCALE: with
+# the widths of another test of this process, the "apart" compile found them built and built one unit only)
+WIDTH = 24 + uuid.uuid4().int % 2000
 
 
 def loss_fn(params, buffers, batch):
@@ -47,8 +50,8 @@ def units(tmp_path_factory):
             probing[0] = False
 
     g = torch.Generator().manual_seed(0)
-    params = {"w1": torch.randn(13, 27, generator=g), "b1": torch.randn(27, generator=g),
-              "w2": torch.randn(27, 5, generator=g)}
+    params = {"w1": torch.randn(13, WIDTH, generator=g), "b1": torch.randn(WIDTH, generator=g),
+              "w2": torch.randn(WIDTH, 5, generator=g)}
     batches = [(torch.randn(6, 13, generator=g), torch.randn(6, 5, generator=g)) for _ in range(3)]
     step = ft.clip(1.0)(ft.train_step(loss_fn, ft.optim.adamw(1e-2)))
     cache = tmp_path_factory.mktemp("units")

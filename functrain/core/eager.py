@@ -251,9 +251,10 @@ def lerp(start: list[torch.Tensor], end: list[torch.Tensor], weight: Any) -> lis
     """``start + weight * (end - start)`` leafwise, new tensors (a moment's or an average's update).
 
     ``weight`` a Python number: ``torch._foreach_lerp``, ``torch.optim``'s arithmetic. A tensor, or a list of
-    one tensor per leaf (a state's hyper-parameter, traced or on a device): ``torch.lerp`` leaf by leaf, the same
-    formula. Not ``_foreach_lerp`` with a list of weights: inductor has no lowering for that overload and runs it
-    as a fallback kernel, whose inputs and outputs are buffers of their own (AdamW's compiled step held one more
+    one tensor per leaf (a state's hyper-parameter, traced or on a device): eagerly ``_foreach_lerp`` with one
+    weight per leaf (one kernel launch for all leaves); traced (:func:`tracing`), ``torch.lerp`` leaf by leaf, the
+    same formula: inductor has no lowering for ``_foreach_lerp``'s list-of-weights overload and runs it as a
+    fallback kernel, whose inputs and outputs are buffers of their own (AdamW's compiled step held one more
     parameter-sized buffer at its peak, and took 27 kernels instead of 16), and which torch's C++ wrapper can only
     call through Python.
 
@@ -267,7 +268,7 @@ def lerp(start: list[torch.Tensor], end: list[torch.Tensor], weight: Any) -> lis
     """
     if isinstance(weight, torch.Tensor):
         weight = [weight] * len(start)
-    if isinstance(weight, (list, tuple)):
+    if isinstance(weight, (list, tuple)) and tracing():
         return [torch.lerp(s, e, w) for s, e, w in zip(start, end, weight)]
     return torch._foreach_lerp(start, end, weight)
 

@@ -71,6 +71,19 @@ class Bench:
         self.after_warmup: list[Callable[[], None]] = []
         self.close: list[Callable[[], None]] = []
 
+    def add_loop(self, name: str, step: Callable, state: Any, data: list) -> dict:
+        """Variant ``name``: one call of ``step`` per batch of ``data``, each round going on from the state the
+        last one left; returns its box (``"s"``: that state, ``"m"``: the last metrics)."""
+        box = {"s": state, "m": None}
+
+        def run() -> None:
+            s = box["s"]
+            for b in data:
+                s, box["m"] = step(s, b)
+            box["s"] = s
+        self.variants[name] = run
+        return box
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -183,23 +196,10 @@ def build_w1(args) -> Bench:
         s1, m1 = cpop(pstate, data[0])
         compile_s["population"] = time.perf_counter() - t0
         first["population"] = m1["loss"].tolist()
-        box = {"s": s1, "m": m1}
-
-        def run_population() -> None:
-            s = box["s"]
-            for b in data:
-                s, m = cpop(s, b)
-            box["s"], box["m"] = s, m
-        variants["population"] = run_population
+        box = bench.add_loop("population", cpop, s1, data)
+        box["m"] = m1
     if "population_eager" in wanted:
-        ebox = {"s": pstate}
-
-        def run_population_eager() -> None:
-            s = ebox["s"]
-            for b in data:
-                s, m = pop(s, b)
-            ebox["s"] = s
-        variants["population_eager"] = run_population_eager
+        bench.add_loop("population_eager", pop, pstate, data)
     if "sequential" in wanted:
         cstep = ft.compile(step, backend=args.backend) if args.backend != "inductor" else ft.compile(step)
         states = [step.init(ft.functionalize(model(s))[1], seed=None) for s in seeds]
@@ -410,24 +410,11 @@ def build_diffusion(args) -> Bench:
     if "population" in wanted:
         cpop = ft.compile(pop, backend=args.backend) if args.backend != "inductor" else ft.compile(pop)
         t0 = time.perf_counter()
-        box = {"s": cpop(pstate, data[0])[0]}
+        s1 = cpop(pstate, data[0])[0]
         bench.compile_s["population"] = time.perf_counter() - t0
-
-        def run_population() -> None:
-            s = box["s"]
-            for b in data:
-                s, m = cpop(s, b)
-            box["s"] = s
-        bench.variants["population"] = run_population
+        bench.add_loop("population", cpop, s1, data)
     if "population_eager" in wanted:
-        ebox = {"s": pstate}
-
-        def run_population_eager() -> None:
-            s = ebox["s"]
-            for b in data:
-                s, m = pop(s, b)
-            ebox["s"] = s
-        bench.variants["population_eager"] = run_population_eager
+        bench.add_loop("population_eager", pop, pstate, data)
     if "sequential" in wanted:
         cstep = ft.compile(step, backend=args.backend) if args.backend != "inductor" else ft.compile(step)
         states = [ft.member(pstate, i) for i in range(n)]  # the same members, as n ordinary states

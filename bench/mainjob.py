@@ -11,6 +11,8 @@ Variants (``--variants``, default all, in this order within each round):
 * ``background``: the same without the flag (the default: eager steps while a worker compiles; a compile still
   running when the run ends finishes after it, into the caches: the script waits for it before the next run and
   reports how long it ran on);
+* ``precompiled``: the ``background`` command on a cache folder one ``--precompile`` (with the default
+  ``--steps 400``) filled first (timed and printed apart): issue 40's later run, of any ``--steps``;
 * ``eager``: ``--no-compile``;
 * ``accelerate``: the Accelerate anchor (``/work/shared/bench/anchors/diffusion_accelerate.py``, eager,
   ``accelerate launch --multi_gpu --num_processes 2 --main_process_port <a free port>``, ``FT_EXAMPLES=examples``;
@@ -59,7 +61,7 @@ ANCHOR = "/work/shared/bench/anchors/diffusion_accelerate.py"
 # accelerate is not installed beside this Python (functrain's torch 2.13): the machine's venv that has it
 # (torch 2.14.1; the anchor's model comes from examples/, functrain from PYTHONPATH)
 ACCELERATE = os.environ.get("FT_ACCELERATE", "/work/venvs/ddpm/bin/accelerate")
-VARIANTS = ("blocking", "background", "eager", "accelerate")
+VARIANTS = ("blocking", "background", "precompiled", "eager", "accelerate")
 ACC = re.compile(rb"ACC-RESULT first_step_s=([0-9.]+) total_s=([0-9.]+)")
 
 
@@ -77,7 +79,8 @@ def _command(variant: str, results: str, steps: int, nproc: int, phases: bool = 
         return [*launcher, "--multi_gpu", "--num_processes", str(nproc), "--num_machines", "1", "--mixed_precision",
                 "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()), *entry, ANCHOR, "--steps",
                 str(steps), "--out", results]
-    extra = {"blocking": ["--compile-blocking"], "background": [], "eager": ["--no-compile"]}[variant]
+    extra = {"blocking": ["--compile-blocking"], "background": [], "precompiled": [], "eager": ["--no-compile"],
+             "precompile": ["--precompile"]}[variant]
     return [sys.executable, "-m", "functrain.launch", "--nproc", str(nproc), *entry, "examples/diffusion.py",
             "--steps", str(steps), "--results", results, *extra]
 
@@ -359,6 +362,12 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(args.rounds):
         for variant in variants:
             cache = args.cache or tempfile.mkdtemp(prefix=f"ft-mainjob-{variant}-")
+            if variant == "precompiled":  # one --precompile (a 400-step job's) fills this folder first
+                pre = one_run(args.results + "-pre", cache, 400, args.nproc, args.timeout, "precompile", False,
+                              args.policy)
+                print(f"round {rnd} precompile: rc {pre['rc']}, {pre['total_s']:.1f} s", flush=True)
+                if pre["rc"] != 0:
+                    print(pre["tail"], file=sys.stderr)
             for name in runs:
                 r = one_run(args.results, cache, args.steps, args.nproc, args.timeout, variant, args.phases,
                             args.policy)

@@ -63,8 +63,8 @@ class CompiledStep:
         (True, 0, False)
     """
 
-    __slots__ = ("step", "options", "settings", "donate", "cache_dir", "_backend", "_packages", "_graphs", "_own",
-                 "_twin", "_runners", "_made", "__weakref__")
+    __slots__ = ("step", "options", "settings", "donate", "cache_dir", "_backend", "_packages", "_warm", "_graphs",
+                 "_own", "_twin", "_runners", "_made", "__weakref__")
 
     def __init__(self, step: Step, options: Options | None = None, settings: WorkerSettings | None = None,
                  **kwargs: Any):
@@ -81,11 +81,17 @@ class CompiledStep:
         folder = cache.use_cache_dir(options.cache_dir)
         set_(self, "cache_dir", None if options.cache_dir is None else folder)
         set_(self, "_backend", make_backend(options, settings.lock_timeout))
-        packages = None
+        packages = warm = None
         if options.package:
             from .package import Packages
-            packages = Packages(os.fspath(options.cache_dir), settings.lock_timeout)
+            from .warm import WarmStarts
+            from .trust import private_home
+            # (without cache_dir: functrain's private folder, inductor's caches where they are)
+            folder = private_home() if options.cache_dir is None else os.fspath(options.cache_dir)
+            packages = Packages(folder, settings.lock_timeout)
+            warm = WarmStarts(packages, {"cuda_graphs": options.cuda_graphs})
         set_(self, "_packages", packages)
+        set_(self, "_warm", warm)
         set_(self, "_graphs", {})  # memory kind -> Graphs (the compiled graphs, filled as runners compile)
         set_(self, "_runners", weakref.WeakSet())  # every runner made: close() and finish_after_exit() reach them
         # (a runner, weakly; its progress and rate meter, plain values): what .progress reads, ft.run's runner included
@@ -128,8 +134,10 @@ class CompiledStep:
             memory = ("donate" if self.donate else "owned") if donate else ("donate" if self.donate else "fresh")
             bg = self.options.in_background(False if background is None else background)
             graphs = self._graphs_of(memory)
+            # a background compile builds no package (it compiles where the steps do not wait, into inductor's
+            # caches); a blocking compile (the first call, precompile) does, and every runner looks up warm entries
             made = Runner(graphs, BackgroundCompiler(self.step, self.options, self.settings, self._backend,
-                                                     self._packages, memory) if bg else None)
+                                                     None, memory) if bg else None)
         self._runners.add(made)
         called = [m for m in self._made if m[2].path is not None]
         last = max(called, key=lambda m: m[2].last) if called else None
@@ -146,7 +154,7 @@ class CompiledStep:
         graphs = self._graphs.get(memory)
         if graphs is None:
             graphs = self._graphs[memory] = Graphs(
-                self.step, self._backend, memory=memory, packages=self._packages,
+                self.step, self._backend, memory=memory, packages=self._packages, warm=self._warm,
                 cuda_graphs=self.options.cuda_graphs, reuse_blocks=self.options.reuse_blocks,
                 draw_captures=self.settings.draw_captures)
         return graphs
@@ -305,9 +313,13 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture
     compiles with stays; default: ``TORCHINDUCTOR_CACHE_DIR`` or inductor's own). Ranks
     of one machine starting together compile each graph once: the first takes a lock
     on it, the others wait and load its entry. See :mod:`functrain.compiler.cache`.
-    ``package=True`` (with ``cache_dir``) compiles each graph ahead of time into a package
-    instead (AOTInductor: a slower first compile), which a later process tracing the same
-    graph loads in milliseconds (:mod:`functrain.compiler.package`).
+    ``package=True`` compiles each graph ahead of time into a package instead (AOTInductor), kept
+    in ``cache_dir/packages`` (without ``cache_dir``: functrain's private folder, ``~/.cache/functrain``
+    or ``FUNCTRAIN_CACHE_DIR``), with a warm entry keyed before any trace: a later process runs
+    it from its first call without tracing or importing the compiler, checked against the eager
+    step at that call (:mod:`functrain.compiler.warm`). A package is built by a blocking compile
+    (a direct call, :meth:`CompiledStep.precompile`); a background compile builds none (it
+    compiles into inductor's caches, where the steps need not wait), but looks up warm entries.
 
     **Background compilation** (:mod:`functrain.compiler.background`): with ``background=True``
     the first call returns the eager step's result at once while the graph compiles in a worker
@@ -335,7 +347,8 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture
         fullgraph: refuse graph breaks (``False``: allow them, on the Dynamo path).
         capture: ``"auto"``, ``"direct"`` or ``"dynamo"`` (see above).
         cache_dir: a folder for the compile caches and packages.
-        package: compile ahead of time into packages in ``cache_dir``.
+        package: compile ahead of time into packages in ``cache_dir`` (without it: functrain's private folder),
+            and run a later process's step from its first call (a warm start).
         background: compile off the training thread, eager calls meanwhile (``None``: the caller decides).
         switch_at: with background compilation, switch at this step count (waiting for the compile there).
         reuse_blocks: trace each repeated block (a transformer's layers) once, reuse it at every depth

@@ -173,11 +173,10 @@ class BackgroundCompiler:
                           f"only: torch's compiler saves and restores the global random generator and patches "
                           f"nn.Module while it works, so eager steps that run meanwhile may draw other random "
                           f"numbers than the state's key gives", RuntimeWarning, stacklevel=5)
-        # the compiler's imports (seconds of CPU) start now, unless the policy may decline this run's compile
-        # from its first timed steps alone (a run of known length: see _may_trace), before anything is imported
+        # the compiler's imports (seconds of CPU) start at the first call that misses (not before: a warm start
+        # imports nothing), unless the policy may decline this run's compile from its first timed steps alone (a
+        # run of known length: see _may_trace), before anything is imported
         self._imported = not self._decides
-        if self._imported:
-            _preload()
 
     # -- the decision: a dispatch on the signature's record ---------------------------------------
     def on_miss(self, state: TrainState, batch: Any, s: Any, key: Any, graphs: Any) -> Eager | Ready:
@@ -187,6 +186,8 @@ class BackgroundCompiler:
         rec = self.records.get(key) or self.records.setdefault(key, Record(key))
         if rec.status in (GAVE_UP, DECLINED_):
             return self._eager(state, batch)
+        if self._imported:
+            _preload()  # (once per process)
         decision = self._dispatch(rec, state, batch, s, graphs)
         self._report()
         return decision

@@ -161,10 +161,13 @@ class Captured:
                     until it takes it (:meth:`take_walk`): the Trainer's memory line never traces again.
         draws:      the Python draws the step branched on while traced (a
                     :class:`~functrain.compiler.host_draws.DrawPlan`: the capture holds one outcome), or ``None``.
+        warm:       ``(pre-trace key, output treespec's text)`` for a capture rebuilt from a warm entry whose first
+                    call has not been checked yet (:mod:`functrain.compiler.warm`; its ``out_spec`` is set then),
+                    else ``None``.
     """
 
     __slots__ = ("signature", "gm", "inputs", "metas", "fn", "constants", "memory", "out_spec", "out_plan", "random",
-                 "n_state", "state_spec", "trivial_out", "stable", "step_index", "draws", "walk_gm")
+                 "n_state", "state_spec", "trivial_out", "stable", "step_index", "draws", "walk_gm", "warm")
 
     def __init__(self, **kw: Any):
         for k, v in kw.items():
@@ -316,7 +319,7 @@ def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: boo
                     fn=None, constants=constants, memory=memory,
                     out_spec=record["spec"], out_plan=plan, random=draws_random(gm), n_state=n_state,
                     state_spec=state_spec, trivial_out=all(p is None for p in plan), stable=None,
-                    step_index=step_index, walk_gm=gm, draws=plans[0] if plans and plans[0] is not None and plans[0].draws
+                    step_index=step_index, walk_gm=gm, warm=None, draws=plans[0] if plans and plans[0] is not None and plans[0].draws
                     else None)
 
 

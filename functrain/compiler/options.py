@@ -11,10 +11,10 @@ Example::
     >>> from functrain.compiler.options import Options
     >>> Options().path, Options(fullgraph=False).path
     ('direct', 'dynamo')
-    >>> Options(package=True)
+    >>> Options(package=True, fullgraph=False)
     Traceback (most recent call last):
     ...
-    ValueError: ft.compile(package=True) needs cache_dir=: the folder its packages are kept in
+    ValueError: ft.compile(package=True) needs the direct capture (fullgraph=True, static shapes, no extra torch.compile arguments, capture='auto' or 'direct'; with mode='reduce-overhead', donate=True); got fullgraph=False
 """
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ class Options:
         fullgraph, dynamic, backend, mode, options: as for ``torch.compile``.
         capture: one of :data:`CAPTURES`.
         cache_dir: the folder of the compile caches and packages, or ``None``.
-        package: compile each graph ahead of time into a package kept in ``cache_dir``.
+        package: compile each graph ahead of time into a package kept in ``cache_dir`` (``None``: functrain's
+            private folder).
         extra: any other ``torch.compile`` keyword arguments (they need the Dynamo path).
         background: ``True``: compile off the training thread, run eagerly until the compiled code is ready
             (:mod:`functrain.compiler.background`); ``False``: the first call compiles and waits; ``None``
@@ -154,9 +155,6 @@ RULES: tuple[Rule, ...] = (
          lambda o: "ft.compile(package=True) needs the direct capture (fullgraph=True, static shapes, no extra "
                    "torch.compile arguments, capture='auto' or 'direct'; with mode='reduce-overhead', "
                    f"donate=True); got {_given(o)}"),
-    Rule(lambda o: o.package,
-         lambda o: o.cache_dir is not None,
-         lambda o: "ft.compile(package=True) needs cache_dir=: the folder its packages are kept in"),
     Rule(lambda o: o.package,
          lambda o: o.backend in _INDUCTOR and not o.options and o.mode in (None, "default", "reduce-overhead"),
          lambda o: "ft.compile(package=True) compiles with AOTInductor's defaults: it takes no backend=, options= "

@@ -47,7 +47,7 @@ from .graph_lock import compile_lock
 from .probe_memo import machine, probe_memo
 from . import trust
 
-__all__ = ["Packages"]
+__all__ = ["Packages", "PackageCall"]
 
 _FORMAT = 2  # 2: the sidecar holds an HMAC under this user's key
 _KEY_BYTES = 32
@@ -119,7 +119,7 @@ class Packages:
             if not hmac.compare_digest(str(stored.get("hmac", "")), _sign(self.key, material, digest)):
                 raise ValueError("its checksum is not signed with this user's package key (built by someone "
                                  "else, or changed since)")
-            fn = _loader(package, json.loads(material)["device"])
+            fn = _loader(package, json.loads(material)["device"], key)
         except Exception as e:  # noqa: BLE001 - anything wrong with a package means: rebuild it
             if not quiet:
                 warnings.warn(f"ft.compile(package=True): not loading {package!r} ({type(e).__name__}: {e}); "
@@ -137,8 +137,12 @@ class Packages:
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{key}-", suffix=".pt2")
         os.close(fd)
         try:
+            # on the CPU the graph's random ops call torch's own kernels (fallback_random), as the direct path's
+            # graphs do: its draws are eager's (core.rng), and a warm start can check it against the eager step
+            cpu = json.loads(material)["device"][0] == "cpu"
             with probe_memo():
-                aoti_compile_and_package(program, package_path=tmp)
+                aoti_compile_and_package(program, package_path=tmp,
+                                         inductor_configs={"fallback_random": True} if cpu else None)
             digest = _sha256(tmp)
             os.replace(tmp, package)
         except BaseException:
@@ -147,7 +151,49 @@ class Packages:
             raise
         _write_json(sidecar, {"format": _FORMAT, "material": material, "sha256": digest,
                               "hmac": _sign(self.key, material, digest)})
-        return _loader(package, json.loads(material)["device"])
+        return _loader(package, json.loads(material)["device"], key)
+
+    def load_key(self, key: str) -> "PackageCall | None":
+        """The package ``key`` loaded without its graph at hand (a warm start,
+        :mod:`functrain.compiler.warm`): its sidecar's signature and checksum are checked, and its key material
+        must name this machine and this functrain's calling convention; ``None``: no such package (or a damaged
+        one, deleted with a warning)."""
+        package, sidecar = self._paths(key)
+        try:
+            with open(sidecar, encoding="utf-8") as f:
+                stored = json.load(f)
+        except (OSError, ValueError):
+            return None
+        material = stored.get("material") if isinstance(stored, dict) else None
+        try:
+            fields = json.loads(material) if isinstance(material, str) else None
+        except ValueError:
+            fields = None
+        if not isinstance(fields, dict) or fields.get("functrain") != _calling_convention() \
+                or json.dumps(fields.get("machine"), sort_keys=True, default=str) \
+                != json.dumps(machine(), sort_keys=True, default=str):
+            return None
+        return self._load(key, material)
+
+    def sign(self, name: str, text: str) -> str:
+        """An HMAC of ``text`` under this user's package key, for the record ``name`` (a warm entry)."""
+        return _sign(self.key, "warm:" + name, text)
+
+    def write_json(self, path: str, data: Any) -> None:
+        """Write ``data`` as JSON to ``path`` in this folder (a temporary file renamed: never torn)."""
+        _write_json(path, data)
+
+
+class PackageCall:
+    """A loaded package's callable over the graph's inputs; ``key``: the package's key."""
+
+    __slots__ = ("key", "loader", "_run")
+
+    def __init__(self, loader: Any, key: str):
+        self.key, self.loader, self._run = key, loader, loader.run  # (the loader keeps the library loaded)
+
+    def __call__(self, *args: torch.Tensor) -> list:
+        return self._run(list(args))
 
 
 def package_key() -> bytes:
@@ -215,16 +261,9 @@ def _calling_convention() -> str:
     return h.hexdigest()
 
 
-def _loader(package: str, device: list) -> Callable:
+def _loader(package: str, device: list, key: str) -> PackageCall:
     index = -1 if device[0] == "cpu" else (device[1] if device[1] is not None else torch.cuda.current_device())
-    loader = torch._C._aoti.AOTIModelPackageLoader(package, "model", False, 1, index)
-    run = loader.run
-
-    def call(*args: torch.Tensor) -> list:
-        return run(list(args))
-
-    call.loader = loader  # type: ignore[attr-defined]  # keeps the library loaded
-    return call
+    return PackageCall(torch._C._aoti.AOTIModelPackageLoader(package, "model", False, 1, index), key)
 
 
 def _sha256(path: str) -> str:

@@ -82,14 +82,19 @@ class Graphs:
         pending: ``{signature key: Captured}`` traced for :func:`functrain.memory`, compiled on first use.
         draws: which capture a call takes when the step branches on Python draws
             (:class:`~functrain.compiler.host_draws.DrawCases`; its keys stand in for signature keys).
+        warm: the package folder's warm starts (:class:`~functrain.compiler.warm.WarmStarts`), or ``None``.
+        cold: the signature keys a warm start was tried for (found nothing, or its check failed): traced.
     """
 
     def __init__(self, step: Step, backend: CountingBackend, *, memory: str, packages: Any = None,
-                 cuda_graphs: bool = False, reuse_blocks: bool = False, draw_captures: int = DRAW_CAPTURES):
+                 cuda_graphs: bool = False, reuse_blocks: bool = False, draw_captures: int = DRAW_CAPTURES,
+                 warm: Any = None):
         self.step = step
         self.backend = backend
         self.memory = memory
         self.packages = packages
+        self.warm = warm
+        self.cold: set = set()
         self.cuda_graphs = cuda_graphs
         self.reuse_blocks = reuse_blocks and packages is None  # (a package's key covers the graph's code only)
         self.captures: dict = {}
@@ -112,17 +117,50 @@ class Graphs:
         if cap is None:
             cap = self.pending.pop(key, None) or self.trace(s, state, batch)
             compile_captured(cap, self.backend, packages=self.packages, cuda_graphs=self.cuda_graphs)
+            self._remember(cap, s, batch)
             self.captures[key] = cap
             self.draws.add(key, cap)
         return cap
 
-    def install(self, key: Any, cap: Captured, fn: Any) -> Captured:
+    def install(self, key: Any, cap: Captured, fn: Any, s: Any = None, batch: Any = None) -> Captured:
         """Install ``cap`` for ``key`` with its code ``fn`` made elsewhere (a background compile; ``None``: compile
-        it here, on the caller's thread)."""
-        compile_captured(cap, self.backend, packages=self.packages, cuda_graphs=self.cuda_graphs, fn=fn)
+        it here, on the caller's thread); ``s`` (the state, ``rng=None``) and ``batch``: its inputs, for the warm
+        entry of a package (``None``: none written)."""
+        # (a capture whose example inputs a background compile let go is compiled without a package)
+        compile_captured(cap, self.backend, packages=self.packages if cap.inputs is not None else None,
+                         cuda_graphs=self.cuda_graphs, fn=fn)
+        self._remember(cap, s, batch)
         self.captures[key] = cap
         self.draws.add(key, cap)
         return cap
+
+    def _remember(self, cap: Captured, s: Any, batch: Any) -> None:
+        """A capture whose code is a package: its warm entry, for a later process (:mod:`functrain.compiler.warm`)."""
+        from .package import PackageCall
+        if self.warm is None or s is None or not isinstance(cap.fn, PackageCall):
+            return
+        self.warm.remember(self.warm.key(self.step, self.memory, s, batch), cap, cap.fn.key)
+
+    def tries_warm(self, key: Any) -> bool:
+        """Whether a call of signature ``key`` looks up a warm entry (there are warm starts, and it was not tried)."""
+        return self.warm is not None and key not in self.cold
+
+    def warm_capture(self, key: Any, s: Any, batch: Any) -> Captured | None:
+        """The capture for signature ``key`` loaded from a warm entry (no trace; its first call checks it:
+        :meth:`Runner._warm_call`), or ``None`` (no entry; tried once per signature)."""
+        self.cold.add(key)
+        cap = self.warm.load(self.warm.key(self.step, self.memory, s, batch), self.memory, s, batch)
+        if cap is not None:
+            compile_captured(cap, self.backend, cuda_graphs=self.cuda_graphs, fn=cap.fn)
+            self.backend.count += 1
+        return cap
+
+    def warmed(self, key: Any, cap: Captured) -> None:
+        """A warm capture passed its check: it serves signature ``key`` from now on."""
+        cap.warm = None
+        self.cold.discard(key)
+        self.captures[key] = cap
+        self.draws.add(key, cap)
 
     def take_pending(self, key: Any) -> Captured | None:
         """The capture :func:`functrain.memory` traced for ``key`` (no longer kept), or ``None``."""
@@ -191,6 +229,8 @@ class Runner:
             self.pauses += paused
             tensors = cap.signature.tensors(leaves)
             self.last, self.trusted = cap, None
+            if cap.warm is not None:  # loaded from a warm entry: its first call is checked against the eager step
+                return self._warm_call(cap, tensors, leaves, state, batch, rng)
         new, metrics = self._call(cap, tensors, leaves, state, batch, rng)
         self.rates.record("compiled", paused)
         return new, metrics
@@ -222,18 +262,76 @@ class Runner:
                 if self.background is not None:  # (compiled by another runner of the step: this one runs it too)
                     self.background.found(key)
                 return cap, state, leaves, False
+            if self._warm_allowed() and self.graphs.tries_warm(key):
+                t0 = time.perf_counter()
+                cap = self.graphs.warm_capture(key, s, batch)  # a package a process compiled before: no trace
+                if self.step.agree(int(cap is not None)):  # (every rank, or none: a host collective)
+                    cap.warm = (*cap.warm, key, time.perf_counter() - t0)
+                    return cap, state, leaves, False
             if self.background is None:  # compile it here, now, on the caller's thread
                 return self._compile_here(key, s, state, batch), state, leaves, True
             decision = self.background.on_miss(state, batch, s, key, self.graphs)
             if not isinstance(decision, Ready):
                 return decision
-            cap = self.graphs.install(key, decision.capture, decision.fn)
+            cap = self.graphs.install(key, decision.capture, decision.fn, s, batch)
             if not DrawCases.holds(cap, host_seed(rng)):  # it holds another outcome of the draws: keyed anew
                 continue
             if self.memory != "fresh":  # a donating graph writes every leaf in place: no two may share one
                 state = _unaliased(state)
                 leaves, _ = signature_key(_without_rng(state), batch)
             return cap, state, leaves, decision.paused
+
+    def _warm_call(self, cap: Captured, tensors: list, leaves: list, state: Any, batch: Any, rng: Any) -> tuple:
+        """The first call of a capture loaded from a warm entry: the eager step runs first on the same inputs;
+        the loaded code's result is used if it agrees (:func:`~functrain.compiler.warm.disagreement`), and the
+        capture then serves its signature; otherwise a warning names the leaf, the entry is deleted and the eager
+        result is returned (the next call traces and compiles)."""
+        from .warm import disagreement
+        prekey, spec_text, key, load_s = cap.warm
+        s = _without_rng(state)
+        inputs = {id(t) for t in tensors}
+        keep = lambda x: x.clone() if torch.is_tensor(x) and id(x) in inputs else x  # noqa: E731 (donation)
+        eager_new, eager_metrics = optree.tree_map(keep, self.step(state, batch))
+        old = [x.clone() if torch.is_tensor(x) else x for x in optree.tree_leaves(s)]
+        eager_s = _without_rng(eager_new)
+        cap.out_spec = optree.tree_structure((eager_s, eager_metrics) if self.memory == "fresh" else eager_metrics)
+        why = None if repr(cap.out_spec) == spec_text else "the step's outputs have another structure"
+        if why is None:
+            new, metrics = self._call(cap, tensors, leaves, state, batch, rng)
+            e_paths, e_leaves = _paths_leaves((eager_s, eager_metrics))
+            c_paths, c_leaves = _paths_leaves((_without_rng(new), metrics))
+            if e_paths != c_paths:
+                why = "the step's outputs have another structure"
+            else:
+                n_metrics = len(e_leaves) - len(old)
+                why = disagreement(old + [None] * n_metrics, e_leaves, c_leaves, e_paths)
+            if why is None and rng is not None and not torch.equal(eager_new.rng["key"], new.rng["key"]):
+                why = "its random-number state differs from the eager step's"
+        if not self.step.agree(int(why is None)):  # (a rank whose check failed: every rank returns eager's)
+            if why is not None:
+                self.graphs.warm.drop(prekey, f"its first call disagrees with the eager step ({why})")
+            self.last, self.trusted = None, None
+            self.rates.record("eager", True)
+            return eager_new, eager_metrics
+        self.graphs.warmed(key, cap)
+        p = self.progress
+        if p.compile_s is None:
+            p.compile_s, p.source = load_s, "warm"
+        p.traced, p.phase = True, "compiled"
+        if self.background is not None:
+            self.background.found(key)
+        self.rates.record("compiled", True)
+        return new, metrics
+
+    def _warm_allowed(self) -> bool:
+        """A warm start replaces the eager calls before a switch, unless the switch is fixed at a later step
+        (``switch_at`` > 0: a run reproducible bit for bit runs eagerly until there)."""
+        return self.background is None or not self.progress.switch_at
+
+    def may_start_warm(self) -> bool:
+        """Whether a call of a new signature may load a warm entry instead of tracing (``package=True``): then
+        nothing should trace the step before that call (the Trainer's memory line waits for it)."""
+        return self.graphs.warm is not None and self._warm_allowed()
 
     def _compile_here(self, key: Any, s: Any, state: Any, batch: Any) -> Captured:
         """A blocking compile (no background compiler): the caller waits; this runner's :class:`Progress` says so."""
@@ -352,7 +450,7 @@ class Runner:
         if settings is not None and settings.worker == "process" and self.graphs.backend.shared \
                 and self.graphs.packages is None:
             fn, apart_s = compile_apart(cap, self.graphs.backend, settings, inductor or {})
-        self.graphs.install(key, cap, fn)  # (fn None: compiled here, now)
+        self.graphs.install(key, cap, fn, s, batch)  # (fn None: compiled here, now)
         return time.perf_counter() - t0, nodes, metas, apart_s
 
     def close(self) -> None:
@@ -398,6 +496,10 @@ class DynamoRunner:
         self.rates.record("compiled", paused)
         return new, metrics
 
+    def may_start_warm(self) -> bool:
+        """Never: the Dynamo path has no warm starts (:meth:`Runner.may_start_warm`)."""
+        return False
+
     def traced(self, state: Any, batch: Any) -> None:
         """``None``: the Dynamo path keeps no capture (:func:`functrain.memory` traces afresh)."""
         return None
@@ -439,3 +541,9 @@ def _unaliased(state: Any) -> Any:
             else:
                 seen.add(ptr)
     return optree.tree_unflatten(spec, leaves) if changed else state
+
+
+def _paths_leaves(tree: Any) -> tuple[list, list]:
+    """The leaves of ``tree`` and their paths as text (``state/params/0.weight``, ``metrics/loss``)."""
+    paths, leaves, _ = optree.tree_flatten_with_path(tree)
+    return ["/".join(("state", "metrics")[p[0]:p[0] + 1] + tuple(map(str, p[1:]))) for p in paths], leaves

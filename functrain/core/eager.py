@@ -439,6 +439,8 @@ class TreespecCache:
 
     __slots__ = ("_known",)
 
+    GRAPH_CACHE = True  # a memo: what it holds is not the step's structure (functrain.compiler.prekey)
+
     def __init__(self) -> None:
         # (spec, insertion order of the dict it came from, optree's leaf order): one attribute, so
         # that a step called from two threads never reads a half-updated cache

@@ -64,6 +64,8 @@ class Optimizer(NamedTuple):
         (tensor([0.9000, 0.9000]), 1, 0.1)
     """
 
+    GRAPH_DATA = ("schedule",)  # the lr it was built with is data in the state (functrain.compiler.prekey)
+
     init: Callable[[Any], Any]
     update: Callable[[Any, Any, Any], tuple]
     learning_rate: Callable[[Any], Any]
@@ -216,6 +218,8 @@ class Schedule:
         >>> round(float(s.at(torch.tensor(6), c)), 6)   # count 6 of a 10-step run
         0.5
     """
+
+    GRAPH_DATA = ("constants", "total_steps")  # data in the state, not structure (functrain.compiler.prekey)
 
     def __init__(self, name: str, constants: dict, formula: Callable[[torch.Tensor, dict], torch.Tensor],
                  total_steps: int | None):

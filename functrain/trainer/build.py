@@ -313,7 +313,7 @@ def trainer_step(loss: Callable, config: TrainConfig, world: int, **kwargs: Any)
     step, compiled = build_step(loss, config, world, **kwargs)
     if compiled is None and config.compile:
         compiled = compile_step(step, background=config.compile_background, switch_at=config.compile_switch_at,
-                                policy=config.compile_policy)
+                                policy=config.compile_policy, package=config.compile_package)
     return step, compiled, compiled.runner(donate=True, background=True) if compiled is not None else step
 
 

@@ -33,7 +33,9 @@ __all__ = ["RunClock", "precompile"]
 
 _SOURCES = {"cache": "loaded from the compile caches", "peer": "loaded from another process's compile",
             "worker": "compiled by a worker process", "thread": "compiled on a thread",
-            "here": "compiled on the training thread"}  # (Progress.source: where the first graph's code came from)
+            "here": "compiled on the training thread",
+            "warm": "loaded from a package before any trace (a precompile's or an earlier run's, checked against the "
+                    "eager step at its first call)"}  # (Progress.source: where the first graph's code came from)
 
 
 class RunClock:
@@ -174,7 +176,7 @@ class RunClock:
             took = self._compile_s()
             where = ("compiled before this train() call, in this process (precompile, or an earlier train())"
                      if self.compiled_before or p.source is None else _SOURCES.get(p.source, f"compiled ({p.source})"))
-            how = f"{where} in {took:.1f} s" if took else where
+            how = (f"{where} in {took * 1000:.0f} ms" if took < 0.1 else f"{where} in {took:.1f} s") if took else where
             return said + [f"compiled from step {self.switched_at}, no step ran eagerly: its code was {how}{speeds}"]
         if p.phase == "failed":
             return said + [f"the background compile failed, every step ran eagerly{speeds}: {str(p.reason)[:200]}"]

@@ -52,7 +52,9 @@ class MemoryLine:
     :class:`~functrain.compiler.background.Progress`, ``switch_at`` ``None``): its trace waits for the compiler's
     imports, which a thread makes while the first steps run eagerly, so the line comes after the step in which
     that trace ran (:meth:`after_step`), from its capture; nothing is traced for the line then (the state's bytes
-    alone if that capture is not kept or the compile failed); none if the run ended before the trace.
+    alone if that capture is not kept or the compile failed); none if the run ended before the trace. The same
+    for a runner whose first call may load a warm entry (``may_start_warm``): a trace for the line would import
+    the compiler the warm start avoids.
 
     Attributes:
         thread: the thread walking the graph for the line (``None`` before; done once joined by :meth:`close`).
@@ -65,7 +67,7 @@ class MemoryLine:
 
     def first(self, state: Any, batch: Any) -> None:
         """Before the first step (every rank): make the line now, or keep ``batch`` (rank 0) for :meth:`after_step`."""
-        if self.progress is not None and self.progress.switch_at is None:
+        if self.progress is not None and (self.progress.switch_at is None or self.run_step.may_start_warm()):
             self.batch = batch if self.rank == 0 else None
             return
         prepared = _prepared(self.run_step, state, batch, trace=True)  # (the capture the first call compiles)

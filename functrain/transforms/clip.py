@@ -59,6 +59,7 @@ class Clip(Transform):
     name = "clip"
     order = 10
     needs = "global"  # the norm: sqrt(ctx.global_sum(|shard|^2)) when the gradient is a shard
+    GRAPH_DATA = ("max_norm",)  # data in the slot, not structure (functrain.compiler.prekey)
 
     def __init__(self, max_norm: float):
         self.max_norm = _positive("clip: max_norm", max_norm)
@@ -87,6 +88,7 @@ class ClipValue(Transform):
     name = "clip_value"
     order = 20
     needs = "elementwise"
+    GRAPH_DATA = ("value",)  # data in the slot, not structure (functrain.compiler.prekey)
 
     def __init__(self, value: float):
         self.value = _positive("clip_value: value", value)

@@ -237,7 +237,8 @@ with warnings.catch_warnings(record=True) as caught:
 e = state
 for b in batches:
     e, _ = step(e, b)
-print(json.dumps({"built": cstep._packages.built, "loaded": cstep._packages.loaded, "compiles": cstep.compiles,
+print(json.dumps({"built": cstep._packages.built, "loaded": cstep._packages.loaded, "warm": cstep._warm.loaded,
+                  "compiles": cstep.compiles,
                   "first_call_s": round(first, 3), "equal": bool(ft.tree.tree_allclose(c, e, rtol=1e-5, atol=1e-6)),
                   "warnings": [str(w.message) for w in caught if "package" in str(w.message)]}))
 """
@@ -250,28 +251,33 @@ def _package_run(tmp_path, scale):
 
 
 def test_a_package_is_loaded_by_a_later_process_and_rebuilt_when_corrupt_or_for_other_code(tmp_path):
-    """The first process builds the package; the second loads it (no compile) and is right; a
-    corrupted package is rebuilt with a warning, never loaded; a changed loss builds its own."""
+    """The first process builds the package; the second loads it (no compile; before any trace, from its warm
+    entry: tests/compiler/test_warm_start.py) and is right; a corrupted package is rebuilt with a warning, never
+    loaded; a changed loss builds its own."""
     first = _package_run(tmp_path, 1.0)
     assert first["built"] == 1 and first["loaded"] == 0 and first["compiles"] == 1 and first["equal"], first
     packages = tmp_path / "cache" / "packages"
     (pt2,) = [p for p in packages.iterdir() if p.suffix == ".pt2"]
     second = _package_run(tmp_path, 1.0)
-    assert second["loaded"] == 1 and second["built"] == 0 and second["equal"] and not second["warnings"], second
+    assert second["warm"] == 1 and second["built"] == 0 and second["equal"] and not second["warnings"], second
     print(f"first call: {first['first_call_s']} s building / {second['first_call_s']} s loading the package")
     pt2.write_bytes(pt2.read_bytes()[: pt2.stat().st_size // 2])  # a torn / tampered file
     third = _package_run(tmp_path, 1.0)
-    assert third["built"] == 1 and third["loaded"] == 0 and third["equal"], third
+    assert third["built"] == 1 and third["loaded"] == 0 and third["warm"] == 0 and third["equal"], third
     assert any("not loading" in w and "checksum" in w for w in third["warnings"]), third
     changed = _package_run(tmp_path, 3.0)
     assert changed["built"] == 1 and changed["loaded"] == 0 and changed["equal"], changed
     assert len([p for p in packages.iterdir() if p.suffix == ".pt2"]) == 2
 
 
-def test_package_needs_a_cache_dir_and_the_direct_capture():
+def test_packages_without_a_cache_dir_live_in_functrain_private_folder_and_need_the_direct_capture(tmp_path,
+                                                                                                   monkeypatch):
     import functrain as ft
+    from functrain.compiler import trust
+    monkeypatch.setenv("FUNCTRAIN_CACHE_DIR", str(tmp_path / "private"))
     step = ft.train_step(lambda p, b, x: (p["w"] * x).sum(), ft.optim.sgd(0.1))
-    with pytest.raises(ValueError, match="needs cache_dir"):
-        ft.compile(step, package=True)
+    cstep = ft.compile(step, package=True)
+    assert cstep._packages.folder == os.path.join(trust.private_home(), "packages")
+    assert cstep._packages.folder.startswith(str(tmp_path / "private")) and cstep.cache_dir is None
     with pytest.raises(ValueError, match="direct capture"):
         ft.compile(step, package=True, capture="dynamo")

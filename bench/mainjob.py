@@ -363,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         for variant in variants:
             cache = args.cache or tempfile.mkdtemp(prefix=f"ft-mainjob-{variant}-")
             if variant == "precompiled":  # one --precompile (a 400-step job's) fills this folder first
-                pre = one_run(args.results + "-pre", cache, 400, args.nproc, args.timeout, "precompile", False,
+                # (run through the same phase stamps as the runs: they wrap the example's functions, which the
+                # warm start's key reads, so a precompile without them would be another program's)
+                pre = one_run(args.results + "-pre", cache, 400, args.nproc, args.timeout, "precompile", args.phases,
                               args.policy)
                 print(f"round {rnd} precompile: rc {pre['rc']}, {pre['total_s']:.1f} s", flush=True)
                 if pre["rc"] != 0:

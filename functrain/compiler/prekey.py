@@ -5,7 +5,8 @@ compiled code from its first call without importing the tracer or the compiler. 
 
 * the step's Python: the loss function and everything it reaches, walked — each function's code (bytecode,
   constants, names; not its file or line), its defaults, the values in its closure cells and the module globals
-  its code names; a class's methods and attributes; an object's attributes (an ``nn.Module``'s non-tensor
+  its code reads; a class's methods and attributes (not ``__init__`` and the other construction and printing
+  methods: the object's attributes are walked instead); an object's attributes (an ``nn.Module``'s non-tensor
   settings, its submodules, hooks); the optimizer's and each transform's settings;
 * every tensor the walk meets by shape, stride, dtype, device and ``requires_grad`` (not its values: a tensor
   the step closes over is read at call time, and a capture that lifted one is never kept for a warm start);
@@ -285,7 +286,7 @@ class _Walker:
         for base in c.__bases__:
             self.visit(base)
         for name, value in c.__dict__.items():
-            if name in ("__dict__", "__weakref__", "__doc__", "__module__", "__qualname__", "__annotations__"):
+            if name in _NOT_RUN:
                 continue
             self.token("attr", name)
             self.visit(value)
@@ -320,6 +321,13 @@ class _Walker:
             self.token("data", type(value).__name__)
         else:
             self.visit(value)
+
+
+# a class's attributes a step does not run: bookkeeping, and construction and printing (an object's attributes are
+# walked themselves: the code that set them is not what the graph runs, and it may read globals that change)
+_NOT_RUN = frozenset({"__dict__", "__weakref__", "__doc__", "__module__", "__qualname__", "__annotations__",
+                      "__init__", "__new__", "__init_subclass__", "__del__", "__repr__", "__str__", "extra_repr",
+                      "__reduce__", "__reduce_ex__", "__getstate__", "__setstate__"})
 
 
 def _fields(x: Any) -> dict | None:

@@ -296,7 +296,8 @@ class Runner:
         eager_s = _without_rng(eager_new)
         cap.out_spec = optree.tree_structure((eager_s, eager_metrics) if self.memory == "fresh" else eager_metrics)
         why = None if repr(cap.out_spec) == spec_text else "the step's outputs have another structure"
-        if why is None:
+        # every rank calls the loaded code, or none (its collectives pair with the other ranks' only then)
+        if self.step.agree(int(why is None)):
             new, metrics = self._call(cap, tensors, leaves, state, batch, rng)
             e_paths, e_leaves = _paths_leaves((eager_s, eager_metrics))
             c_paths, c_leaves = _paths_leaves((_without_rng(new), metrics))

@@ -242,6 +242,7 @@ class Trainer:
         os.makedirs(self.folder, exist_ok=True)
         lock = self._lock_folder()
         done = False
+        memory = None
         try:
             state = self.restore()
             if self.rank == 0:
@@ -301,6 +302,8 @@ class Trainer:
             self._load_module(state)
             done = True
         finally:
+            if memory is not None and not done:  # a run that raised: its memory line's thread ends with it too
+                memory.close(timeout=60.0)
             self.stopping.restore()
             self.log.close()
             if lock is not None:

@@ -253,6 +253,30 @@ def test_a_transformers_gpt2_trains(tmp_path):
         _train(model, {"input_ids": ids}, config.replace(results_folder=str(tmp_path / "nolabels")))
 
 
+def test_a_run_that_raises_leaves_no_memory_line_thread_behind(tmp_path, monkeypatch):
+    """The memory line is made on a thread of its own; a run whose first step raises waits for it (nothing of a run
+    outlives it: a stray thread printing into the next test's captured output crashed a test worker). Its walk is
+    made slow here (the thread's own work, 0.5 s), so a run that did not wait would return with it alive."""
+    import threading
+    import time
+
+    from functrain.compiler import estimate
+
+    finish = estimate.Prepared.finish
+
+    def slow(self):
+        time.sleep(0.5)
+        return finish(self)
+    monkeypatch.setattr(estimate.Prepared, "finish", slow)
+
+    class Raises(Linear):
+        def forward(self, x, y):
+            raise ValueError("the model's own error")
+    with pytest.raises(ValueError, match="the model's own error"):
+        _train(Raises, _data(), _config(tmp_path))
+    assert not [t for t in threading.enumerate() if t.name == "functrain-memory-line" and t.is_alive()]
+
+
 # ------------------------------------------------------------------------------------------ evaluation
 def _per_sample_mse(params, data):
     x, y = data.tensors

@@ -70,6 +70,10 @@ class Packages:
 
     def __call__(self, gm: torch.fx.GraphModule, inputs: list, count: Callable[[], None]) -> Callable | None:
         """The package's callable for ``gm`` over ``inputs`` (loaded, else built); ``None``: not packageable."""
+        if not takes(gm):
+            warnings.warn(f"ft.compile(package=True): {NO_COLLECTIVES}; compiling it without a package",
+                          stacklevel=5)
+            return None
         if any(n.op == "get_attr" for n in gm.graph.nodes):  # not all of the graph is in its code: no safe key
             warnings.warn("ft.compile(package=True): the step's graph holds non-tensor attributes, which its "
                           "key cannot cover; compiling it without a package", stacklevel=5)
@@ -194,6 +198,17 @@ class PackageCall:
 
     def __call__(self, *args: torch.Tensor) -> list:
         return self._run(list(args))
+
+
+NO_COLLECTIVES = ("the step's graph holds collectives (data parallelism), which a package must not run: torch's "
+                  "AOTInductor runner holds the GIL while it waits in a collective, and a gloo worker thread that "
+                  "needs the GIL to free an earlier collective's tensors then deadlocks the rank (seen on 2 CPU ranks "
+                  "in 4 of 14 runs)")
+
+
+def takes(gm: torch.fx.GraphModule) -> bool:
+    """Whether a graph may be packaged: it holds no collective (:data:`NO_COLLECTIVES`)."""
+    return not any(n.op == "call_function" and str(n.target).startswith("_c10d_functional.") for n in gm.graph.nodes)
 
 
 def package_key() -> bytes:

@@ -448,9 +448,12 @@ class Runner:
         cap = self.graphs.take_pending(key) or self.graphs.trace(s, state, batch)
         nodes, metas = len(cap.gm.graph.nodes), cap.metas
         fn, apart_s = None, 0.0
+        from .package import takes
         if settings is not None and settings.worker == "process" and self.graphs.backend.shared \
-                and self.graphs.packages is None:
+                and (self.graphs.packages is None or not takes(cap.gm)):  # (no package: compiled in a worker)
             fn, apart_s = compile_apart(cap, self.graphs.backend, settings, inductor or {})
+        if fn is not None:
+            cap.inputs = None  # (compiled elsewhere: no package for this graph)
         self.graphs.install(key, cap, fn, s, batch)  # (fn None: compiled here, now)
         return time.perf_counter() - t0, nodes, metas, apart_s
 

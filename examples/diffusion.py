@@ -115,7 +115,7 @@ def main() -> None:
         train_batch_size=args.batch_size, gradient_accumulate_every=1, train_lr=1e-3,
         train_num_steps=args.steps, adam_betas=(0.9, 0.99), max_grad_norm=1.0, ema_update_every=1,
         ema_decay=0.99, save_and_sample_every=args.save_every, num_samples=25, mixed_precision=args.precision,
-        results_folder=args.results, seed=0, log_every=20, compile=not args.no_compile,
+        results_folder=args.results, seed=0, log_every=20, compile=not args.no_compile, compile_package=True,
         compile_background=not args.compile_blocking,
         lr_schedule="warmup_cosine", warmup_steps=min(50, args.steps // 10), min_lr=1e-4,
         eval_every=0, eval_batch_size=32,  # evaluate at every save, on the held-out split

@@ -137,7 +137,8 @@ class CompiledStep:
             # a background compile builds no package (it compiles where the steps do not wait, into inductor's
             # caches); a blocking compile (the first call, precompile) does, and every runner looks up warm entries
             made = Runner(graphs, BackgroundCompiler(self.step, self.options, self.settings, self._backend,
-                                                     None, memory) if bg else None)
+                                                     None, memory, defer_imports=self._warm is not None)
+                          if bg else None)
         self._runners.add(made)
         called = [m for m in self._made if m[2].path is not None]
         last = max(called, key=lambda m: m[2].last) if called else None

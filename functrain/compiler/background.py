@@ -146,7 +146,8 @@ class BackgroundCompiler:
     ``step``: the eager step; ``options``: the compiled step's :class:`~functrain.compiler.options.Options`
     (``switch_at``, the inductor arguments); ``settings``: its
     :class:`~functrain.compiler.settings.WorkerSettings`; ``backend``, ``packages``: the compiled step's; ``memory``:
-    the runner's memory kind (an eager call of a donating runner retires its input state).
+    the runner's memory kind (an eager call of a donating runner retires its input state); ``defer_imports``: the
+    compiler's imports wait for a call that misses (a runner that may start warm: ``package=True``).
 
     Attributes:
         progress: where the compile stands (:class:`Progress`); the runner shows it as its own.
@@ -155,7 +156,7 @@ class BackgroundCompiler:
     """
 
     def __init__(self, step: Any, options: Any, settings: WorkerSettings, backend: Any, packages: Any,
-                 memory: str):
+                 memory: str, defer_imports: bool = False):
         self.step, self.backend, self.packages, self.memory, self.settings = step, backend, packages, memory, settings
         self.switch_at: int | None = options.switch_at
         self.inductor = {"mode": options.mode, "options": options.options, "donate": options.donate}
@@ -173,10 +174,12 @@ class BackgroundCompiler:
                           f"only: torch's compiler saves and restores the global random generator and patches "
                           f"nn.Module while it works, so eager steps that run meanwhile may draw other random "
                           f"numbers than the state's key gives", RuntimeWarning, stacklevel=5)
-        # the compiler's imports (seconds of CPU) start at the first call that misses (not before: a warm start
-        # imports nothing), unless the policy may decline this run's compile from its first timed steps alone (a
-        # run of known length: see _may_trace), before anything is imported
+        # the compiler's imports (seconds of CPU) start now (defer_imports: at the first call that misses, which a
+        # warm start never makes), unless the policy may decline this run's compile from its first timed steps
+        # alone (a run of known length: see _may_trace), before anything is imported
         self._imported = not self._decides
+        if self._imported and not defer_imports:
+            _preload()
 
     # -- the decision: a dispatch on the signature's record ---------------------------------------
     def on_miss(self, state: TrainState, batch: Any, s: Any, key: Any, graphs: Any) -> Eager | Ready:

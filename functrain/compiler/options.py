@@ -11,10 +11,10 @@ Example::
     >>> from functrain.compiler.options import Options
     >>> Options().path, Options(fullgraph=False).path
     ('direct', 'dynamo')
-    >>> Options(package=True, fullgraph=False)
+    >>> Options(package=True, backend="aot_eager")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: ft.compile(package=True) needs the direct capture (fullgraph=True, static shapes, no extra torch.compile arguments, capture='auto' or 'direct'; with mode='reduce-overhead', donate=True); got fullgraph=False
+    ValueError: ft.compile(package=True) compiles with AOTInductor's defaults: it takes no backend=, ...
 """
 from __future__ import annotations
 

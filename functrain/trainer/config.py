@@ -90,11 +90,11 @@ class TrainConfig:
     and training waits for it. Whether a background compile starts at all is the compile policy's
     decision after the first steps (``compile_policy``: ``"auto"``; ``"always"`` or ``"never"`` force
     it; ``None``: ``FUNCTRAIN_COMPILE_POLICY``, default ``"auto"``; see docs/compiling.md).
-    ``compile_package`` (default on): :meth:`~functrain.Trainer.precompile` builds the step as a package in
+    ``compile_package=True`` (default off): :meth:`~functrain.Trainer.precompile` builds the step as a package in
     functrain's private folder, and a later run of the same model and shapes (any length, learning rate,
     warm-up, ...) runs it from its first step, without a trace or the compiler's imports (checked against the
-    eager step at that step); ``False``: a precompile fills inductor's caches, which a later run loads after its
-    trace.
+    eager step at that step); a step with collectives (several processes) is not packaged. Off: a precompile
+    fills inductor's caches, which a later run loads after its trace.
 
     Args:
         **fields: keyword arguments, one per field (the dataclass fields below: ``train_batch_size``, ``train_lr``,
@@ -146,7 +146,7 @@ class TrainConfig:
     eval_batch_size: int | None = None
     shard: str = "none"
     compile_background: bool = True
-    compile_package: bool = True
+    compile_package: bool = False
     compile_switch_at: int | None = None
     compile_policy: str | None = None
     split_batches: bool = False

@@ -1,6 +1,6 @@
 """Compile once, reuse everywhere (issue 40): a Trainer's step precompiled with one run length, lr and warm-up serves
 a later process's run with other ones (and its resume with more steps) without compiling: the numbers are inputs of
-the graph, not constants. The precompile builds a package (``TrainConfig.compile_package``, the default) and a warm
+the graph, not constants. The precompile builds a package (``TrainConfig(compile_package=True)``) and a warm
 entry; each later run loads it before any trace and runs compiled from its first step, importing neither Dynamo,
 inductor nor sympy. Real processes on one fresh functrain and inductor cache folder; each compiled run equals a fresh
 eager run with its numbers, to rounding."""
@@ -37,6 +37,7 @@ config = ft.TrainConfig(train_batch_size=8, train_lr=float(lr), train_num_steps=
                         warmup_steps=int(warmup), min_lr=1e-4, ema_decay=0.9, ema_update_after_step=0,
                         ema_update_every=1, results_folder=folder, compile=mode != "eager",
                         compile_switch_at=0 if mode == "run" else None, log_every=1, save_and_sample_every=1000,
+                        compile_package=True,
                         seed=0, trackers=("jsonl",))
 trainer = ft.Trainer(Model(), data, config)
 if mode == "pre":

@@ -248,6 +248,7 @@ class CompiledStep:
         from .jobs import leads_at_once
 
         cpu0 = cpu_seconds()
+        written = self._warm.written if self._warm is not None else 0
         inductor = {"mode": self.options.mode, "options": self.options.options, "donate": self.options.donate}
         # (compiled in a worker the caller waits for: its compilers die with this process, however it dies)
         seconds, nodes, metas, worker_cpu = made.precompile(state, batch, self.settings, inductor)
@@ -255,8 +256,10 @@ class CompiledStep:
             History.beside_caches().add_compile(kind_of(metas, self.options.mode), nodes,
                                                 cpu_seconds() - cpu0 + worker_cpu)
         if not quiet:
-            print(f"functrain: compiled ahead in {seconds:.1f} s; a run of this step loads it from the caches at its "
-                  f"first trace and runs compiled from then on", file=sys.stderr, flush=True)
+            then = ("a later run of this step runs it from its first step, loaded before any trace (a package in "
+                    f"{self._packages.folder})" if self._warm is not None and self._warm.written > written else
+                    "a run of this step loads it from the caches at its first trace and runs compiled from then on")
+            print(f"functrain: compiled ahead in {seconds:.1f} s; {then}", file=sys.stderr, flush=True)
         return seconds
 
     @property

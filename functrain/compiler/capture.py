@@ -367,7 +367,9 @@ def _dropout(func: Callable, args: tuple, kwargs: dict) -> Any:
         bound = dict(zip(names, args), **kwargs)
         x, p = bound.get("input"), bound.get("p", 0.5)
         train = bound.get("training", bound.get("train", True))
-        if torch.is_tensor(x) and x.device.type == "cpu" and train and 0 < p < 1 and not bound.get("inplace"):
+        # (p a plain number: a drawn one goes to dropout itself, whose use of it is refused there by name)
+        if torch.is_tensor(x) and x.device.type == "cpu" and train and type(p) in (int, float) and 0 < p < 1 \
+                and not bound.get("inplace"):
             return x * _mask_in_memory_order(x, p)
     return func(*args, **kwargs)
 

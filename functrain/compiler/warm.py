@@ -51,6 +51,7 @@ class WarmStarts:
     Attributes:
         loaded: warm starts this object served (a package loaded before any trace).
         dropped: entries deleted after a failed check.
+        written: entries this object wrote.
     """
 
     def __init__(self, packages: Any, structure: dict):
@@ -58,6 +59,7 @@ class WarmStarts:
         self.structure = structure  # the compile options that shape the graph (JSON-able)
         self.loaded = 0
         self.dropped = 0
+        self.written = 0
 
     def key(self, step: Any, memory: str, s: Any, batch: Any) -> str | None:
         """The pre-trace key of ``step`` for the state ``s`` (``rng=None``) and ``batch`` (``None``: not keyable)."""
@@ -91,6 +93,7 @@ class WarmStarts:
                 "state_spec": repr(cap.state_spec)}
         text = json.dumps(plan, sort_keys=True)
         self.packages.write_json(self._path(prekey), {"plan": text, "hmac": self.packages.sign(prekey, text)})
+        self.written += 1
         return True
 
     def load(self, prekey: str | None, memory: str, s: Any, batch: Any) -> Captured | None:

@@ -49,7 +49,7 @@ from . import trust
 
 __all__ = ["Packages", "PackageCall"]
 
-_FORMAT = 2  # 2: the sidecar holds an HMAC under this user's key
+_FORMAT = 3  # 2: the sidecar holds an HMAC under this user's key; 3: graphs with collectives, GIL-free
 _KEY_BYTES = 32
 
 
@@ -70,7 +70,8 @@ class Packages:
 
     def __call__(self, gm: torch.fx.GraphModule, inputs: list, count: Callable[[], None]) -> Callable | None:
         """The package's callable for ``gm`` over ``inputs`` (loaded, else built); ``None``: not packageable."""
-        if not takes(gm):
+        devices = {t.device for t in inputs}
+        if not takes(gm, next(iter(devices), torch.device("cpu"))):
             warnings.warn(f"ft.compile(package=True): {NO_COLLECTIVES}; compiling it without a package",
                           stacklevel=5)
             return None
@@ -78,7 +79,6 @@ class Packages:
             warnings.warn("ft.compile(package=True): the step's graph holds non-tensor attributes, which its "
                           "key cannot cover; compiling it without a package", stacklevel=5)
             return None
-        devices = {t.device for t in inputs}
         if len(devices) > 1:
             warnings.warn(f"ft.compile(package=True): the step's tensors are on several devices "
                           f"({sorted(map(str, devices))}); compiling it without a package", stacklevel=5)
@@ -123,7 +123,8 @@ class Packages:
             if not hmac.compare_digest(str(stored.get("hmac", "")), _sign(self.key, material, digest)):
                 raise ValueError("its checksum is not signed with this user's package key (built by someone "
                                  "else, or changed since)")
-            fn = _loader(package, json.loads(material)["device"], key)
+            fields = json.loads(material)
+            fn = _loader(package, fields["device"], key, "_c10d_functional." in fields["graph"])
         except Exception as e:  # noqa: BLE001 - anything wrong with a package means: rebuild it
             if not quiet:
                 warnings.warn(f"ft.compile(package=True): not loading {package!r} ({type(e).__name__}: {e}); "
@@ -138,6 +139,8 @@ class Packages:
         from torch._inductor import aoti_compile_and_package
         package, sidecar = self._paths(key)
         program = torch.export.export(gm, tuple(inputs), strict=False)
+        if _collective(gm):  # run without the GIL (_FreeRunner): every op in the graph's own code, none in Python
+            program = program.run_decompositions({torch.ops.aten._foreach_norm.Scalar: _foreach_norm})
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{key}-", suffix=".pt2")
         os.close(fd)
         try:
@@ -147,6 +150,8 @@ class Packages:
             with probe_memo():
                 aoti_compile_and_package(program, package_path=tmp,
                                          inductor_configs={"fallback_random": True} if cpu else None)
+            if _collective(gm):
+                _check_self_contained(tmp)
             digest = _sha256(tmp)
             os.replace(tmp, package)
         except BaseException:
@@ -155,7 +160,7 @@ class Packages:
             raise
         _write_json(sidecar, {"format": _FORMAT, "material": material, "sha256": digest,
                               "hmac": _sign(self.key, material, digest)})
-        return _loader(package, json.loads(material)["device"], key)
+        return _loader(package, json.loads(material)["device"], key, _collective(gm))
 
     def load_key(self, key: str) -> "PackageCall | None":
         """The package ``key`` loaded without its graph at hand (a warm start,
@@ -194,21 +199,118 @@ class PackageCall:
     __slots__ = ("key", "loader", "_run")
 
     def __init__(self, loader: Any, key: str):
-        self.key, self.loader, self._run = key, loader, loader.run  # (the loader keeps the library loaded)
+        # (the loader keeps the library loaded)
+        self.key, self.loader = key, loader
+        self._run = loader.run if not isinstance(loader, _FreeRunner) else loader
 
     def __call__(self, *args: torch.Tensor) -> list:
         return self._run(list(args))
 
+    @property
+    def frees_the_gil(self) -> bool:
+        """Whether a call lets other Python threads run (a package with collectives: :class:`_FreeRunner`)."""
+        return isinstance(self.loader, _FreeRunner)
 
-NO_COLLECTIVES = ("the step's graph holds collectives (data parallelism), which a package must not run: torch's "
-                  "AOTInductor runner holds the GIL while it waits in a collective, and a gloo worker thread that "
-                  "needs the GIL to free an earlier collective's tensors then deadlocks the rank (seen on 2 CPU ranks "
-                  "in 4 of 14 runs)")
+
+NO_COLLECTIVES = ("the step's graph holds collectives (data parallelism), which only a CPU package may hold: a rank "
+                  "waiting in a collective must let other threads take the GIL (a gloo worker thread needs it to "
+                  "free an earlier collective's tensors, and the rank deadlocks otherwise), and functrain's "
+                  "GIL-free runner is the CPU's")
 
 
-def takes(gm: torch.fx.GraphModule) -> bool:
-    """Whether a graph may be packaged: it holds no collective (:data:`NO_COLLECTIVES`)."""
-    return not any(n.op == "call_function" and str(n.target).startswith("_c10d_functional.") for n in gm.graph.nodes)
+def takes(gm: torch.fx.GraphModule, device: torch.device) -> bool:
+    """Whether a graph on ``device`` may be packaged: it holds no collective, or it runs on the CPU, where a
+    graph with collectives runs in :class:`_FreeRunner` (:data:`NO_COLLECTIVES`)."""
+    return device.type == "cpu" or not _collective(gm)
+
+
+def _collective(gm: torch.fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and str(n.target).startswith("_c10d_functional.") for n in gm.graph.nodes)
+
+
+def _foreach_norm(tensors: list, ord: float = 2.0, dtype: Any = None) -> list:
+    """``_foreach_norm`` as one ``linalg.vector_norm`` per tensor: AOTInductor has no C shim for it and would call
+    it through torch's proxy executor, which :class:`_FreeRunner` does not have."""
+    return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]
+
+
+def _check_self_contained(package: str) -> None:
+    """Refuse (``ValueError``) a package whose code calls an op through torch's proxy executor (an op without a C
+    shim, listed in the wrapper's JSON): :class:`_FreeRunner` runs only code that calls none."""
+    import zipfile
+    with zipfile.ZipFile(package) as z:
+        for name in z.namelist():
+            if name.endswith(".wrapper.json"):
+                nodes = json.loads(z.read(name)).get("nodes") or []
+                if nodes:
+                    ops = sorted({str(n.get("node", {}).get("target")) for n in nodes})
+                    raise ValueError(f"its code calls {ops} through torch's proxy executor, which the GIL-free "
+                                     f"runner of a graph with collectives does not have")
+
+
+class _FreeRunner:
+    """A CPU package's model run through its C interface with the GIL released (``ctypes``), for a graph that
+    waits in collectives: torch's own loader holds the GIL for the whole call, and a gloo worker thread that
+    needs the GIL meanwhile (to free an earlier collective's tensors) deadlocks the rank.
+
+    The package's shared library is copied to a private temporary folder, loaded, and deleted at once (the
+    mapping stays; nothing is left on disk). Its code must call no op through torch's proxy executor
+    (:func:`_check_self_contained`). Tensors cross as ``at::Tensor`` handles made and taken by torch's own
+    ``torch._C._aoti`` helpers."""
+
+    def __init__(self, package: str):
+        import ctypes
+        import shutil
+        import zipfile
+        _check_self_contained(package)
+        with zipfile.ZipFile(package) as z:
+            libs = [n for n in z.namelist() if n.endswith(".so") and "/data/aotinductor/model/" in n]
+            if len(libs) != 1:
+                raise ValueError(f"the package holds {len(libs)} model libraries, not 1")
+            folder = tempfile.mkdtemp(prefix="functrain-aoti-")  # (0700: nobody else can swap the file)
+            try:
+                path = os.path.join(folder, "model.so")
+                with open(path, "wb") as f:
+                    f.write(z.read(libs[0]))
+                self._lib = ctypes.CDLL(path)  # (CDLL: a call releases the GIL)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+        api = ctypes.pythonapi
+        self._pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+            ("PyCapsule_GetPointer", api))
+        self._capsule = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+            ("PyCapsule_New", api))
+        self._ctypes = ctypes
+        self._handle = ctypes.c_void_p()
+        self._check(self._lib.AOTInductorModelContainerCreateWithDevice(
+            ctypes.byref(self._handle), ctypes.c_size_t(1), b"cpu", None), "create the model")
+        outputs = ctypes.c_size_t()
+        self._check(self._lib.AOTInductorModelContainerGetNumOutputs(self._handle, ctypes.byref(outputs)),
+                    "count its outputs")
+        self._outputs = outputs.value
+        self._run = self._lib.AOTInductorModelContainerRun
+
+    def __call__(self, args: list) -> list:
+        c = self._ctypes
+        handles = [self._pointer(h, None) for h in torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(args)]
+        inputs = (c.c_void_p * len(handles))(*handles)  # (taken by the model)
+        outputs = (c.c_void_p * self._outputs)()
+        self._check(self._run(self._handle, inputs, c.c_size_t(len(handles)), outputs,
+                              c.c_size_t(self._outputs), None, None), "run")
+        return torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs([self._capsule(h, None, None)
+                                                                         for h in outputs])
+
+    @staticmethod
+    def _check(code: int, what: str) -> None:
+        if code != 0:
+            raise RuntimeError(f"ft.compile(package=True): the package's model failed to {what} (AOTInductor "
+                               f"error {code}; its message is on stderr)")
+
+    def __del__(self) -> None:
+        handle = getattr(self, "_handle", None)
+        if handle is not None and handle.value:
+            self._lib.AOTInductorModelContainerDelete(handle)
+            handle.value = None
 
 
 def package_key() -> bytes:
@@ -276,7 +378,9 @@ def _calling_convention() -> str:
     return h.hexdigest()
 
 
-def _loader(package: str, device: list, key: str) -> PackageCall:
+def _loader(package: str, device: list, key: str, collective: bool) -> PackageCall:
+    if collective and device[0] == "cpu":
+        return PackageCall(_FreeRunner(package), key)
     index = -1 if device[0] == "cpu" else (device[1] if device[1] is not None else torch.cuda.current_device())
     return PackageCall(torch._C._aoti.AOTIModelPackageLoader(package, "model", False, 1, index), key)
 

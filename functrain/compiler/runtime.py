@@ -450,7 +450,7 @@ class Runner:
         fn, apart_s = None, 0.0
         from .package import takes
         if settings is not None and settings.worker == "process" and self.graphs.backend.shared \
-                and (self.graphs.packages is None or not takes(cap.gm)):  # (no package: compiled in a worker)
+                and (self.graphs.packages is None or not takes(cap.gm, _device(cap))):  # (no package: compiled in a worker)
             fn, apart_s = compile_apart(cap, self.graphs.backend, settings, inductor or {})
         if fn is not None:
             cap.inputs = None  # (compiled elsewhere: no package for this graph)
@@ -551,3 +551,8 @@ def _paths_leaves(tree: Any) -> tuple[list, list]:
     """The leaves of ``tree`` and their paths as text (``state/params/0.weight``, ``metrics/loss``)."""
     paths, leaves, _ = optree.tree_flatten_with_path(tree)
     return ["/".join(("state", "metrics")[p[0]:p[0] + 1] + tuple(map(str, p[1:]))) for p in paths], leaves
+
+
+def _device(cap: Captured) -> torch.device:
+    """The device of a capture's example inputs (the CPU when it holds none)."""
+    return cap.inputs[0].device if cap.inputs else torch.device("cpu")

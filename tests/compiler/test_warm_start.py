@@ -299,21 +299,3 @@ def test_a_later_run_is_compiled_from_its_first_call_without_the_compiler(tmp_pa
     tampered = _run(tmp_path)
     assert tampered["warm"] == 0 and tampered["equal"], tampered
     assert any("not signed with this user's package key" in w for w in tampered["warnings"]), tampered
-
-
-def test_a_graph_with_collectives_is_not_packaged():
-    """A data-parallel graph (a functional all-reduce in it) is never packaged (package.NO_COLLECTIVES: torch's
-    AOTInductor runner holds the GIL while it waits in the collective; gloo's worker thread deadlocked a rank on
-    it); a graph without one is."""
-    from functrain.compiler import package
-
-    graph = torch.fx.Graph()
-    x = graph.placeholder("x")
-    reduced = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0"))
-    waited = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduced,))
-    graph.output([waited])
-    assert not package.takes(torch.fx.GraphModule(torch.nn.Module(), graph))
-    plain = torch.fx.Graph()
-    y = plain.placeholder("y")
-    plain.output([plain.call_function(torch.ops.aten.mul.Tensor, (y, y))])
-    assert package.takes(torch.fx.GraphModule(torch.nn.Module(), plain))

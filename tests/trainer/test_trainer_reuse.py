@@ -98,3 +98,38 @@ def test_a_precompiled_step_serves_other_lengths_lrs_warmups_and_a_longer_resume
     _child(tmp_path, "eager", 10, 3e-2, 2, tmp_path / "eager")
     got, want = torch.load(tmp_path / "run" / "final.pt"), torch.load(tmp_path / "eager" / "final.pt")
     assert _close(got["params"], want["params"]) and _close(got["ema"], want["ema"])
+
+
+def _launch(tmp_path, mode, steps, lr, warmup, folder):
+    """The child on 2 gloo ranks under functrain's launcher (data parallel): each rank's RESULT line."""
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "FUNCTRAIN_CACHE"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+               FUNCTRAIN_CACHE_DIR=str(tmp_path / "memo"))
+    proc = subprocess.run([sys.executable, "-m", "functrain.launch", "--nproc", "2", str(script), mode, str(steps),
+                           str(lr), str(warmup), str(folder)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [json.loads(x.split("RESULT ", 1)[1]) for x in proc.stdout.splitlines() if "RESULT " in x]
+    assert len(results) == 2, proc.stdout[-3000:]
+    return results, proc.stdout + proc.stderr
+
+
+def test_a_precompiled_data_parallel_step_serves_a_later_run_on_two_ranks(tmp_path):
+    """The same on 2 ranks: the step's graph holds the gradients' all-reduce, and its package runs in the GIL-free
+    runner (tests/compiler/test_package_collectives.py proves why it must); the later run is compiled from step 1
+    on both ranks, imports no compiler, and equals a 2-rank eager run."""
+    _launch(tmp_path, "pre", 400, 1e-3, 40, tmp_path / "pre")
+    compiled = _entries(tmp_path)
+    assert len([p for p in compiled if p.endswith(".pt2")]) == 1, compiled
+    assert len([p for p in compiled if p.startswith("warm-")]) == 1, compiled
+    runs, out = _launch(tmp_path, "run", 6, 3e-2, 2, tmp_path / "run")
+    assert [r["imported"] for r in runs] == [[], []], (runs, out[-2000:])
+    assert "compiled from step 1, no step ran eagerly: its code was loaded from a package before any trace" in out, \
+        out[-2000:]
+    log = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r.get("compile_source") for r in log if "compile_s" in r] == ["warm"], log
+    assert _entries(tmp_path) == compiled
+    _launch(tmp_path, "eager", 6, 3e-2, 2, tmp_path / "eager")
+    got, want = torch.load(tmp_path / "run" / "final.pt"), torch.load(tmp_path / "eager" / "final.pt")
+    assert _close(got["params"], want["params"]) and _close(got["ema"], want["ema"])

@@ -97,7 +97,7 @@ PHASES = (
     ("interpreter", "process", "python"),                 # the rank's interpreter + site
     ("import torch", "python", "torch"),
     ("import library", "torch", "library"),               # functrain (its launcher's boot imports it) / accelerate
-    ("data", "data_start", "data"),                       # the example's digits_dataset() (scikit-learn)
+    ("data", "data_start", "data"),                       # the example's digits_dataset() (scikit-learn's file)
     ("model", "model_start", "model"),
     ("distributed init", "dist_start", "dist_init"),
     ("other setup", None, None),                          # library -> loop, less data, model and distributed init

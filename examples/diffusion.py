@@ -82,11 +82,27 @@ class Diffusion(torch.nn.Module):
         return ((x + 1) / 2).clamp(0, 1)
 
 
+def digits_images():
+    """scikit-learn's 8x8 digits (``load_digits().images``, 1797 x 8 x 8, float64), read from the file scikit-learn
+    ships (no download) with numpy: importing scikit-learn takes about a second, longer than the rest of this
+    example's start-up after torch; ``load_digits`` where that file is not found."""
+    import importlib.util
+
+    import numpy as np
+
+    spec = importlib.util.find_spec("sklearn")  # (finds the package without importing it)
+    folder = next(iter(spec.submodule_search_locations or ()), None) if spec is not None else None
+    path = os.path.join(folder, "datasets", "data", "digits.csv.gz") if folder else None
+    if path is None or not os.path.isfile(path):
+        from sklearn.datasets import load_digits
+
+        return load_digits().images
+    return np.loadtxt(path, delimiter=",")[:, :-1].reshape(-1, 8, 8)  # (the last column: the label)
+
+
 def digits_dataset(held_out: int = 197) -> tuple[torch.utils.data.TensorDataset, torch.utils.data.TensorDataset]:
     """The 1797 digits as (train, held-out) splits, the held-out ones fixed by a seeded permutation."""
-    from sklearn.datasets import load_digits  # ships with scikit-learn: no download
-
-    images = torch.tensor(load_digits().images, dtype=torch.float32).unsqueeze(1) / 16.0
+    images = torch.tensor(digits_images(), dtype=torch.float32).unsqueeze(1) / 16.0
     order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))
     train, test = order[held_out:], order[:held_out]
     return torch.utils.data.TensorDataset(images[train]), torch.utils.data.TensorDataset(images[test])

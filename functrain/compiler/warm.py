@@ -49,7 +49,9 @@ class WarmStarts:
     """The warm entries of one package folder (:class:`~functrain.compiler.package.Packages`).
 
     Attributes:
-        loaded: warm starts this object served (a package loaded before any trace).
+        loaded: entries this object loaded with their package before any trace (counted at the load: one whose
+            first-call check then fails is counted in ``dropped`` too; one the other ranks had none for is run
+            eagerly and traced).
         dropped: entries deleted after a failed check.
         written: entries this object wrote.
     """

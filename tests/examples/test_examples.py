@@ -74,3 +74,14 @@ def test_language_model_transformers_gpt2_any_steps(steps):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "transformers GPT-2: final loss" in out.stdout
     assert "token_id" not in out.stderr, out.stderr[-2000:]
+
+
+def test_the_diffusion_examples_digits_are_scikit_learns_without_importing_it():
+    """examples/diffusion.py reads the digits from the file scikit-learn ships (its import is ~1 s of each rank's
+    start-up): the same images as ``load_digits().images``, bitwise, and scikit-learn not imported."""
+    pytest.importorskip("sklearn")
+    code = ("import sys, numpy as np; sys.path.insert(0, 'examples'); import diffusion; "
+            "x = diffusion.digits_images(); imported = 'sklearn' in sys.modules; "
+            "from sklearn.datasets import load_digits; y = load_digits().images; "
+            "print(imported, x.dtype == y.dtype, x.shape == y.shape and bool(np.array_equal(x, y)))")
+    assert _run(["-c", code], timeout=120).split() == ["False", "True", "True"]

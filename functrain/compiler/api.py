@@ -63,7 +63,8 @@ class CompiledStep:
         (True, 0, False)
     """
 
-    __slots__ = ("step", "options", "settings", "donate", "cache_dir", "_backend", "_packages", "_warm", "_graphs",
+    __slots__ = ("step", "options", "settings", "donate", "cache_dir", "_backend", "_packages", "_warm", "_later",
+                 "_graphs",
                  "_own", "_twin", "_runners", "_made", "__weakref__")
 
     def __init__(self, step: Step, options: Options | None = None, settings: WorkerSettings | None = None,
@@ -81,8 +82,9 @@ class CompiledStep:
         folder = cache.use_cache_dir(options.cache_dir)
         set_(self, "cache_dir", None if options.cache_dir is None else folder)
         set_(self, "_backend", make_backend(options, settings.lock_timeout))
-        packages = warm = None
+        packages = warm = later = None
         if options.package:
+            from .later import PackageLater
             from .package import Packages
             from .warm import WarmStarts
             from .trust import private_home
@@ -90,8 +92,10 @@ class CompiledStep:
             folder = private_home() if options.cache_dir is None else os.fspath(options.cache_dir)
             packages = Packages(folder, settings.lock_timeout)
             warm = WarmStarts(packages, {"cuda_graphs": options.cuda_graphs})
+            later = PackageLater(folder, settings, settings.lock_timeout)  # (after a background compile)
         set_(self, "_packages", packages)
         set_(self, "_warm", warm)
+        set_(self, "_later", later)
         set_(self, "_graphs", {})  # memory kind -> Graphs (the compiled graphs, filled as runners compile)
         set_(self, "_runners", weakref.WeakSet())  # every runner made: close() and finish_after_exit() reach them
         # (a runner, weakly; its progress and rate meter, plain values): what .progress reads, ft.run's runner included
@@ -134,8 +138,9 @@ class CompiledStep:
             memory = ("donate" if self.donate else "owned") if donate else ("donate" if self.donate else "fresh")
             bg = self.options.in_background(False if background is None else background)
             graphs = self._graphs_of(memory)
-            # a background compile builds no package (it compiles where the steps do not wait, into inductor's
-            # caches); a blocking compile (the first call, precompile) does, and every runner looks up warm entries
+            # a background compile builds no package on its way (it compiles where the steps do not wait, into
+            # inductor's caches; the package for the next run comes after: Graphs.later); a blocking compile (the
+            # first call, precompile) does, and every runner looks up warm entries
             made = Runner(graphs, BackgroundCompiler(self.step, self.options, self.settings, self._backend,
                                                      None, memory, defer_imports=self._warm is not None)
                           if bg else None)
@@ -155,7 +160,7 @@ class CompiledStep:
         graphs = self._graphs.get(memory)
         if graphs is None:
             graphs = self._graphs[memory] = Graphs(
-                self.step, self._backend, memory=memory, packages=self._packages, warm=self._warm,
+                self.step, self._backend, memory=memory, packages=self._packages, warm=self._warm, later=self._later,
                 cuda_graphs=self.options.cuda_graphs, reuse_blocks=self.options.reuse_blocks,
                 draw_captures=self.settings.draw_captures)
         return graphs
@@ -192,9 +197,21 @@ class CompiledStep:
 
     def close(self) -> None:
         """Stop this step's background compiles that still run, in every runner made from it (their workers are
-        killed); their signatures then run eagerly."""
+        killed); their signatures then run eagerly. A package still being built for the next run
+        (``package=True``: :mod:`functrain.compiler.later`) is stopped too."""
         for r in list(self._runners):
             r.close()
+        if self._later is not None:
+            self._later.close()
+
+    def wait_for_packages(self) -> int:
+        """Wait until the packages being built for the next run have been written (``package=True`` with a
+        background compile: once a background compile's code is installed, a worker builds the graph's package
+        and its warm entry, so that the next run is compiled from its first step; :mod:`functrain.compiler.later`),
+        each bounded by ``FUNCTRAIN_COMPILE_TIMEOUT``. Returns how many were written in all (0 without
+        ``package=True``). A caller that wants its next run warm calls it before it exits; otherwise a build still
+        running is stopped at exit (or left to finish with ``FUNCTRAIN_COMPILE_FINISH=1``)."""
+        return self._later.wait() if self._later is not None else 0
 
     def finish_after_exit(self, finish: bool = True) -> None:
         """Choose whether background compiles of this step's runners that still run when the process exits
@@ -217,6 +234,8 @@ class CompiledStep:
         """
         for r in list(self._runners):
             r.finish_after_exit(finish)
+        if self._later is not None:
+            self._later.finish_after_exit(finish)
 
     def precompile(self, state: TrainState, batch: Any, *, donate: bool = True, quiet: bool = False) -> float:
         """Compile ahead: trace the step for ``(state, batch)`` and compile it now into the compile caches (and this
@@ -322,8 +341,9 @@ def compile(step: Step, *, donate: bool = False, fullgraph: bool = True, capture
     or ``FUNCTRAIN_CACHE_DIR``), with a warm entry keyed before any trace: a later process runs
     it from its first call without tracing or importing the compiler, checked against the eager
     step at that call (:mod:`functrain.compiler.warm`). A package is built by a blocking compile
-    (a direct call, :meth:`CompiledStep.precompile`); a background compile builds none (it
-    compiles into inductor's caches, where the steps need not wait), but looks up warm entries.
+    (a direct call, :meth:`CompiledStep.precompile`); a background compile compiles into inductor's
+    caches, where the steps need not wait, and once its code is installed another worker builds the
+    package for the next run (:mod:`functrain.compiler.later`, :meth:`CompiledStep.wait_for_packages`).
 
     **Background compilation** (:mod:`functrain.compiler.background`): with ``background=True``
     the first call returns the eager step's result at once while the graph compiles in a worker

@@ -83,17 +83,20 @@ class Graphs:
         draws: which capture a call takes when the step branches on Python draws
             (:class:`~functrain.compiler.host_draws.DrawCases`; its keys stand in for signature keys).
         warm: the package folder's warm starts (:class:`~functrain.compiler.warm.WarmStarts`), or ``None``.
+        later: the packages built for the next run after a background compile
+            (:class:`~functrain.compiler.later.PackageLater`), or ``None``.
         cold: the signature keys a warm start was tried for (found nothing, or its check failed): traced.
     """
 
     def __init__(self, step: Step, backend: CountingBackend, *, memory: str, packages: Any = None,
                  cuda_graphs: bool = False, reuse_blocks: bool = False, draw_captures: int = DRAW_CAPTURES,
-                 warm: Any = None):
+                 warm: Any = None, later: Any = None):
         self.step = step
         self.backend = backend
         self.memory = memory
         self.packages = packages
         self.warm = warm
+        self.later = later
         self.cold: set = set()
         self.cuda_graphs = cuda_graphs
         self.reuse_blocks = reuse_blocks and packages is None  # (a package's key covers the graph's code only)
@@ -126,10 +129,13 @@ class Graphs:
         """Install ``cap`` for ``key`` with its code ``fn`` made elsewhere (a background compile; ``None``: compile
         it here, on the caller's thread); ``s`` (the state, ``rng=None``) and ``batch``: its inputs, for the warm
         entry of a package (``None``: none written)."""
+        later = cap.gm if fn is not None and self.later is not None and s is not None else None  # (freed next)
         # (a capture whose example inputs a background compile let go is compiled without a package)
         compile_captured(cap, self.backend, packages=self.packages if cap.inputs is not None else None,
                          cuda_graphs=self.cuda_graphs, fn=fn)
         self._remember(cap, s, batch)
+        if later is not None:
+            self._package_later(later, cap, s, batch)
         self.captures[key] = cap
         self.draws.add(key, cap)
         return cap
@@ -140,6 +146,17 @@ class Graphs:
         if self.warm is None or s is None or not isinstance(cap.fn, PackageCall):
             return
         self.warm.remember(self.warm.key(self.step, self.memory, s, batch), cap, cap.fn.key)
+
+    def _package_later(self, gm: Any, cap: Captured, s: Any, batch: Any) -> None:
+        """A capture (its graph ``gm``) whose code was compiled elsewhere (a background worker, into inductor's
+        caches): its package and warm entry for the next run, built by another worker meanwhile
+        (:mod:`functrain.compiler.later`)."""
+        from .package import takes
+        if not takes(gm, cap.metas[0][3] if cap.metas else torch.device("cpu")):
+            return
+        prekey = self.warm.key(self.step, self.memory, s, batch)
+        if prekey is not None:
+            self.later.start(gm, cap.metas, prekey, self.warm.plan(cap), self.warm.path(prekey))
 
     def tries_warm(self, key: Any) -> bool:
         """Whether a call of signature ``key`` looks up a warm entry (there are warm starts, and it was not tried)."""
@@ -422,6 +439,8 @@ class Runner:
             eager, compiled = self.rates.rate("eager"), self.rates.rate("compiled")
             self.background.record_rates(1.0 / eager if eager else None, 1.0 / compiled if compiled else None)
             self.background.finish_after_exit(finish)
+        if self.graphs.later is not None:  # (a package being built for the next run: the same rule)
+            self.graphs.later.finish_after_exit(finish)
 
     def expect(self, steps: int | None) -> None:
         """The caller's run has ``steps`` calls left (``None``: unknown): what a background compile's policy weighs

@@ -69,17 +69,29 @@ class WarmStarts:
         sig = Signature(spec, leaves, len(optree.tree_leaves(s)))
         return pretrace_key(step, spec, sig.metas, sig.consts, {**self.structure, "memory": memory})
 
-    def _path(self, prekey: str) -> str:
+    def path(self, prekey: str) -> str:
+        """The entry's file for ``prekey``."""
         return os.path.join(self.packages.folder, f"warm-{prekey}.json")
 
     def remember(self, prekey: str | None, cap: Captured, package: str) -> bool:
         """Write the entry for ``cap`` (compiled from package ``package``) under ``prekey``; ``False``: ``cap``
         cannot be rebuilt from a plan (see the module docstring), nothing written."""
-        if prekey is None or cap.constants or cap.draws is not None:
+        plan = self.plan(cap)
+        if prekey is None or plan is None:
             return False
+        self.write(prekey, plan, package)
+        return True
+
+    @staticmethod
+    def plan(cap: Captured) -> dict | None:
+        """What a later process needs besides its own inputs to rebuild ``cap`` around a loaded package (its
+        output plan and structure; JSON-able), or ``None``: ``cap`` cannot be rebuilt from a plan (see the module
+        docstring)."""
+        if cap.constants or cap.draws is not None:
+            return None
         devices = {m[3].type for m in cap.signature.metas}
         if cap.random and devices != {"cpu"}:
-            return False  # (only the CPU package draws as eager does: the check could not pass)
+            return None  # (only the CPU package draws as eager does: the check could not pass)
         out_plan = []
         for p in cap.out_plan:
             if p is None:
@@ -89,14 +101,16 @@ class WarmStarts:
             elif isinstance(p[1], (type(None), bool, int, str)) or (isinstance(p[1], float) and math.isfinite(p[1])):
                 out_plan.append({"const": p[1]})
             else:
-                return False
-        plan = {"format": _FORMAT, "package": package, "out_plan": out_plan, "random": bool(cap.random),
+                return None
+        return {"format": _FORMAT, "out_plan": out_plan, "random": bool(cap.random),
                 "recycled": list(cap.memory.recycled), "out_spec": repr(cap.out_spec),
                 "state_spec": repr(cap.state_spec)}
-        text = json.dumps(plan, sort_keys=True)
-        self.packages.write_json(self._path(prekey), {"plan": text, "hmac": self.packages.sign(prekey, text)})
+
+    def write(self, prekey: str, plan: dict, package: str) -> None:
+        """Write the entry under ``prekey``: ``plan`` (:meth:`plan`) naming package ``package``, signed."""
+        text = json.dumps({**plan, "package": package}, sort_keys=True)
+        self.packages.write_json(self.path(prekey), {"plan": text, "hmac": self.packages.sign(prekey, text)})
         self.written += 1
-        return True
 
     def load(self, prekey: str | None, memory: str, s: Any, batch: Any) -> Captured | None:
         """The capture for ``(s, batch)`` rebuilt from the entry under ``prekey`` with its package loaded, not
@@ -104,7 +118,7 @@ class WarmStarts:
         damaged or unsigned one is deleted, with a warning)."""
         if prekey is None:
             return None
-        path = self._path(prekey)
+        path = self.path(prekey)
         try:
             with open(path, encoding="utf-8") as f:
                 entry = json.load(f)
@@ -133,10 +147,10 @@ class WarmStarts:
     def drop(self, prekey: str, why: str | None) -> None:
         """Delete the entry under ``prekey`` (a warning says ``why``, unless ``None``)."""
         if why is not None:
-            warnings.warn(f"ft.compile(package=True): the warm-start entry {self._path(prekey)!r} is not used: "
+            warnings.warn(f"ft.compile(package=True): the warm-start entry {self.path(prekey)!r} is not used: "
                           f"{why}; it is deleted and the step is traced and compiled as without it", stacklevel=5)
         with contextlib.suppress(OSError):
-            os.unlink(self._path(prekey))
+            os.unlink(self.path(prekey))
         self.dropped += 1
 
 

@@ -36,6 +36,7 @@ import pickle
 import signal
 import sys
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -130,18 +131,20 @@ def _sendable(name: str) -> bool:
 
 
 def job_payload(gm: torch.fx.GraphModule, metas: tuple, inductor: dict, lock: str | None = None,
-                lock_timeout: float = 600.0) -> bytes:
+                lock_timeout: float = 600.0, package: dict | None = None) -> bytes:
     """The job for a worker: ``gm`` (traced, constants lifted), its inputs' ``metas``, the inductor
     arguments (``{"mode", "options", "donate"}`` of :class:`~functrain.compiler.options.Options`).
     ``lock``: the key of the graph's machine-wide lock, which the parent holds for the worker (the worker
     compiles without taking it, and takes it over if the parent exits first); ``lock_timeout``: how long the
-    worker waits for another process's compile of the graph when nobody holds the lock for it."""
+    worker waits for another process's compile of the graph when nobody holds the lock for it. ``package``:
+    build the graph's AOTInductor package and its warm entry instead (:mod:`functrain.compiler.later`:
+    ``{"folder", "prekey", "plan", "lock_timeout"}``)."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
     graph = GraphPickler.dumps(gm, Options(ops_filter=_sendable))
     return pickle.dumps({"format": FORMAT, "graph": graph, "metas": metas, "inductor": inductor,
                          "settings": settings(), "process_group": _process_group(gm), "lock": lock,
-                         "lock_timeout": float(lock_timeout)},
+                         "lock_timeout": float(lock_timeout), "package": package},
                         protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -221,6 +224,8 @@ def _run(data: bytes) -> dict:
     with contextlib.ExitStack() as stack:
         apply_settings(job["settings"], stack)
         gm = GraphPickler.loads(job["graph"], FakeTensorMode())
+        if job.get("package"):
+            return _package(gm, tuple(job["metas"]), job["package"])
         backend = make_backend(Options(**job["inductor"]), float(job.get("lock_timeout", 600.0)))
         backend.lock_held = bool(job.get("lock"))
         t0 = time.perf_counter()
@@ -231,6 +236,34 @@ def _run(data: bytes) -> dict:
     # the CPU seconds this worker used, its imports and its compiler subprocesses included (what the machine paid
     # for the compile: the compile policy's history records it)
     return {"ok": True, "seconds": time.perf_counter() - t0, "cpu_s": cpu_seconds(), "notes": notes}
+
+
+def _package(gm: torch.fx.GraphModule, metas: tuple, spec: dict) -> dict:
+    """Build ``gm``'s package (inputs of its metadata, zeros: a package is compiled for shapes, not values) and,
+    once it loads, its warm entry (:mod:`functrain.compiler.later`). A graph that cannot be packaged leaves a
+    ``nopackage-<prekey>.json`` saying why, so that later runs do not try again (the pre-trace key covers
+    functrain's source and the torch build: a new one tries anew)."""
+    from .package import Packages
+    from .warm import WarmStarts
+    from .history import cpu_seconds
+
+    t0 = time.perf_counter()
+    packages = Packages(spec["folder"], float(spec.get("lock_timeout", 600.0)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            inputs = [torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+                      for shape, stride, dtype, device in metas]
+            fn = packages(gm, inputs, lambda: None)
+            why = None if fn is not None else \
+                ("; ".join(str(w.message) for w in caught) or "the graph cannot be packaged")
+        except Exception as e:  # noqa: BLE001 - said in the marker and the answer
+            fn, why = None, f"{type(e).__name__}: {e}"
+    if fn is None:
+        packages.write_json(os.path.join(packages.folder, f"nopackage-{spec['prekey']}.json"), {"why": why[:4000]})
+        return {"ok": False, "error": why[:4000]}
+    WarmStarts(packages, {}).write(spec["prekey"], spec["plan"], fn.key)
+    return {"ok": True, "package": fn.key, "seconds": time.perf_counter() - t0, "cpu_s": cpu_seconds()}
 
 
 def _group_dies_with_parent(parent: int) -> Any:

@@ -299,3 +299,56 @@ def test_a_later_run_is_compiled_from_its_first_call_without_the_compiler(tmp_pa
     tampered = _run(tmp_path)
     assert tampered["warm"] == 0 and tampered["equal"], tampered
     assert any("not signed with this user's package key" in w for w in tampered["warnings"]), tampered
+
+
+BACKGROUND_CHILD = r"""
+import json, sys, torch
+import functrain as ft
+cache, mode = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+apply_fn, params, buffers = ft.functionalize(model)
+def loss_fn(params, buffers, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(apply_fn(params, buffers, x), y)
+step = ft.ema(0.99)(ft.clip(1.0)(ft.train_step(loss_fn, ft.optim.adamw(1e-2))))
+state = step.init(params, buffers)
+batches = [(torch.randn(8, 6), torch.randn(8, 1)) for _ in range(3)]
+# the first run's switch waits for its background compile at call 2 (a deterministic switch); a later run's
+# runner starts warm when it can (a switch_at turns warm starts off)
+cstep = ft.compile(step, cache_dir=cache, package=True, **({"switch_at": 2} if mode == "first" else {}))
+run = cstep.runner(donate=True, background=True)
+c = ft.tree.tree_map(torch.clone, state)
+for i in range(6):
+    c, m = run(c, batches[i % 3])
+imported = sorted(x for x in ("torch._dynamo", "torch._inductor", "sympy") if x in sys.modules)
+written = cstep.wait_for_packages()
+e = state
+for i in range(6):
+    e, _ = step(e, batches[i % 3])
+print(json.dumps({"source": run.progress.source, "phase": run.progress.phase, "written": written,
+                  "warm": cstep._warm.loaded, "built": cstep._packages.built, "imported": imported,
+                  "equal": bool(ft.tree.tree_allclose(c, e, rtol=1e-5, atol=1e-6))}))
+"""
+
+
+def test_a_background_compile_leaves_a_package_for_the_next_run(tmp_path):
+    """A run that compiles in the background (its steps never wait for a package) installs the worker's code;
+    then another worker builds the graph's package and its warm entry (functrain/compiler/later.py), and the next
+    run is compiled from its first call without a trace or the compiler's imports, equal to its eager run."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(OMP_NUM_THREADS="1", FUNCTRAIN_CACHE_DIR=str(tmp_path / "memo"))
+
+    def child(mode):
+        proc = subprocess.run([sys.executable, "-c", BACKGROUND_CHILD, str(tmp_path / "cache"), mode], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    first = child("first")
+    assert first["source"] == "worker" and first["phase"] == "compiled" and first["equal"], first
+    assert first["written"] == 1 and first["built"] == 0 and first["warm"] == 0, first  # (built by the worker)
+    assert len(_entries(tmp_path)) == 1 and len(list((tmp_path / "cache" / "packages").glob("*.pt2"))) == 1
+    later = child("later")
+    assert later["source"] == "warm" and later["warm"] == 1 and later["imported"] == [], later
+    assert later["written"] == 0 and later["equal"], later  # (its entry is there: nothing built again)

@@ -63,6 +63,7 @@ class RunClock:
         self.rates = runner.rates if background else None  # a background compile: each path's throughput
         self.progress = runner.progress if background else None  # ... and its phase
         self.policy = runner.background if background else None  # the compile policy's decision (BackgroundCompiler)
+        self.later = runner.graphs.later if background else None  # the package for the next run (compiler/later.py)
         self.first_at: float | None = None  # when the first step returned (after compiling)
         self.compile_s = 0.0  # a blocking compile: the first step's time
         self.reported: set = set()  # the fields logged once that were logged
@@ -162,7 +163,25 @@ class RunClock:
         return self.compile_s if self.compiled else None
 
     def notes(self) -> list[str]:
-        """The summary's line about a background compile (``[]`` when there was none)."""
+        """The summary's lines about a background compile and the package it left for the next run (``[]`` when
+        there was none)."""
+        return self._compile_notes() + self._later_notes()
+
+    def _later_notes(self) -> list[str]:
+        later = self.later
+        if later is None or not later.started:
+            return []
+        if later.built:
+            return ["the package for the next run is written: a later run of this step starts compiled from its first "
+                    "step"]
+        if later.running:
+            after = ("it goes on after this process exits (FUNCTRAIN_COMPILE_FINISH=1)" if later.settings.finish else
+                     "it is stopped at exit (FUNCTRAIN_COMPILE_FINISH=1 lets it finish), and the next run loads the "
+                     "compile caches after its trace")
+            return [f"the package for the next run was still being built when the run ended: {after}"]
+        return [f"the package for the next run could not be built: {later.failed[-1][:200] if later.failed else '?'}"]
+
+    def _compile_notes(self) -> list[str]:
         if self.rates is None:
             return []
         p = self.progress

@@ -98,6 +98,7 @@ class Graphs:
         self.warm = warm
         self.later = later
         self.cold: set = set()
+        self.prekeys: dict = {}  # signature key -> its pre-trace key at the signature's first call
         self.cuda_graphs = cuda_graphs
         self.reuse_blocks = reuse_blocks and packages is None  # (a package's key covers the graph's code only)
         self.captures: dict = {}
@@ -135,7 +136,7 @@ class Graphs:
                          cuda_graphs=self.cuda_graphs, fn=fn)
         self._remember(cap, s, batch)
         if later is not None:
-            self._package_later(later, cap, s, batch)
+            self._package_later(later, cap, key, s, batch)
         self.captures[key] = cap
         self.draws.add(key, cap)
         return cap
@@ -147,14 +148,16 @@ class Graphs:
             return
         self.warm.remember(self.warm.key(self.step, self.memory, s, batch), cap, cap.fn.key)
 
-    def _package_later(self, gm: Any, cap: Captured, s: Any, batch: Any) -> None:
+    def _package_later(self, gm: Any, cap: Captured, key: Any, s: Any, batch: Any) -> None:
         """A capture (its graph ``gm``) whose code was compiled elsewhere (a background worker, into inductor's
         caches): its package and warm entry for the next run, built by another worker meanwhile
-        (:mod:`functrain.compiler.later`)."""
+        (:mod:`functrain.compiler.later`). The entry is keyed by the pre-trace key computed at signature
+        ``key``'s first call when a warm start was looked up then (what the next run computes at its first call;
+        no second walk of the step), else now."""
         from .package import takes
         if not takes(gm, cap.metas[0][3] if cap.metas else torch.device("cpu")):
             return
-        prekey = self.warm.key(self.step, self.memory, s, batch)
+        prekey = self.prekeys.get(key) or self.warm.key(self.step, self.memory, s, batch)
         if prekey is not None:
             self.later.start(gm, cap.metas, prekey, self.warm.plan(cap), self.warm.path(prekey))
 
@@ -166,7 +169,8 @@ class Graphs:
         """The capture for signature ``key`` loaded from a warm entry (no trace; its first call checks it:
         :meth:`Runner._warm_call`), or ``None`` (no entry; tried once per signature)."""
         self.cold.add(key)
-        cap = self.warm.load(self.warm.key(self.step, self.memory, s, batch), self.memory, s, batch)
+        self.prekeys[key] = prekey = self.warm.key(self.step, self.memory, s, batch)
+        cap = self.warm.load(prekey, self.memory, s, batch)
         if cap is not None:
             compile_captured(cap, self.backend, cuda_graphs=self.cuda_graphs, fn=cap.fn)
             self.backend.count += 1

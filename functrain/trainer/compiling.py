@@ -171,10 +171,11 @@ class RunClock:
         later = self.later
         if later is None or not later.started:
             return []
+        running = later.running  # (polls the builds: their counts are current from here)
         if later.built:
             return ["the package for the next run is written: a later run of this step starts compiled from its first "
                     "step"]
-        if later.running:
+        if running:
             after = ("it goes on after this process exits (FUNCTRAIN_COMPILE_FINISH=1)" if later.settings.finish else
                      "it is stopped at exit (FUNCTRAIN_COMPILE_FINISH=1 lets it finish), and the next run loads the "
                      "compile caches after its trace")

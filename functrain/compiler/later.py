@@ -44,6 +44,7 @@ class PackageLater:
         self.built = 0
         self.failed: list[str] = []
         self._jobs: dict[str, WorkerJob] = {}
+        self._ended: set[str] = set()  # the keys whose build ended and was counted
 
     def start(self, gm: Any, metas: tuple, prekey: str | None, plan: dict | None, entry: str) -> bool:
         """Build the package of graph ``gm`` over inputs of ``metas`` in a worker, and its warm entry under
@@ -69,9 +70,8 @@ class PackageLater:
         self.started += 1
         return True
 
-    @property
-    def running(self) -> int:
-        """Builds still running."""
+    def poll(self) -> int:
+        """Look at every build (counting those that ended in ``built`` or ``failed``); how many still run."""
         return sum(self._poll(k) == RUNNING for k in list(self._jobs))
 
     def wait(self) -> int:
@@ -83,14 +83,13 @@ class PackageLater:
         return self.built
 
     def _poll(self, key: str) -> int:
-        job = self._jobs[key]
-        status = job.poll()
-        if status != RUNNING and not getattr(job, "counted", False):
-            job.counted = True
+        status = self._jobs[key].poll()
+        if status != RUNNING and key not in self._ended:
+            self._ended.add(key)
             if status == READY:
                 self.built += 1
             else:
-                self.failed.append(job.reason or "the worker ended without an answer")
+                self.failed.append(self._jobs[key].reason or "the worker ended without an answer")
         return status
 
     def finish_after_exit(self, finish: bool = True) -> None:

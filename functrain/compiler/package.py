@@ -307,9 +307,12 @@ class _FreeRunner:
                                f"error {code}; its message is on stderr)")
 
     def __del__(self) -> None:
-        handle = getattr(self, "_handle", None)
+        handle = getattr(self, "_handle", None)  # (a runner whose construction failed has none)
         if handle is not None and handle.value:
-            self._lib.AOTInductorModelContainerDelete(handle)
+            try:
+                self._lib.AOTInductorModelContainerDelete(handle)
+            except Exception:  # noqa: BLE001 - at interpreter exit ctypes may be gone: the process frees it all
+                pass
             handle.value = None
 
 

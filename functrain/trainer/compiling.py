@@ -171,7 +171,7 @@ class RunClock:
         later = self.later
         if later is None or not later.started:
             return []
-        running = later.running  # (polls the builds: their counts are current from here)
+        running = later.poll()  # (their counts are current from here)
         if later.built:
             return ["the package for the next run is written: a later run of this step starts compiled from its first "
                     "step"]

@@ -46,15 +46,14 @@ class PackageLater:
         self._jobs: dict[str, WorkerJob] = {}
         self._ended: set[str] = set()  # the keys whose build ended and was counted
 
-    def start(self, gm: Any, metas: tuple, prekey: str | None, plan: dict | None, entry: str) -> bool:
+    def start(self, gm: Any, metas: tuple, prekey: str | None, plan: dict | None, files: tuple[str, str]) -> bool:
         """Build the package of graph ``gm`` over inputs of ``metas`` in a worker, and its warm entry under
-        ``prekey`` with the output ``plan`` (:meth:`~functrain.compiler.warm.WarmStarts.plan`); ``entry``: the
-        entry's path (a build is not started when it exists). ``False``: not started (not this process's to
-        build, or nothing to key)."""
+        ``prekey`` with the output ``plan`` (:meth:`~functrain.compiler.warm.WarmStarts.plan`); ``files``: the
+        entry's path and its refusal's (:meth:`~functrain.compiler.warm.WarmStarts.refusal`): a build is not
+        started when either exists. ``False``: not started (not this process's to build, or nothing to key)."""
         if prekey is None or plan is None or prekey in self._jobs or not leads_at_once():
             return False
-        folder, name = os.path.split(entry)
-        if os.path.exists(entry) or os.path.exists(os.path.join(folder, "no" + name.replace("warm-", "package-", 1))):
+        if any(os.path.exists(f) for f in files):
             return False  # (there already; or an earlier build found it cannot be packaged: worker._package)
         from .worker import job_payload
 

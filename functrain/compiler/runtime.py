@@ -155,11 +155,12 @@ class Graphs:
         ``key``'s first call when a warm start was looked up then (what the next run computes at its first call;
         no second walk of the step), else now."""
         from .package import takes
-        if not takes(gm, cap.metas[0][3] if cap.metas else torch.device("cpu")):
+        if not takes(gm, _device(cap)):
             return
         prekey = self.prekeys.get(key) or self.warm.key(self.step, self.memory, s, batch)
         if prekey is not None:
-            self.later.start(gm, cap.metas, prekey, self.warm.plan(cap), self.warm.path(prekey))
+            self.later.start(gm, cap.metas, prekey, self.warm.plan(cap),
+                             (self.warm.path(prekey), self.warm.refusal(prekey)))
 
     def tries_warm(self, key: Any) -> bool:
         """Whether a call of signature ``key`` looks up a warm entry (there are warm starts, and it was not tried)."""
@@ -577,5 +578,6 @@ def _paths_leaves(tree: Any) -> tuple[list, list]:
 
 
 def _device(cap: Captured) -> torch.device:
-    """The device of a capture's example inputs (the CPU when it holds none)."""
-    return cap.inputs[0].device if cap.inputs else torch.device("cpu")
+    """The device of a capture's inputs (from their metadata, kept when the example inputs are not; the CPU when
+    it has none)."""
+    return cap.metas[0][3] if cap.metas else torch.device("cpu")

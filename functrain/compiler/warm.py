@@ -73,6 +73,11 @@ class WarmStarts:
         """The entry's file for ``prekey``."""
         return os.path.join(self.packages.folder, f"warm-{prekey}.json")
 
+    def refusal(self, prekey: str) -> str:
+        """The file that says why the graph of ``prekey`` cannot be packaged (:mod:`functrain.compiler.later`: no
+        later run of that key tries again)."""
+        return os.path.join(self.packages.folder, f"nopackage-{prekey}.json")
+
     def remember(self, prekey: str | None, cap: Captured, package: str) -> bool:
         """Write the entry for ``cap`` (compiled from package ``package``) under ``prekey``; ``False``: ``cap``
         cannot be rebuilt from a plan (see the module docstring), nothing written."""

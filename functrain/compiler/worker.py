@@ -259,10 +259,11 @@ def _package(gm: torch.fx.GraphModule, metas: tuple, spec: dict) -> dict:
                 ("; ".join(str(w.message) for w in caught) or "the graph cannot be packaged")
         except Exception as e:  # noqa: BLE001 - said in the marker and the answer
             fn, why = None, f"{type(e).__name__}: {e}"
+    warm = WarmStarts(packages, {})
     if fn is None:
-        packages.write_json(os.path.join(packages.folder, f"nopackage-{spec['prekey']}.json"), {"why": why[:4000]})
+        packages.write_json(warm.refusal(spec["prekey"]), {"why": why[:4000]})
         return {"ok": False, "error": why[:4000]}
-    WarmStarts(packages, {}).write(spec["prekey"], spec["plan"], fn.key)
+    warm.write(spec["prekey"], spec["plan"], fn.key)
     return {"ok": True, "package": fn.key, "seconds": time.perf_counter() - t0, "cpu_s": cpu_seconds()}
 
 

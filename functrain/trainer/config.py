@@ -93,8 +93,9 @@ class TrainConfig:
     ``compile_package=True`` (default off): :meth:`~functrain.Trainer.precompile` builds the step as a package in
     functrain's private folder, and a later run of the same model and shapes (any length, learning rate,
     warm-up, ...) runs it from its first step, without a trace or the compiler's imports (checked against the
-    eager step at that step); a step with collectives (several processes) is not packaged. Off: a precompile
-    fills inductor's caches, which a later run loads after its trace.
+    eager step at that step); a run that compiles in the background leaves a package for the next run
+    (:mod:`functrain.compiler.later`). On a GPU a step with collectives (several processes) is not packaged. Off:
+    a precompile fills inductor's caches, which a later run loads after its trace.
 
     Args:
         **fields: keyword arguments, one per field (the dataclass fields below: ``train_batch_size``, ``train_lr``,

@@ -352,3 +352,34 @@ def test_a_background_compile_leaves_a_package_for_the_next_run(tmp_path):
     later = child("later")
     assert later["source"] == "warm" and later["warm"] == 1 and later["imported"] == [], later
     assert later["written"] == 0 and later["equal"], later  # (its entry is there: nothing built again)
+
+
+def test_a_graph_that_cannot_be_packaged_is_said_once_and_not_built_again(tmp_path, monkeypatch):
+    """The package worker's build of a graph Packages refuses (here: a non-tensor attribute, which the package's
+    key cannot cover) writes the refusal with the reason beside the entries; PackageLater then starts no build
+    for that key (nor for a key whose entry exists), so a later run does not spend a worker on it again."""
+    from functrain.compiler import later as later_mod, worker
+    from functrain.compiler.package import Packages
+    from functrain.compiler.settings import WorkerSettings
+
+    monkeypatch.setenv("FUNCTRAIN_CACHE_DIR", str(tmp_path / "memo"))
+    folder = tmp_path / "cache"
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    w = graph.get_attr("weight")
+    graph.output([graph.call_function(torch.ops.aten.mul.Tensor, (x, w))])
+    root = torch.nn.Module()
+    root.weight = torch.ones(3)
+    gm = torch.fx.GraphModule(root, graph)
+    metas = (((3,), (1,), torch.float32, torch.device("cpu")),)
+    answer = worker._package(gm, metas, {"folder": str(folder), "prekey": "k1", "plan": {}, "lock_timeout": 5.0})
+    assert answer["ok"] is False and "non-tensor attributes" in answer["error"], answer
+    starts = warm.WarmStarts(Packages(str(folder)), {})
+    refusal = json.loads(open(starts.refusal("k1")).read())
+    assert "non-tensor attributes" in refusal["why"], refusal
+    assert not os.path.exists(starts.path("k1"))
+    later = later_mod.PackageLater(str(folder), WorkerSettings.from_env())
+    assert not later.start(gm, metas, "k1", {}, (starts.path("k1"), starts.refusal("k1")))
+    open(starts.path("k2"), "w").close()
+    assert not later.start(gm, metas, "k2", {}, (starts.path("k2"), starts.refusal("k2")))
+    assert later.started == 0 and later.poll() == 0

@@ -82,6 +82,13 @@ def check_build(self, code):
 cpu_vec_isa.VecISA.check_build = check_build
 
 tus = []
+def unit_kernels(text):
+    """The C++ kernels defined in one unit (a C++ wrapper's: kernels and the code calling them), each with its
+    own name blanked, into ``sources`` (what the per-kernel count below reads)."""
+    for part in re.split(r'(?=extern "C"[^\n(]*\bvoid\s+cpp_fused_)', text)[1:]:
+        end = re.search(r"^}", part, re.M)
+        body = part[:end.end()] if end else part
+        sources.append(re.sub(r"\bcpp_fused_\w+", "KERNEL", body, count=1))
 orig_build = cpp_builder.CppBuilder.build
 def build(self):
     o, k = cpu(); t = time.perf_counter()
@@ -91,6 +98,10 @@ def build(self):
         o2, k2 = cpu()
         if not in_probe[0]:
             cmd = self.get_command_line()
+            for src in cmd.split():  # a C++ wrapper's unit holds the graph's kernels: count them there
+                if src.endswith(".cpp") and "TORCH_INDUCTOR_CPP_WRAPPER" in cmd and os.path.exists(src):
+                    with open(src) as f:
+                        unit_kernels(f.read())
             tus.append({"cxx_cpu": k2 - k, "own_cpu": o2 - o, "wall": time.perf_counter() - t,
                         "cmd": cmd if len(tus) == 0 else None})
 cpp_builder.CppBuilder.build = build
@@ -153,6 +164,17 @@ elif what == "llama2":
     step = ft.train_step(loss_fn, ft.optim.adamw(1e-3))
     state = step.init(params, buffers)
     batch = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+elif what == "unet":  # denoising-diffusion-pytorch's small Unet (issue 41's anchor): batch 32 x accumulate(2)
+    from denoising_diffusion_pytorch import GaussianDiffusion, Unet
+    torch.manual_seed(0)
+    diffusion = GaussianDiffusion(Unet(dim=16, dim_mults=(1, 2), channels=1, flash_attn=False), image_size=16,
+                                  timesteps=100)
+    apply_fn, params, buffers = ft.functionalize(diffusion)
+    def loss_fn(p, b, images):
+        return apply_fn(p, b, images)
+    step = ft.ema(0.995)(ft.accumulate(2)(ft.train_step(loss_fn, ft.optim.adam(1e-4, betas=(0.9, 0.99)))))
+    state = step.init(params, buffers)
+    batch = torch.rand(64, 1, 16, 16, generator=torch.Generator().manual_seed(1))
 mark("build")
 before = snapshot()
 t0 = time.perf_counter(); o0, k0 = cpu()
@@ -199,6 +221,9 @@ def run_one(what: str, root: str, opts: dict, threads: int, memo: str, timeout: 
     cache = tempfile.mkdtemp(prefix=f"phases-{what}-", dir=root)
     tmp = os.path.join(memo, "tmp")
     os.makedirs(tmp, exist_ok=True)
+    # the machine keeps its probe memo and precompiled header, not the packages an earlier run of the same graph
+    # left: with them this run would be a warm start (no compile at all), not a cold compile
+    shutil.rmtree(os.path.join(memo, "packages"), ignore_errors=True)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1", "FUNCTRAIN_CACHE_DIR": memo,
            "TMPDIR": tmp,
            "TORCHINDUCTOR_COMPILE_THREADS": str(threads),
@@ -272,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                         "empty, the first compile is a new machine's; then each later one is a new graph on it")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--out-json", default=None)
+    p.add_argument("--keep", action="store_true", help="keep the inductor caches (the generated code) and say where")
     args = p.parse_args(argv)
     root = tempfile.mkdtemp(prefix="ft-phases-")
     rows = []
@@ -287,7 +313,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(r)
             sys.stdout.flush()
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if args.keep:
+            print(f"kept the inductor caches (generated code) in {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
     if args.out_json:
         with open(args.out_json, "w") as f:
             json.dump(rows, f, indent=1)

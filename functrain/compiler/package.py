@@ -45,6 +45,7 @@ from typing import Any, Callable
 import torch
 
 from . import cache as compile_cache
+from .cxx_units import side_by_side
 from .graph_lock import compile_lock
 from .probe_memo import machine, probe_memo
 from . import trust
@@ -149,7 +150,7 @@ class Packages:
             # on the CPU the graph's random ops call torch's own kernels (fallback_random), as the direct path's
             # graphs do: its draws are eager's (core.rng), and a warm start can check it against the eager step
             cpu = json.loads(material)["device"][0] == "cpu"
-            with probe_memo():
+            with probe_memo(), side_by_side():  # (the wrapper's C++ beside the kernels')
                 aoti_compile_and_package(program, package_path=tmp,
                                          inductor_configs={"fallback_random": True} if cpu else None)
             if _collective(gm):

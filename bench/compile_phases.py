@@ -83,9 +83,11 @@ cpu_vec_isa.VecISA.check_build = check_build
 
 tus = []
 def unit_kernels(text):
-    """The C++ kernels defined in one unit (a C++ wrapper's: kernels and the code calling them), each with its
-    own name blanked, into ``sources`` (what the per-kernel count below reads)."""
+    # the C++ kernels defined in one unit (a C++ wrapper's: kernels and the code calling them), each with its own
+    # name blanked, into ``sources`` (what the per-kernel count below reads)
     for part in re.split(r'(?=extern "C"[^\n(]*\bvoid\s+cpp_fused_)', text)[1:]:
+        if part.find("{") < 0 or part.find(";") < part.find("{"):
+            continue  # a declaration (the unit declares every kernel before the code that calls them)
         end = re.search(r"^}", part, re.M)
         body = part[:end.end()] if end else part
         sources.append(re.sub(r"\bcpp_fused_\w+", "KERNEL", body, count=1))

@@ -4,19 +4,23 @@ Before its first CPU kernel, inductor compiles a test program per vector ISA the
 child process (~7 s cold, ~1.3 s with the probes' builds cached: most of a small step's compile). The memo keeps
 which probes *passed* in a JSON file in the user's private folder (:func:`functrain.compiler.trust.private_home`),
 keyed by the probe's code and flags, the compiler binary (path, size, mtime), the host, the CPU's features and the
-torch build. A passed probe is not run again; a failed one always is (a transient failure is not remembered), so
-inductor picks the same ISA, and builds the same kernels, as without the memo. No file is unpickled: the memo is
-JSON, written atomically (temp file + rename); an unreadable or foreign memo is rebuilt with a warning.
+torch build. A passed probe is not run again; a failed one is, by the next process (a transient failure is not
+remembered on disk), so inductor picks the same ISA, and builds the same kernels, as without the memo. No file is
+unpickled: the memo is JSON, written atomically (temp file + rename); an unreadable or foreign memo is rebuilt with a
+warning. A process's first compile starts the probes side by side at once (:func:`_probe_ahead`), each run once.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
 import sys
 import tempfile
+import threading
 import warnings
+from concurrent.futures import Future
 from typing import Any, Iterator
 
 import torch
@@ -115,13 +119,26 @@ def probe_memo() -> Iterator[None]:
         return
     path = os.path.join(folder, "vec_isa_probes.json")
     passed = _load_memo(path)
+    inflight: dict = {}  # probe key -> its outcome (a Future), for this block
+    inflight_lock = threading.Lock()
 
     def check_build(self: Any, code: str) -> bool:
         key = hashlib.sha256(json.dumps([machine, type(self).__name__, str(self), self.build_arch_flags(),
                                          code]).encode()).hexdigest()
         if key in passed:
             return True
-        ok = original(self, code)
+        with inflight_lock:  # one run per probe: a second asker (inductor, while a probe started ahead runs) waits
+            running, first = inflight.get(key), key not in inflight
+            if first:
+                running = inflight[key] = Future()
+        if not first:
+            return running.result()
+        try:
+            ok = original(self, code)
+        except BaseException as e:
+            running.set_exception(e)
+            raise
+        running.set_result(ok)
         if ok:
             passed.add(key)
             try:
@@ -132,7 +149,44 @@ def probe_memo() -> Iterator[None]:
 
     check_build._functrain_memo = True  # type: ignore[attr-defined]
     cpu_vec_isa.VecISA.check_build = check_build
+    ahead = _probe_ahead(cpu_vec_isa)
     try:
         yield
     finally:
+        for t in ahead:  # (each probe is bounded by inductor: a build, then a load with a timeout)
+            t.join(_PROBE_JOIN_S)
         cpu_vec_isa.VecISA.check_build = original
+
+
+_PROBE_JOIN_S = 600.0
+_probed_ahead = False  # once per process
+
+
+def _probe_ahead(cpu_vec_isa: Any) -> list:
+    """Inductor's x86 ISA probes started at once, side by side, each on a thread (the probe is a compiler child
+    process, waited for without the GIL), instead of one after the other when the first kernel is generated.
+
+    They then run beside the compile's tracing and passes, on a core those leave free (a new machine's W1: the
+    probes 9.0 -> 4.9 s, bench/README.md, issue 41). Inductor's own question later finds each outcome by its
+    probe key (waiting for a probe still running) and runs none twice; a probe this machine passed before is a
+    memo hit at once. Only where inductor has not asked yet in this process, on x86 (the only platform with
+    several candidates)."""
+    global _probed_ahead
+    import platform
+    if _probed_ahead or platform.machine() not in ("x86_64", "AMD64") \
+            or cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
+        return []
+    _probed_ahead = True
+    try:
+        flags = cpu_vec_isa.x86_isa_checker()
+        candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list
+                      if all(flag in flags for flag in str(isa).split())]
+    except Exception:  # noqa: BLE001 - another torch's layout: inductor probes as it always does
+        return []
+    # each on a copy of inductor's ISA object: a probe changes its object's flags for a while (its bf16 check), and
+    # inductor's own question may meanwhile be asking the original; outcomes meet in the memo by probe key
+    threads = [threading.Thread(target=bool, args=(copy.copy(isa),), name=f"functrain-probe-{isa}", daemon=True)
+               for isa in candidates]
+    for t in threads:
+        t.start()
+    return threads

@@ -20,6 +20,8 @@ PACKAGE = pathlib.Path(functrain.__file__).parent
 # (file, the assignment's target): a patch of another library's object, restored or scoped, with its reason
 ALLOWED_PATCHES = {
     ("compiler/probe_memo.py", "cpu_vec_isa.VecISA.check_build"): "torch's ISA probe memoized (probe_memo), restored",
+    ("compiler/cxx_units.py", "cpp_builder.CppBuilder.build"): "inductor's C++ build: the wrapper unit beside the "
+                                                              "kernels' (side_by_side), restored",
     ("compiler/cache.py", "module.default_cache_dir"): "inductor's default folder replaced by a trusted one",
     ("compiler/host_sync.py", "builtins.print"): "print refused while a step is traced, restored after",
     ("distributed/agent.py", "context.close"): "torchrun's agent context closed within --term-timeout",

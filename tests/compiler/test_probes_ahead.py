@@ -1,0 +1,57 @@
+"""Inductor's CPU ISA probes run side by side, started as a compile begins, each once
+(:func:`functrain.compiler.probe_memo.probe_memo`).
+
+In a fresh interpreter (inductor's per-process caches empty), the real probe is replaced by a stand-in before the
+memo wraps it: the stand-in's first probe does not end until a second one has started, which only probes run side
+by side allow (one after the other, it gives up after a bounded wait and the test fails); inductor's own question
+(``pick_vec_isa``) then gets the same answers without a probe running twice.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
+                                reason="inductor probes several ISAs only on x86")
+
+CHILD = r"""
+import collections, json, threading
+from torch._inductor import cpu_vec_isa as c
+candidates = [i for i in c.supported_vec_isa_list if all(f in c.x86_isa_checker() for f in str(i).split())]
+second_started, lock = threading.Event(), threading.Lock()
+runs, order, overlapped = collections.Counter(), [], []
+def stand_in(self, code):
+    with lock:
+        runs[(str(self), self.build_arch_flags(), code)] += 1
+        order.append(str(self))
+        first = len(order) == 1
+        if len(set(order)) >= 2:
+            second_started.set()
+    if first:
+        overlapped.append(second_started.wait(60))
+    return True
+c.VecISA.check_build = stand_in
+from functrain.compiler.probe_memo import probe_memo
+with probe_memo():
+    picked = str(c.pick_vec_isa())
+print("RESULT " + json.dumps({"candidates": len(candidates), "overlapped": overlapped, "picked": picked,
+                              "max_runs": max(runs.values()), "probes": len(runs)}))
+"""
+
+
+def test_the_probes_run_side_by_side_and_each_once(tmp_path):
+    env = {"FUNCTRAIN_CACHE_DIR": str(tmp_path / "memo"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind"),
+           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": ":".join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stdout + out.stderr
+    r = json.loads(lines[-1][7:])
+    if r["candidates"] < 2:
+        pytest.skip(f"this CPU offers inductor {r['candidates']} ISA to probe")
+    assert r["overlapped"] == [True], r  # the first probe saw a second one start while it ran
+    assert r["max_runs"] == 1, r  # inductor's own question did not run a probe (ISA, flags, code) again
+    assert r["picked"] and r["probes"] >= 2, r

@@ -6,9 +6,10 @@ AOTInductor package's wrapper (the code that allocates and calls, ``*.wrapper.o`
 entry (``*.main.o``), then its kernels (``*.optimized.o``). The wrapper and the kernels do not read each other:
 :func:`side_by_side` starts the wrapper's compile on a thread (the compiler is a child process, so the thread waits
 without the GIL) and returns at once, the kernels' compile runs meanwhile, and any other build (the constants'
-object, whose file the next step reads, the link) first waits for the wrapper, and so does the end of the block. On the 2-rank main job's package the
-wrapper takes ~7 s and the kernels ~2 s: the package is ready ~2 s sooner (bench/README.md, issue 41). The same
-compilers run with the same flags and inputs: the objects and what is linked from them do not change.
+object, which failed to compile when started early; the link) first waits for the wrapper, and so does the end of
+the block. On the 2-rank main job's package the wrapper takes ~6.5 s and the kernels ~1.5 s: the package is ready
+~1.5 s sooner (bench/README.md, issue 41). The same compilers run with the same flags and inputs: the objects and
+what is linked from them do not change.
 
 A failure of a deferred compile is raised by the next link, or at the end of the block, with its own error.
 """
@@ -50,7 +51,7 @@ def side_by_side() -> Iterator[None]:
             target = ""
         if target.endswith((".kernel.o", ".optimized.o")):
             return original(self)  # the kernels: compiled now, beside the wrapper started before them
-        wait()  # anything else (the link, the constants' object, whose file is used at once) after the wrapper
+        wait()  # anything else (the link, the constants' object) after the wrapper, in AOTInductor's order
         if not target.endswith((".wrapper.o", ".main.o")):
             return original(self)
         done: Future = Future()  # the wrapper's object: compiled on a thread, waited for by whatever comes next

@@ -6,7 +6,7 @@ constants ``.o``, then the link) and as a C++-wrapper graph built in two parts m
 ``.o``, link); the compiler itself is replaced by a stand-in that reports what ran when, so that the order is a
 fact the test sees, not a timing: the first object's build does not end until the second's has started, which only
 an overlap allows (one after the other, it would wait for its bounded timeout and fail). The constants' object is
-not started early: AOTInductor reads its file as soon as its build returns (tried: it failed to compile).
+not started early (tried: started beside the wrapper, it failed to compile in a real package build).
 """
 from __future__ import annotations
 

@@ -61,11 +61,12 @@ class CountingBackend:
         self.count += 1
         if not self.shared:
             return self.backend(gm, example_inputs)
+        cpu = all(t.device.type == "cpu" for t in example_inputs if torch.is_tensor(t))  # (CPU kernels: probed)
         if self.lock_held:
-            with probe_memo():
+            with probe_memo(ahead=cpu):
                 return self.backend(gm, example_inputs)
         key = graph_key(gm, [t for t in example_inputs if torch.is_tensor(t)])
-        with probe_memo(), compile_lock(key, self.lock_timeout):
+        with probe_memo(ahead=cpu), compile_lock(key, self.lock_timeout):
             return self.backend(gm, example_inputs)
 
     def load(self, gm: torch.fx.GraphModule, metas: tuple) -> Callable:

@@ -150,7 +150,7 @@ class Packages:
             # on the CPU the graph's random ops call torch's own kernels (fallback_random), as the direct path's
             # graphs do: its draws are eager's (core.rng), and a warm start can check it against the eager step
             cpu = json.loads(material)["device"][0] == "cpu"
-            with probe_memo(), side_by_side():  # (the wrapper's C++ beside the kernels')
+            with probe_memo(ahead=cpu), side_by_side():  # (the wrapper's C++ beside the kernels')
                 aoti_compile_and_package(program, package_path=tmp,
                                          inductor_configs={"fallback_random": True} if cpu else None)
             if _collective(gm):

@@ -7,7 +7,8 @@ keyed by the probe's code and flags, the compiler binary (path, size, mtime), th
 torch build. A passed probe is not run again; a failed one is, by the next process (a transient failure is not
 remembered on disk), so inductor picks the same ISA, and builds the same kernels, as without the memo. No file is
 unpickled: the memo is JSON, written atomically (temp file + rename); an unreadable or foreign memo is rebuilt with a
-warning. A process's first compile starts the probes side by side at once (:func:`_probe_ahead`), each run once.
+warning. A process's first compile of a CPU graph starts the probes side by side at once (:func:`_probe_ahead`),
+each run once.
 """
 from __future__ import annotations
 
@@ -98,8 +99,12 @@ def _save_memo(path: str, passed: set) -> None:
 
 
 @contextlib.contextmanager
-def probe_memo() -> Iterator[None]:
-    """While compiling: inductor's CPU ISA probes that passed on this machine before are not run again."""
+def probe_memo(ahead: bool = False) -> Iterator[None]:
+    """While compiling: inductor's CPU ISA probes that passed on this machine before are not run again.
+
+    ``ahead``: a compile that will generate CPU code (a graph whose inputs are all on the CPU) starts the probes
+    at once, side by side (:func:`_probe_ahead`; the block's end waits for them). Off for a load from the caches
+    and for a GPU graph, which may need no probe at all."""
     try:
         from torch._inductor import cpu_vec_isa
     except ImportError:  # pragma: no cover - a torch without inductor's CPU backend
@@ -149,11 +154,11 @@ def probe_memo() -> Iterator[None]:
 
     check_build._functrain_memo = True  # type: ignore[attr-defined]
     cpu_vec_isa.VecISA.check_build = check_build
-    ahead = _probe_ahead(cpu_vec_isa)
+    started = _probe_ahead(cpu_vec_isa) if ahead else []
     try:
         yield
     finally:
-        for t in ahead:  # (each probe is bounded by inductor: a build, then a load with a timeout)
+        for t in started:  # (each probe is bounded by inductor: a build, then a load with a timeout)
             t.join(_PROBE_JOIN_S)
         cpu_vec_isa.VecISA.check_build = original
 

@@ -179,7 +179,6 @@ def _isa():
 def test_a_passed_probe_is_not_run_again_and_a_corrupt_memo_is_rebuilt(tmp_path, monkeypatch):
     cvi = _isa()
     monkeypatch.setenv("FUNCTRAIN_CACHE_DIR", str(tmp_path / "memo"))
-    monkeypatch.setattr(probe_memo, "_probed_ahead", True)  # (the memo alone: no probes started ahead here)
     real = cvi.VecISA.check_build
     calls = []
 
@@ -212,7 +211,6 @@ def test_a_passed_probe_is_not_run_again_and_a_corrupt_memo_is_rebuilt(tmp_path,
 def test_a_failed_probe_is_not_remembered(tmp_path, monkeypatch):
     cvi = _isa()
     monkeypatch.setenv("FUNCTRAIN_CACHE_DIR", str(tmp_path / "memo"))
-    monkeypatch.setattr(probe_memo, "_probed_ahead", True)  # (the memo alone: no probes started ahead here)
     calls = []
     monkeypatch.setattr(cvi.VecISA, "check_build", lambda self, code: calls.append(1) is not None)
     for _ in range(2):

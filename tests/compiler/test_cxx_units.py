@@ -1,11 +1,10 @@
-"""A graph's wrapper unit compiles beside its kernel unit, and every other build waits for it
+"""A package's wrapper unit compiles beside its kernel unit, and every other build waits for it
 (:func:`functrain.compiler.cxx_units.side_by_side`).
 
 The builds are inductor's ``CppBuilder.build`` calls as AOTInductor makes them (wrapper ``.o``, kernel ``.o``,
-constants ``.o``, then the link) and as a C++-wrapper graph built in two parts makes them (entry ``.o``, kernels
-``.o``, link); the compiler itself is replaced by a stand-in that reports what ran when, so that the order is a
-fact the test sees, not a timing: the first object's build does not end until the second's has started, which only
-an overlap allows (one after the other, it would wait for its bounded timeout and fail). The constants' object is
+constants ``.o``, then the link); the compiler itself is replaced by a stand-in that reports what ran when, so
+that the order is a fact the test sees, not a timing: the wrapper's build does not end until the kernels' has
+started, which only an overlap allows (one after the other, it would wait for its bounded timeout and fail). The constants' object is
 not started early (tried: started beside the wrapper, it failed to compile in a real package build).
 """
 from __future__ import annotations
@@ -33,12 +32,12 @@ class Builds:
 
     def build(self, builder) -> None:
         target = builder.get_target_file_path()
-        if target.endswith((".wrapper.o", ".main.o")):
+        if target.endswith(".wrapper.o"):
             if not self.kernel_started.wait(WAIT_S):
                 raise AssertionError("the wrapper's build ran alone: the kernels' build never started beside it")
             if self.fail_wrapper:
                 raise RuntimeError("the wrapper's compile failed")
-        elif target.endswith((".kernel.o", ".optimized.o")):
+        elif target.endswith(".kernel.o"):
             self.kernel_started.set()
         elif target.endswith(".so"):
             assert len(self.ended) == self.objects, self.ended  # the link reads every object
@@ -77,17 +76,6 @@ def test_the_wrapper_compiles_beside_the_kernels_and_the_link_waits_for_both(fak
     # the kernels beside the wrapper (which waited for them to start); the constants' object after the wrapper
     assert builds.ended == ["kernel.o", "wrapper.o", "weights.o", "wrapper.so"]
     assert cpp_builder.CppBuilder.build is before  # put back at the end of the block
-
-
-def test_a_graph_built_in_two_parts_compiles_them_side_by_side(fake_compiler):
-    """Inductor's ``cpp_wrapper_build_separate`` order (``CppWrapperCodeCache``'s entry, kernels, link)."""
-    builds = Builds(objects=2)
-    fake_compiler(builds)
-    with side_by_side():
-        builder("/c/abc.main.o").build()
-        builder("/c/def.optimized.o").build()
-        builder("/c/abc.main.so").build()
-    assert builds.ended == ["optimized.o", "main.o", "main.so"]
 
 
 def test_the_block_waits_for_objects_no_link_read(fake_compiler):

@@ -36,20 +36,35 @@ def stand_in(self, code):
     return True
 c.VecISA.check_build = stand_in
 from functrain.compiler.probe_memo import probe_memo
-with probe_memo():
+import sys
+if sys.argv[1] == "load":  # a block that compiles no CPU code (a load from the caches, a GPU graph): no probes
+    with probe_memo():
+        pass
+    print("RESULT " + json.dumps({"candidates": len(candidates), "probes": len(runs)}))
+    raise SystemExit(0)
+with probe_memo(ahead=True):
     picked = str(c.pick_vec_isa())
 print("RESULT " + json.dumps({"candidates": len(candidates), "overlapped": overlapped, "picked": picked,
                               "max_runs": max(runs.values()), "probes": len(runs)}))
 """
 
 
-def test_the_probes_run_side_by_side_and_each_once(tmp_path):
+def run_child(tmp_path, case: str) -> dict:
     env = {"FUNCTRAIN_CACHE_DIR": str(tmp_path / "memo"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind"),
            "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": ":".join(sys.path)}
-    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", CHILD, case], env=env, capture_output=True, text=True, timeout=300)
     lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stdout + out.stderr
-    r = json.loads(lines[-1][7:])
+    return json.loads(lines[-1][7:])
+
+
+def test_a_block_that_compiles_no_cpu_code_starts_no_probes(tmp_path):
+    r = run_child(tmp_path, "load")
+    assert r["probes"] == 0, r
+
+
+def test_the_probes_run_side_by_side_and_each_once(tmp_path):
+    r = run_child(tmp_path, "compile")
     if r["candidates"] < 2:
         pytest.skip(f"this CPU offers inductor {r['candidates']} ISA to probe")
     assert r["overlapped"] == [True], r  # the first probe saw a second one start while it ran

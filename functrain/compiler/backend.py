@@ -27,6 +27,7 @@ from . import cache
 from .codegen import NotCached, refuse_codegen
 from .fx_tracing import FX_TRACING
 from .graph_lock import compile_lock, graph_key
+from .cxx_units import entry_at_wrapper_level
 from .probe_memo import probe_memo
 from .capture import tensor_metas  # noqa: F401 - re-exported: what a graph is compiled for
 from .memory import release, write_inputs
@@ -113,7 +114,15 @@ def make_backend(options: Options, lock_timeout: float = 600.0) -> CountingBacke
     (bench/compile_phases.py, bench/README.md "Issue 41"). The kernels are the same code, so the results are the
     same bit for bit (tests/compiler/test_cpp_units.py), and the C++ wrapper is faster per call than the Python one.
     A graph with reused block regions (``invoke_subgraph``) keeps inductor's default: torch 2.13's ``cpp_wrapper``
-    has no code for them."""
+    has no code for them.
+
+    The unit's entry function (the code that allocates the buffers and calls the kernels) is built at the level
+    of a package's wrapper, inductor's ``aot_inductor.compile_wrapper_opt_level`` (``-O1`` unless ``options.options``
+    or ``AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL`` says otherwise), the kernels at ``-O3``
+    (:func:`~functrain.compiler.cxx_units.entry_at_wrapper_level`): GCC's ``-O3`` of that function was most of a
+    large graph's C++ time (the seed's ``Unet``: first call 229 s, 149 s at ``-O1``), for no per-call time
+    measured at ``-O1`` (``-O0`` saves ~18 s more on the ``Unet``, and costs W1 ~4 % per call: bench/README.md,
+    issue 41). ``"O3"`` gives inductor's own unit back."""
     backend, mode, extra = options.backend, options.mode, options.options
     direct = options.path == "direct"
     if backend in (None, "inductor"):
@@ -125,20 +134,22 @@ def make_backend(options: Options, lock_timeout: float = 600.0) -> CountingBacke
             from torch._dynamo.backends.registry import lookup_backend
             return CountingBackend(lookup_backend("inductor"), shared=True, lock_timeout=lock_timeout)
         cpu_defaults = {k: v for k, v in CPU_GRAPH_OPTIONS.items() if k not in (extra or {})}
-        if cpu_defaults:
-            class PerDevice(wrapper):  # type: ignore[misc, valid-type]
-                """Inductor with :data:`CPU_GRAPH_OPTIONS` (those ``options`` does not set) for a graph whose
-                inputs are all on the CPU."""
 
-                def __call__(self, model_: Any, inputs_: Any, *, config_patches: Any = None) -> Any:
-                    if not any(torch.is_tensor(t) and t.device.type != "cpu" for t in inputs_):
-                        defaults = dict(cpu_defaults)
-                        if _has_regions(model_) or _returns_a_list_of_one(model_):  # (see each)
-                            defaults.pop("cpp_wrapper", None)
-                        config_patches = {**defaults, **(config_patches or {})}
+        class PerDevice(wrapper):  # type: ignore[misc, valid-type]
+            """Inductor with :data:`CPU_GRAPH_OPTIONS` (those ``options`` does not set) for a graph whose inputs
+            are all on the CPU, its entry function at the wrapper's level."""
+
+            def __call__(self, model_: Any, inputs_: Any, *, config_patches: Any = None) -> Any:
+                if any(torch.is_tensor(t) and t.device.type != "cpu" for t in inputs_):
+                    return super().__call__(model_, inputs_, config_patches=config_patches)
+                defaults = dict(cpu_defaults)
+                if _has_regions(model_) or _returns_a_list_of_one(model_):  # (see each)
+                    defaults.pop("cpp_wrapper", None)
+                config_patches = {**defaults, **(config_patches or {})}
+                with entry_at_wrapper_level():  # (the level: in config_patches or options, read at the unit's load)
                     return super().__call__(model_, inputs_, config_patches=config_patches)
 
-            wrapper = PerDevice
+        wrapper = PerDevice
         return CountingBackend(functools.partial(wrapper, mode, extra, options.dynamic), shared=True,
                                lock_timeout=lock_timeout)
     if isinstance(backend, str):

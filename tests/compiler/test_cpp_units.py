@@ -5,6 +5,8 @@ libtorch) for ~0.1-0.2 s of its kernel (bench/compile_phases.py); inductor's def
 ``ft.compile`` builds a CPU graph's kernels and the code that calls them as one (``cpp_wrapper``) unless
 ``options`` says otherwise. The kernels are the same code either
 way: the steps agree bit for bit, random draws (dropout, functrain's ``fallback_random``) and donation included.
+The unit's entry function is built at the level of a package's wrapper (a GCC pragma around it,
+:mod:`functrain.compiler.cxx_units`), with the same bits as inductor's own unit at ``-O3``.
 """
 from __future__ import annotations
 
@@ -34,12 +36,13 @@ def units(tmp_path_factory):
     """Per option set: the C++ units its compile built (target files) and its state and metrics after 3 steps."""
     from torch._inductor import cpp_builder, cpu_vec_isa
 
-    built, probing = [], [False]
+    built, sources, probing = [], [], [False]
     real_build, real_check = cpp_builder.CppBuilder.build, cpu_vec_isa.VecISA.check_build
 
     def build(self):  # a spy: the real build, its target noted unless it is inductor's CPU ISA probe
         if not probing[0]:
             built.append(self.get_target_file_path())
+            sources.extend(open(p).read() for p in self.get_command_line().split() if p.endswith(".cpp"))
         return real_build(self)
 
     def check_build(self, code):
@@ -58,29 +61,32 @@ def units(tmp_path_factory):
     out = {}
     cpp_builder.CppBuilder.build, cpu_vec_isa.VecISA.check_build = build, check_build
     try:
-        for name, options in (("one", None), ("apart", {"cpp_wrapper": False})):
+        for name, options in (("one", None), ("apart", {"cpp_wrapper": False}),
+                              ("O3", {"aot_inductor.compile_wrapper_opt_level": "O3"})):
             built.clear()
+            sources.clear()
             cstep = ft.compile(step, donate=True, cache_dir=cache, **({"options": options} if options else {}))
             state = step.init({k: v.clone() for k, v in params.items()}, {}, seed=3)
             for batch in batches:
                 state, metrics = cstep(state, batch)
             units = [t for t in built if t.endswith(".so")]  # (not the precompiled header's preprocessing)
-            out[name] = (units, state, metrics)
+            out[name] = (units, state, metrics, [t for t in sources if "inductor_entry_impl" in t])
     finally:
         cpp_builder.CppBuilder.build, cpu_vec_isa.VecISA.check_build = real_build, real_check
     return out
 
 
 def test_a_cpu_graph_is_one_cpp_unit(units):
-    one, _, _ = units["one"]
-    apart, _, _ = units["apart"]
+    one = units["one"][0]
+    apart = units["apart"][0]
     assert len(one) == 1, one
     assert len(apart) > 1, apart  # inductor's own layout, as options={"cpp_wrapper": False} asks: a unit per kernel
 
 
-def test_one_unit_computes_the_same_bits(units):
-    _, s1, m1 = units["one"]
-    _, s2, m2 = units["apart"]
+@pytest.mark.parametrize("other", ["apart", "O3"])
+def test_one_unit_computes_the_same_bits(units, other):
+    _, s1, m1, _ = units["one"]
+    _, s2, m2, _ = units[other]
     l1, l2 = ft.tree.tree_leaves((s1, m1)), ft.tree.tree_leaves((s2, m2))
     assert len(l1) == len(l2)
     for a, b in zip(l1, l2):
@@ -88,6 +94,29 @@ def test_one_unit_computes_the_same_bits(units):
             assert torch.equal(a, b), (a, b)
         else:
             assert a == b
+
+
+def test_the_entry_function_is_built_at_the_wrapper_level_and_the_kernels_are_not(units):
+    """The unit's entry function (inductor_entry_impl) sits between GCC pragmas for the level of a package's
+    wrapper (inductor's ``aot_inductor.compile_wrapper_opt_level``, O1 unless the environment says otherwise), and no
+    kernel is defined between them; with the level set to O3 by ``options`` the unit has no such pragma (inductor's
+    own unit)."""
+    from torch._inductor import config
+    level = config.aot_inductor.compile_wrapper_opt_level
+    assert level != "O3"
+    (source,) = units["one"][3]
+    lines = source.split("\n")
+    push = lines.index(f'#pragma GCC optimize ("{level}")')
+    assert lines[push - 1] == "#pragma GCC push_options"
+    assert lines[push + 1].startswith("void inductor_entry_impl(")
+    pop = lines.index("#pragma GCC pop_options")
+    assert lines[pop - 1] == "} // inductor_entry_impl"
+    inside = "\n".join(lines[push:pop])
+    kernels = [line for line in lines if line.startswith('extern "C"') and "cpp_fused" in line]
+    assert kernels and 'extern "C"' not in inside
+    assert source.count("#pragma GCC optimize") == 1
+    (plain,) = units["O3"][3]
+    assert "#pragma GCC optimize" not in plain and "push_options" not in plain
 
 
 def _one_param_loss(params, buffers, batch):

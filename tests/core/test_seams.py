@@ -22,6 +22,8 @@ ALLOWED_PATCHES = {
     ("compiler/probe_memo.py", "cpu_vec_isa.VecISA.check_build"): "torch's ISA probe memoized (probe_memo), restored",
     ("compiler/cxx_units.py", "cpp_builder.CppBuilder.build"): "inductor's C++ build: the wrapper unit beside the "
                                                               "kernels' (side_by_side), restored",
+    ("compiler/cxx_units.py", "loader.load_pybinding"): "inductor's JIT wrapper loader: the entry function at the "
+                                                        "wrapper's level (entry_at_wrapper_level), restored",
     ("compiler/cache.py", "module.default_cache_dir"): "inductor's default folder replaced by a trusted one",
     ("compiler/host_sync.py", "builtins.print"): "print refused while a step is traced, restored after",
     ("distributed/agent.py", "context.close"): "torchrun's agent context closed within --term-timeout",

@@ -19,21 +19,25 @@ A failure of a deferred compile is raised by the next link, or at the end of the
 ``cpp_wrapper``): its kernels and the function that calls them (``inductor_entry_impl``: allocations, handles, one
 call per kernel), all at ``-O3``. For a large graph nearly all of the unit's time is GCC optimising that function,
 not the kernels: the seed's ``Unet`` (159 kernels, an entry function of ~8,000 lines) 95.5 s by hand, its kernels
-alone 12.7 s, the unit with the entry function at ``-O1`` 42.8 s, at ``-O0`` 14.3 s (bench/README.md, issue 41). An AOTInductor
-package builds the same code as a separate wrapper unit at ``aot_inductor.compile_wrapper_opt_level`` (``-O1`` by
-default). :func:`entry_at_wrapper_level` applies that level to the JIT unit's entry function too, by a GCC pragma
-around it (:func:`with_entry_level`); the kernels in the same unit keep ``-O3`` and stay visible to the compiler.
+alone 12.7 s, the unit with the entry function at ``-O1`` 42.8 s, at ``-O0`` 14.3 s (bench/README.md, issue 41).
+An AOTInductor package builds the same code as a separate wrapper unit at ``aot_inductor.compile_wrapper_opt_level``
+(``-O1`` by default). :func:`entry_at_wrapper_level` applies that level to the JIT unit's entry function too, by a
+GCC pragma around it (:func:`with_entry_level`); the kernels in the same unit keep ``-O3`` and stay visible to the
+compiler.
 The level is read from inductor's configuration when the unit is loaded (``-O1`` by default; ``options`` or
 ``AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL`` change it), and the compiled unit is keyed by its source, pragma
 included: a unit built with another level, or by a plain ``torch.compile``, is another file, never this one. At
 ``-O1`` the per-call time is unchanged (W1 paired 0.99-1.0); ``-O0`` costs W1 ~4 %. The entry function does no
 arithmetic on the tensors' values, so the numbers are the same bit for bit (tests/compiler/test_cpp_units.py). A
-compiler other than GCC ignores the pragma (``-Wno-unknown-pragmas``): the unit is then built as before.
+compiler other than GCC ignores the pragma (``-Wno-unknown-pragmas``): the unit is then built as before. A unit
+whose source has no single entry function to put the pragmas around (a torch that names it otherwise) is built as
+inductor wrote it, entry at ``-O3``, with a warning: slower to compile, the same numbers.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from concurrent.futures import Future
 from typing import Any, Iterator
 
@@ -122,6 +126,18 @@ def with_entry_level(source: str, level: str) -> str:
     return "\n".join(lines[:start] + [_PUSH.format(level=level)] + lines[start:end + 1] + [_POP] + lines[end + 1:])
 
 
+def _at_level(source: str, level: str) -> str:
+    """:func:`with_entry_level` for a unit inductor's JIT loader is about to build, which has one entry function:
+    where it cannot be placed, a warning says that this unit's entry is built at ``-O3``."""
+    placed = with_entry_level(source, level)
+    if placed is source and level != "O3":
+        warnings.warn(f"ft.compile: this graph's C++ unit has no single {_ENTRY_START[:-1]!r} ... {_ENTRY_END!r} "
+                      f"to build at -{level} (a torch that generates it otherwise): its entry function is built at "
+                      f"-O3, as inductor wrote it; the results are the same, the C++ compile slower",
+                      RuntimeWarning, stacklevel=2)
+    return placed
+
+
 _ENTRY_LOCK = threading.Lock()
 _entry_depth = [0]   # blocks open now
 _entry_saved: list = []  # what the outermost block replaced (``None``: an inherited method)
@@ -152,9 +168,9 @@ def entry_at_wrapper_level() -> Iterator[None]:
                 from torch._inductor import config
                 level = str(config.aot_inductor.compile_wrapper_opt_level)
                 if "main_code" in kwargs:
-                    kwargs["main_code"] = with_entry_level(kwargs["main_code"], level)
+                    kwargs["main_code"] = _at_level(kwargs["main_code"], level)
                 elif len(args) > 1:
-                    args = (args[0], with_entry_level(args[1], level), *args[2:])
+                    args = (args[0], _at_level(args[1], level), *args[2:])
                 return original(klass, *args, **kwargs)
 
             loader.load_pybinding = classmethod(load_pybinding)

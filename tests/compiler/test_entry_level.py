@@ -1,5 +1,6 @@
 """A JIT C++ wrapper unit's entry function is built at the wrapper's optimisation level, the rest of the unit as
-before (:func:`functrain.compiler.cxx_units.with_entry_level`, :func:`~functrain.compiler.cxx_units.entry_at_wrapper_level`).
+before (:func:`functrain.compiler.cxx_units.with_entry_level`,
+:func:`~functrain.compiler.cxx_units.entry_at_wrapper_level`).
 
 The end-to-end check (a real compile: the pragma in the unit inductor builds, the numbers bit for bit those of the
 unit without it) is in tests/compiler/test_cpp_units.py; here, the source transform as a law and the scoped patch
@@ -101,3 +102,18 @@ def test_nested_blocks_keep_the_patch_until_the_last_ends(spy):
         _load(source)
     assert spy == [with_entry_level(source, "O0"), source]
     assert codecache.CppWrapperCodeCache.__dict__.get("load_pybinding") is before
+
+
+def test_a_unit_whose_entry_cannot_be_placed_is_built_as_written_and_says_so(spy):
+    """A source without a single entry function (a torch that names it otherwise) reaches the compiler unchanged,
+    with a warning naming what was not found; at O3 nothing was asked for, and nothing is said."""
+    source = "\n".join(['extern "C" void k();', "void inductor_entry_renamed(", ") {", "}"])
+    with config.patch({"aot_inductor.compile_wrapper_opt_level": "O1"}), entry_at_wrapper_level():
+        with pytest.warns(RuntimeWarning, match=r"no single 'void inductor_entry_impl' .* built at -O3"):
+            _load(source)
+    with config.patch({"aot_inductor.compile_wrapper_opt_level": "O3"}), entry_at_wrapper_level():
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _load(source)
+    assert spy == [source, source]

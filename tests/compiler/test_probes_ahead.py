@@ -20,10 +20,9 @@ pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
                                 reason="inductor probes several ISAs only on x86")
 
 CHILD = r"""
-import collections, json, threading
+import collections, json, sys, threading
 from torch._inductor import cpu_vec_isa as c
 candidates = [i for i in c.supported_vec_isa_list if all(f in c.x86_isa_checker() for f in str(i).split())]
-import sys
 ahead = sys.argv[1] == "compile"
 second_started, lock = threading.Event(), threading.Lock()
 runs, order, overlapped = collections.Counter(), [], []
@@ -39,7 +38,6 @@ def stand_in(self, code):
     return str(self) != str(candidates[0])  # the best candidate fails: inductor must pick the next, either way
 c.VecISA.check_build = stand_in
 from functrain.compiler.probe_memo import probe_memo
-import sys
 if sys.argv[1] == "serial":  # inductor's own probes, one after the other: the pick to compare with
     with probe_memo():
         picked = str(c.pick_vec_isa())

@@ -65,15 +65,19 @@ inline, cache hit) are :mod:`functrain.compiler.jobs`.
 
 When compiling pays: for a run of known length (:meth:`BackgroundCompiler.expect`, which ``ft.run`` and the
 Trainer call through their runner) a graph that is not in the caches is traced and held, and after
-:data:`~functrain.compiler.policy.DECIDE_AFTER` timed eager steps the run's compile budget
-(:class:`~functrain.compiler.budget.Budget`, the one caller of :func:`functrain.compiler.policy.decide`: the steps
-left, the measured eager step, this machine's history, its cores and busy ranks) decides whether to start its
-compile; a rank that declines says ``DECLINED`` in the per-call
-agreement, and then no rank compiles that signature (said once on stderr, with why). Without ``switch_at`` only,
-and unless ``FUNCTRAIN_COMPILE_POLICY=always``; a run of unknown length compiles at once, as before.
+:data:`~functrain.compiler.policy.DECIDE_AFTER` timed eager steps each rank's compile budget
+(:class:`~functrain.compiler.budget.Budget`: the steps left, the measured eager step, this machine's history, its
+cores and busy ranks) gives its numbers to the per-call agreement; once every rank that waits for a decision has
+given them, every rank decides from the same combined numbers (:func:`functrain.compiler.policy.combine`: the
+slowest step, the dearest compile): one decision, the same on every rank and in every rank's metrics, said once
+on stderr by the run's first rank. A decline is for every rank: no rank compiles that signature. Without
+``switch_at`` only, and unless ``FUNCTRAIN_COMPILE_POLICY=always``; a run of unknown length compiles at once, as
+before.
 """
 from __future__ import annotations
 
+import math
+import os
 import sys
 import time
 import warnings
@@ -84,7 +88,7 @@ from .budget import Budget
 from .capture import Captured, importing as _importing, preload as _preload, wait_for_imports
 from .jobs import (DECLINED, FAILED, READY, RUNNING, TIMEOUT_ENV, FailedJob, InlineJob, Job, LoadedJob, SharedJob,
                    ThreadJob, WorkerJob, WorkerPool, _first, leads_at_once)
-from .policy import Decision
+from .policy import VOTE_SIZE, Decision, from_vote, vote
 from .progress import Progress
 from .settings import WorkerSettings
 
@@ -93,6 +97,7 @@ __all__ = ["BackgroundCompiler", "Record", "Eager", "Ready", "Progress", "WORKER
 
 WORKER_ENV = "FUNCTRAIN_COMPILE_WORKER"
 WAITING, HELD, COMPILING, INSTALLED, GAVE_UP, DECLINED_ = "waiting", "held", "compiling", "ready", "failed", "declined"
+_BALLOT = 4  # a ballot's fields before the policy's vote (see BackgroundCompiler._ballot)
 
 
 class Eager(NamedTuple):
@@ -204,8 +209,6 @@ class BackgroundCompiler:
                 traced = True
             else:
                 after = True  # traced after this call's eager step, on its input state
-        if rec.status in (WAITING, HELD) and self._decides and self._ready_to_decide(rec):
-            self._decide(rec)
         if rec.status != COMPILING:
             self._prepare()
         if self.switch_at is None:
@@ -218,14 +221,22 @@ class BackgroundCompiler:
 
     def _agree(self, rec: Record, state: TrainState, batch: Any, traced: bool) -> Eager | Ready:
         """Switch when ready: every call until the switch, on every rank, is every rank's compiled code ready?
-        (their MIN; a rank whose policy declined says DECLINED, and then no rank compiles this signature)."""
+        (their MIN; a rank whose compile failed says FAILED, and then no rank compiles this signature). The same
+        collective carries the compile policy's votes (:meth:`_ballot`): once every rank that waits for a decision
+        has its numbers, every rank decides from the same combined numbers (:meth:`_decided`)."""
         if rec.status == COMPILING:
             mine = rec.job.poll()
             if mine == READY and traced and not isinstance(rec.job, LoadedJob):
                 mine = RUNNING  # compiled at this call's trace (not found in the caches): the switch is at the next
         else:
-            mine = DECLINED if rec.decision is not None else RUNNING
-        status = self.step.agree(mine)
+            mine = DECLINED if rec.decision is not None and not rec.decision.compile else RUNNING
+        agreed = self.step.agree(self._ballot(rec, state, mine))
+        status = int(agreed[0])
+        if status in (RUNNING, READY) and agreed[1] < 0 and agreed[2] > 0:  # a rank asks; every one has its numbers
+            self._decided(rec, from_vote(agreed[_BALLOT:]), final=agreed[3] > 0)
+            if rec.status == DECLINED_:
+                return self._eager(state, batch, paused=traced)
+            status = min(status, RUNNING)  # (a compile decided now: nothing to switch to at this call)
         if status == DECLINED:
             self._decline(rec)
             return self._eager(state, batch, paused=traced)
@@ -235,6 +246,51 @@ class BackgroundCompiler:
             return self._ready(rec)
         self._give_up(rec)  # some rank's compile failed
         return self._eager(state, batch)
+
+    def _ballot(self, rec: Record, state: TrainState, mine: int) -> tuple:
+        """This rank's part of a call's agreement: its status (MIN), whether it waits for the policy's decision on
+        this signature (negated: MAX), whether it has its numbers, whether they are of a traced graph (MIN: not
+        asking counts as both), then its :func:`~functrain.compiler.policy.vote` (``inf``: none to give)."""
+        asks = self._decides and rec.status in (WAITING, HELD) and rec.decision is None
+        inputs = self._inputs(rec, state) if asks else None
+        numbers = vote(inputs) if inputs is not None else (math.inf,) * VOTE_SIZE
+        return (float(mine), -float(asks), float(inputs is not None or not asks),
+                float(rec.status == HELD or self.settings.policy == "never" or not asks)) + numbers
+
+    def _inputs(self, rec: Record, state: TrainState) -> Any:
+        """This rank's numbers for the policy's decision on a signature waiting for one, or ``None`` while it has
+        none yet: a held (traced) graph's after :data:`~functrain.compiler.policy.DECIDE_AFTER` timed eager steps
+        (at once when the run's length is unknown, or forced never); before anything is imported, the history's
+        cheapest prediction of an untraced graph (:meth:`_untraced`), after the same timed steps."""
+        if self.settings.policy == "never":
+            return self.budget.inputs(None)
+        if rec.status == HELD:
+            return self.budget.inputs(rec.capture) if self.budget.measured else None
+        bound = None if self._imported else self._untraced(state)
+        if bound is None or self.budget.waits(bound):
+            return None  # (traced soon: the compiler's imports are under way; or more steps to time)
+        return self.budget.inputs(None, bound=bound)
+
+    def _decided(self, rec: Record, inputs: Any, final: bool) -> None:
+        """Every rank decides from the run's ``inputs`` (combined over its ranks): the same decision on each. A
+        decline is for every rank (the one whose code is in the caches too); a compile starts this rank's (a held
+        graph); ``final`` is false when some rank judged its graph untraced: then a compile decided starts the
+        untraced ranks' imports and trace, and the traced graphs are judged again. Said once, by the run's first
+        rank."""
+        d = self.budget.decide(inputs, final=final)
+        if not d.compile:
+            self._decline(rec, d)
+            return
+        if not final:
+            if rec.status == WAITING and not self._imported:
+                self._imported = True
+                _preload()
+            return
+        if rec.status == HELD:
+            rec.decision = d
+            if speaks() and self.budget.decision is d:  # (said once: a later signature's compile is not)
+                _console(f"functrain: {d.why}")
+            self._compile(rec, self._job(rec.capture), time.perf_counter())
 
     def _switch_step(self, rec: Record, s: Any, state: TrainState, batch: Any, graphs: Any) -> Eager | Ready:
         """At or past the switch step (a resumed run too): compile now if need be, wait, agree once."""
@@ -265,55 +321,24 @@ class BackgroundCompiler:
     def _may_trace(self, rec: Record, state: TrainState) -> bool:
         """Whether a waiting signature is traced now: not while the compiler's modules are imported by a thread
         (seconds the eager steps do not wait for: the trace's call differs between processes, so nothing collective
-        may depend on it), nor while the policy may still decline it untraced, nor ever under the forced
-        ``never``."""
+        may depend on it), nor while the policy may still decline it untraced (:meth:`_untraced`), nor ever under
+        the forced ``never``."""
         if self._decides and self.settings.policy == "never":
             return False
-        if not self._imported and self._bound(rec, state):
-            return False
+        if not self._imported:
+            if self._untraced(state) is not None:  # judged untraced first (the ranks agree on it, see _agree)
+                return False
+            self._imported = True
+            _preload()
         return not _importing()
 
-    def _bound(self, rec: Record, state: TrainState) -> bool:
+    def _untraced(self, state: TrainState) -> Any:
         """Before the compiler is imported (a run of known length under the policy, in a process that has not
-        imported the compiler, on a machine whose history holds no compile of this kind: the caches hold no
-        such graph): whether to wait. The first :data:`~functrain.compiler.policy.DECIDE_AFTER` timed eager
-        calls are waited for; then the policy judges the compile without a trace, from the default's base cost
-        (:meth:`~functrain.compiler.history.History.untraced`) and the measured step. A decline there is this
-        process's decision (no import, no trace, no worker: the ranks agree on it at this call); otherwise the
-        imports start now and the graph is traced and judged as usual. Returns ``True`` while waiting."""
-        if rec.decision is not None:
-            return True
-        bound = self.budget.untraced(state, _compiler_imported())
-        if self.budget.waits(bound):
-            return True
-        if bound is not None:
-            rec.decision = self.budget.judge(None, bound=bound)
-            if not rec.decision.compile:
-                return True
-            self.budget.forget(rec.decision)  # (the bound's; the traced graph is judged again)
-            rec.decision = None
-        self._imported = True
-        _preload()
-        return False
-
-    def _ready_to_decide(self, rec: Record) -> bool:
-        """Decide now? Once the graph is traced (and not in the caches), after :data:`~functrain.compiler.policy.
-        DECIDE_AFTER` timed eager steps (at once when forced never, or when the run's length is unknown)."""
-        if rec.decision is not None:
-            return False
-        if self.settings.policy == "never":
-            return True
-        return rec.status == HELD and self.budget.measured
-
-    def _decide(self, rec: Record) -> None:
-        """This process's decision for a held (or, forced never, an untraced) signature: a compile decided is
-        started now; a decline leaves the record as it is (the ranks agree on it at this call)."""
-        rec.decision = d = self.budget.judge(rec.capture)
-        if not d.compile:
-            return
-        if leads_at_once() and self.budget.decision is d:  # (said once: a later signature's compile is not)
-            _console(f"functrain: {d.why}")
-        self._compile(rec, self._job(rec.capture), time.perf_counter())
+        imported the compiler, on a machine whose history holds no compile of this kind: the caches hold no such
+        graph): the history's cheapest prediction of this graph's compile, which the policy judges after
+        :data:`~functrain.compiler.policy.DECIDE_AFTER` timed eager calls, with no import, no trace, no worker;
+        ``None``: trace it and judge the graph."""
+        return self.budget.untraced(state, _compiler_imported()) if self._decides else None
 
     @property
     def eager_only(self) -> bool:
@@ -327,10 +352,11 @@ class BackgroundCompiler:
         """One eager call of a run that compiles nothing (:attr:`eager_only`)."""
         return self._eager(state, batch)
 
-    def _decline(self, rec: Record) -> None:
-        """Every rank agreed: this signature runs eagerly for the rest of this run (said once, with why)."""
-        if rec.decision is None and rec.status == HELD:  # another rank decided first: this one's numbers too
-            rec.decision = self.budget.judge(rec.capture)
+    def _decline(self, rec: Record, decision: Decision | None = None) -> None:
+        """Every rank agreed (``decision``: the policy's, the same on every rank): this signature runs eagerly for
+        the rest of this run (said once, with why, by the run's first rank)."""
+        if decision is not None:
+            rec.decision = decision
         mine = rec.decision
         if rec.job is not None:
             rec.job.close()
@@ -341,7 +367,7 @@ class BackgroundCompiler:
         self._report()
         why = mine.why if mine is not None and not mine.compile else \
             "another process of this run decided that compiling would not pay; training eagerly"
-        if len(self.declined) == 1 and leads_at_once():
+        if len(self.declined) == 1 and speaks():
             _console(f"functrain: {why}")
 
     def record_rates(self, eager_s: float | None, compiled_s: float | None) -> None:
@@ -582,6 +608,12 @@ def _compiler_imported() -> bool:
     """Whether this process has imported the compiler already (another step compiled here, a precompile): then
     a trace costs no imports and is how a graph in the caches is found."""
     return "torch._inductor.compile_fx" in sys.modules
+
+
+def speaks() -> bool:
+    """Whether this process says the run's compile decisions on the console: the run's first rank (``RANK`` 0, or
+    a process that is not one of several ranks). Every rank decides the same (see ``_agree``); one says it."""
+    return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
 def _console(line: str) -> None:

@@ -83,9 +83,10 @@ class Budget:
         """With an untraced ``bound``: whether to wait for more timed calls before judging it."""
         return bound is not None and len(self._timed) < DECIDE_AFTER
 
-    def judge(self, cap: Any, bound: Any = None) -> Decision:
-        """The policy's decision for a graph traced as ``cap`` (``None``: not traced; then from ``bound``, a history
-        prediction, or for the forced ``never``), from the inputs measured now."""
+    def inputs(self, cap: Any, bound: Any = None) -> Inputs:
+        """What this process knows now for the policy, of a graph traced as ``cap`` (``None``: not traced; then from
+        ``bound``, a history prediction, or for the forced ``never``): its :class:`~functrain.compiler.policy.
+        Inputs` (the ranks combine theirs: :func:`~functrain.compiler.policy.combine`)."""
         if cap is not None:
             cpu_s, ratio, source = self.history().predict(self.kind(cap), len(cap.gm.graph.nodes))
         elif bound is not None:  # no graph yet: the cheapest compile a new machine predicts
@@ -95,15 +96,21 @@ class Budget:
         timed = sorted(self._timed)
         eager_s = timed[len(timed) // 2] if timed else 0.0
         remaining = None if self.total is None else max(self.total - self.done, 0)
-        d = decide(Inputs(remaining, eager_s, cpu_s, ratio, _cores(), _busy(), _load(), self.policy, 1.0, source))
-        if self.decision is None:
+        return Inputs(remaining, eager_s, cpu_s, ratio, _cores(), _busy(), _load(), self.policy, 1.0, source)
+
+    def decide(self, inputs: Inputs, final: bool = True) -> Decision:
+        """The policy's decision on ``inputs`` (the run's, combined over its ranks); the run's first final one is
+        :attr:`decision`: a decline, or a compile with ``final`` (a compile judged before the trace is not: the
+        traced graph is judged again)."""
+        d = decide(inputs)
+        if (final or not d.compile) and self.decision is None:
             self.decision = d
         return d
 
-    def forget(self, d: Decision) -> None:
-        """An untraced decision ``d`` that the trace's judgement replaces."""
-        if self.decision is d:
-            self.decision = None
+    def judge(self, cap: Any, bound: Any = None) -> Decision:
+        """The policy's decision from this process's own inputs (:meth:`inputs`, :meth:`decide`): a process
+        alone."""
+        return self.decide(self.inputs(cap, bound))
 
     def kind(self, cap: Any) -> str:
         """The history's kind of a capture (its device and inductor mode)."""

@@ -17,6 +17,12 @@ when other work keeps more cores busy):
   cores, ``C x (busy + 1) / cores`` seconds.
 * the gain: ``max(0, n - steps while compiling) x (e - c)``; it compiles when the gain exceeds the cost.
 
+Several ranks decide once, together: each puts its own inputs in a vote (:func:`vote`), the ranks take the
+elementwise least of their votes (one host all-reduce, MIN), and every rank decides from the same inputs, the
+ranks' combined (:func:`combine`, :func:`from_vote`): the slowest rank's eager step, the largest predicted
+compile, the fewest cores and the most load any rank sees, the fewest steps left. One decision, one set of
+numbers, on every rank.
+
 An unknown run length (a plain call of the compiled step, ``ft.run`` over an iterator without ``len``) compiles,
 as before. ``FUNCTRAIN_COMPILE_POLICY`` (:mod:`functrain.compiler.settings`) forces it either way: ``always`` or
 ``never``; ``switch_at=`` forces a compile too (the switch step waits for it).
@@ -26,7 +32,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-__all__ = ["Inputs", "Decision", "decide", "FORCES", "PRECOMPILE_HINT", "DECIDE_AFTER"]
+__all__ = ["Inputs", "Decision", "decide", "combine", "vote", "from_vote", "VOTE_SIZE", "FORCES", "PRECOMPILE_HINT",
+           "DECIDE_AFTER"]
 
 FORCES = ("auto", "always", "never")
 DECIDE_AFTER = 3
@@ -159,3 +166,62 @@ def decide(inputs: Inputs) -> Decision:
     return Decision(False, spare, ready, cost, gain,
                     f"compiling would not pay in this run: ~{i.compile_cpu_s:.0f} s to compile, ~{gain:.0f} s "
                     f"to gain; training eagerly; {PRECOMPILE_HINT}", i)
+
+
+# A vote is a tuple of floats whose elementwise least over the ranks is the vote of the combined inputs: a field
+# combined by its largest value is negated. Unknown steps left (None) count as -1: fewest wins, so any rank's
+# unknown length makes the run's unknown. The force's index: "never" wins over "always" over "auto".
+_SOURCES = ("default", "history")
+VOTE_SIZE = 10
+"""The length of a :func:`vote`."""
+
+
+def combine(inputs: "list[Inputs] | tuple[Inputs, ...]") -> Inputs:
+    """The run's inputs from each rank's: the fewest steps left (unknown if any rank's is), the slowest eager step,
+    the largest predicted compile, ratio and load time, the fewest cores, the most ranks and load, the strongest
+    force (``never`` over ``always`` over ``auto``), and ``"history"`` only if every rank's predictions came from
+    its history. What :func:`from_vote` gives for the least of the ranks' votes.
+
+    Example::
+
+        >>> from functrain.compiler.policy import Inputs, combine
+        >>> a = Inputs(remaining=400, eager_s=0.01, compile_cpu_s=30, compiled_ratio=0.5, cores=2, busy=2)
+        >>> combine([a, a._replace(eager_s=0.02, compile_cpu_s=20)])[1:3]
+        (0.02, 30)
+    """
+    if not inputs:
+        raise ValueError("combine: no inputs (at least one rank's are needed)")
+    for i in inputs:
+        _check(i)
+    left = [i.remaining for i in inputs]
+    return Inputs(remaining=None if None in left else min(left), eager_s=max(i.eager_s for i in inputs),
+                  compile_cpu_s=max(i.compile_cpu_s for i in inputs),
+                  compiled_ratio=max(i.compiled_ratio for i in inputs), cores=min(i.cores for i in inputs),
+                  busy=max(i.busy for i in inputs), load=max(i.load for i in inputs),
+                  force=FORCES[max(FORCES.index(i.force) for i in inputs)], load_s=max(i.load_s for i in inputs),
+                  source=_SOURCES[min(_SOURCES.index(i.source) for i in inputs)])
+
+
+def vote(inputs: Inputs) -> tuple:
+    """This rank's inputs as a vote: :data:`VOTE_SIZE` floats whose elementwise least over the ranks is what
+    :func:`from_vote` turns into :func:`combine` of their inputs. A rank with no inputs to give votes
+    ``(inf,) * VOTE_SIZE`` (it leaves the others' as they are)."""
+    _check(inputs)
+    if inputs.source not in _SOURCES:
+        raise ValueError(f"compile policy: source must be one of {', '.join(map(repr, _SOURCES))}; got "
+                         f"{inputs.source!r}")
+    i = inputs
+    return (-1.0 if i.remaining is None else float(i.remaining), -float(i.eager_s), -float(i.compile_cpu_s),
+            -float(i.compiled_ratio), float(i.cores), -float(i.busy), -float(i.load), -float(FORCES.index(i.force)),
+            -float(i.load_s), float(_SOURCES.index(i.source)))
+
+
+def from_vote(least: "tuple | list") -> Inputs:
+    """The inputs a least vote stands for (see :func:`vote`); ``ValueError`` if no rank voted (a field is
+    infinite) or the vote has another length."""
+    v = [float(x) for x in least]
+    if len(v) != VOTE_SIZE or not all(math.isfinite(x) for x in v):
+        raise ValueError(f"compile policy: a vote is {VOTE_SIZE} finite numbers (some rank's inputs); got {least!r}")
+    remaining = None if v[0] < 0 else int(v[0])
+    return Inputs(remaining=remaining, eager_s=-v[1], compile_cpu_s=-v[2], compiled_ratio=-v[3], cores=int(v[4]),
+                  busy=int(-v[5]), load=-v[6], force=FORCES[int(-v[7])], load_s=-v[8], source=_SOURCES[int(v[9])])

@@ -363,9 +363,10 @@ class Step:
         summed (its rank under data parallelism), else 0."""
         return sum(f() for f in self._offsets)
 
-    def agree(self, value: int) -> int:
+    def agree(self, value: "int | tuple[float, ...]") -> "int | tuple[float, ...]":
         """The least ``value`` any process running this step holds (:meth:`Transform.agree` of its transforms;
-        ``value`` itself on one process). A host collective: every process must call it at the same step.
+        ``value`` itself on one process); a tuple of floats is agreed elementwise. A host collective: every
+        process must call it at the same step.
 
         Example::
 

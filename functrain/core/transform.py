@@ -371,12 +371,14 @@ class Transform:
         """What this process adds to each step's random seed (data_parallel: its rank); 0 by default."""
         return 0
 
-    def agree(self, value: int) -> int:
+    def agree(self, value: "int | tuple[float, ...]") -> "int | tuple[float, ...]":
         """The least ``value`` held by any process this transform spans: a bounded host collective (the
         data-parallel transforms all-reduce a CPU int with MIN over their group); ``value`` by default (this
-        process alone). Every process must call it at the same point. Background compilation asks it once per
-        step, until it switches, whether every rank's compiled step is ready, so replicated ranks switch at
-        the same step."""
+        process alone). ``value`` is an int, or a tuple of floats (then the least of each element, a tuple of the
+        same length: one collective for several votes). Every process must call it at the same point, with the
+        same kind and length of value. Background compilation asks it once per step, until it switches, whether
+        every rank's compiled step is ready (and, the first time, the compile policy's numbers: one decision from
+        the same numbers on every rank), so replicated ranks switch at the same step."""
         return value
 
     def wrap_loss(self, loss_fn: Callable, ctx: StepContext) -> Callable:

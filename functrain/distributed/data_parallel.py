@@ -159,15 +159,17 @@ class DataParallel(Transform):
         """This process's rank in the group: each step seeds its random draws with ``seed + rank``."""
         return dist.get_rank(self._group()) if _world(self.group) > 1 else 0
 
-    def agree(self, value: int) -> int:
-        """The least ``value`` over the ranks of the group: one all-reduce (MIN) of a CPU int on a gloo group
-        (the group itself if it is gloo, else a gloo group of its ranks made on first use), bounded by
-        ``FUNCTRAIN_DIST_TIMEOUT``: no device sync, whatever the training backend. ``value`` on one process."""
+    def agree(self, value: "int | tuple[float, ...]") -> "int | tuple[float, ...]":
+        """The least ``value`` over the ranks of the group (a tuple of floats: elementwise): one all-reduce (MIN)
+        of a CPU tensor on a gloo group (the group itself if it is gloo, else a gloo group of its ranks made on
+        first use), bounded by ``FUNCTRAIN_DIST_TIMEOUT``: no device sync, whatever the training backend.
+        ``value`` on one process."""
+        many = isinstance(value, tuple)
         if _world(self.group) == 1:
-            return int(value)
-        t = torch.tensor([int(value)], dtype=torch.int64)
+            return tuple(float(x) for x in value) if many else int(value)
+        t = torch.tensor(value, dtype=torch.float64) if many else torch.tensor([int(value)], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._host_group())
-        return int(t[0])
+        return tuple(t.tolist()) if many else int(t[0])
 
     def _host_group(self) -> Any:
         group = self._group()

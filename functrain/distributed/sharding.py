@@ -208,7 +208,7 @@ class ShardedDataParallel(Transform):
         """The replicated data_parallel's per-rank seed offset (each rank draws its own dropout)."""
         return self.replicated.rng_offset()
 
-    def agree(self, value: int) -> int:
+    def agree(self, value: "int | tuple[float, ...]") -> "int | tuple[float, ...]":
         """The replicated data_parallel's :meth:`~functrain.Transform.agree` (a MIN over the group's ranks)."""
         return self.replicated.agree(value)
 

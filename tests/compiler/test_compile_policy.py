@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from functrain.compiler import history as history_mod
 from functrain.compiler.history import History
-from functrain.compiler.policy import Inputs, decide
+from functrain.compiler.policy import FORCES, VOTE_SIZE, Inputs, combine, decide, from_vote, vote
 from functrain.compiler.settings import BadSetting, WorkerSettings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -105,6 +105,43 @@ def test_compiles_exactly_when_the_gain_exceeds_the_cost(i):
         assert cost >= i.compile_cpu_s
         if gain <= i.compile_cpu_s:
             assert not d.compile
+
+
+@given(st.lists(st.builds(Inputs, remaining=st.one_of(st.none(), st.integers(0, 10**7)),
+                          eager_s=st.floats(0.0, 10.0), compile_cpu_s=st.floats(0.0, 3600.0),
+                          compiled_ratio=st.floats(0.05, 2.0), cores=st.integers(1, 128), busy=st.integers(1, 16),
+                          load=st.floats(0.0, 64.0), force=st.sampled_from(FORCES), load_s=st.floats(0.0, 10.0),
+                          source=st.sampled_from(["default", "history"])), min_size=1, max_size=5), st.randoms())
+def test_the_least_of_the_ranks_votes_is_their_combined_inputs(ranks, rnd):
+    """A law: the elementwise least of the ranks' votes (what the per-call MIN all-reduce makes), in any order,
+    stands for the combined inputs, written out again here: the fewest steps left (unknown if any is), the
+    slowest step, the dearest compile, the fewest cores, the most ranks and load, the strongest force."""
+    order = list(ranks)
+    rnd.shuffle(order)
+    least = tuple(min(v) for v in zip(*(vote(i) for i in order)))
+    left = [i.remaining for i in ranks]
+    want = Inputs(remaining=None if None in left else min(left), eager_s=max(i.eager_s for i in ranks),
+                  compile_cpu_s=max(i.compile_cpu_s for i in ranks),
+                  compiled_ratio=max(i.compiled_ratio for i in ranks), cores=min(i.cores for i in ranks),
+                  busy=max(i.busy for i in ranks), load=max(i.load for i in ranks),
+                  force="never" if any(i.force == "never" for i in ranks) else
+                  "always" if any(i.force == "always" for i in ranks) else "auto",
+                  load_s=max(i.load_s for i in ranks),
+                  source="history" if all(i.source == "history" for i in ranks) else "default")
+    assert from_vote(least) == want == combine(order)
+    assert decide(from_vote(least)) == decide(want)  # every rank decides the same
+    assert from_vote(tuple(min(a, b) for a, b in zip(least, (math.inf,) * VOTE_SIZE))) == want  # a rank with none
+
+
+def test_a_vote_without_numbers_or_of_another_length_is_refused():
+    with pytest.raises(ValueError, match="a vote is 10 finite numbers"):
+        from_vote((math.inf,) * VOTE_SIZE)
+    with pytest.raises(ValueError, match="a vote is 10 finite numbers"):
+        from_vote(vote(README)[:-1])
+    with pytest.raises(ValueError, match="no inputs"):
+        combine([])
+    with pytest.raises(ValueError, match="source must be one of 'default', 'history'; got 'guess'"):
+        vote(README._replace(source="guess"))
 
 
 @given(inputs, st.sampled_from(["always", "never"]))
@@ -511,9 +548,14 @@ def test_no_process_of_a_run_outlives_it(tmp_path, how):
             os.killpg(worker, signal.SIGKILL)
 
 
-def _two_ranks_worker(steps_by_rank):
-    """One rank of a data-parallel run whose ranks see different run lengths: rank 0's compile would pay, rank 1's
-    would not."""
+def _two_ranks_worker(steps_by_rank, pin_rank_1):
+    """One rank of a data-parallel run whose ranks see different numbers: run lengths ``steps_by_rank``, and
+    (``pin_rank_1``) rank 1 on one core of the machine's. Steps until the compile policy has decided (at most 40
+    calls), then stops (a compile decided is stopped by ``close``). Returns the decision's record, the paths, and
+    the lines this rank said on stderr."""
+    import contextlib
+    import io
+
     import torch
     import torch.distributed as dist
 
@@ -521,6 +563,8 @@ def _two_ranks_worker(steps_by_rank):
     from functrain.compiler import capture
 
     rank = dist.get_rank()
+    if rank == 1 and pin_rank_1:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     capture.preload()  # the compiler imported first: the first call traces
     capture.wait_for_imports()
     torch.manual_seed(0)
@@ -535,28 +579,46 @@ def _two_ranks_worker(steps_by_rank):
     run.expect(steps_by_rank[rank])
     state = ft.tree.tree_map(torch.clone, step.init(params, buffers))
     g = torch.Generator().manual_seed(1)
-    paths = []
-    for i in range(40):
-        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
-        before = run.progress.eager_calls
-        state, _ = run(state, (x[rank::2], y[rank::2]))
-        paths.append("eager" if run.progress.eager_calls != before else "compiled")
+    paths, said = [], io.StringIO()
+    with contextlib.redirect_stderr(said):
+        for i in range(40):
+            x, y = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
+            before = run.progress.eager_calls
+            state, _ = run(state, (x[rank::2], y[rank::2]))
+            paths.append("eager" if run.progress.eager_calls != before else "compiled")
+            if run.background.decision is not None:
+                break
+        run.background.close()
     d = run.background.decision
-    return {"paths": paths, "decided": d.compile if d is not None else None, "phase": run.progress.phase,
-            "declined": len(run.background.declined), "worker_pid": run.progress.worker_pid}
+    return {"paths": paths, "record": d.record() if d is not None else None, "phase": run.progress.phase,
+            "declined": len(run.background.declined), "worker_pid": run.progress.worker_pid,
+            "cores": len(os.sched_getaffinity(0)),
+            "said": [x for x in said.getvalue().splitlines() if x.startswith("functrain: ")]}
 
 
-def test_ranks_agree_a_decline_no_rank_compiles(tmp_path):
-    """Two gloo ranks: rank 0's numbers say compile (a long run), rank 1's say it would not pay (40 steps): they
-    agree at one step, and no rank compiles (rank 0's worker is stopped)."""
+@pytest.mark.parametrize("steps, compiles", [({0: 10**7, 1: 40}, False), ({0: 10**7, 1: 10**7}, True)],
+                         ids=["decline", "compile"])
+def test_ranks_decide_once_from_one_set_of_numbers(tmp_path, steps, compiles):
+    """Two gloo ranks with different numbers (run lengths; rank 1 on one core): every rank decides at the same
+    call, from the same combined numbers (the fewest steps left, the fewest cores), the same decision in each
+    rank's record; one line on stderr, rank 0's; a decline starts no compile on any rank (issue 40: before, rank
+    0 said "compiling ..." from its numbers, rank 1 declined from its own, and the run said both)."""
     import functrain as ft
 
     cache = _cache(tmp_path, compile_cpu_s=0.01, ratio=0.5)
     env = {"TORCHINDUCTOR_CACHE_DIR": str(cache), "FUNCTRAIN_COMPILE_POLICY": "auto", "OMP_NUM_THREADS": "1"}
-    a, b = ft.launch(_two_ranks_worker, nprocs=2, args=({0: 10**7, 1: 40},), timeout=600, env=env)
-    assert a["decided"] is True and b["decided"] is False, (a, b)
-    assert a["paths"] == b["paths"] == ["eager"] * 40, (a, b)
-    assert a["declined"] == b["declined"] == 1 and a["worker_pid"] is None, (a, b)
+    pin = len(os.sched_getaffinity(0)) > 1
+    a, b = ft.launch(_two_ranks_worker, nprocs=2, args=(steps, pin), timeout=600, env=env)
+    assert a["record"] is not None and a["record"] == b["record"], (a, b)
+    assert a["record"]["compile"] is compiles, a
+    assert len(a["paths"]) == len(b["paths"]) and set(a["paths"]) == set(b["paths"]) == {"eager"}, (a, b)
+    decided_at = len(a["paths"])  # (calls made, the deciding one included: 1 untimed + DECIDE_AFTER timed)
+    assert a["record"]["remaining"] == min(steps.values()) - decided_at + 1, a["record"]  # the fewest steps left
+    assert a["record"]["cores"] == min(a["cores"], b["cores"]) and (b["cores"] == 1 or not pin), (a, b)
+    assert len(a["said"]) == 1 and b["said"] == [], (a["said"], b["said"])
+    assert a["said"][0] == "functrain: " + a["record"]["why"], a["said"]
+    if not compiles:
+        assert a["declined"] == b["declined"] == 1 and a["worker_pid"] is None, (a, b)
 
 
 _COMPILERS = ("g++", "gcc", "cc", "c++", "cc1plus", "cc1", "as", "ld", "collect2")

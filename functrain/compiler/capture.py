@@ -312,6 +312,7 @@ def _trace(apply: Callable, state: Any, batch: Any, memory_kind: str, reuse: boo
             from HostSync(op)
     constants = _lift_constants(gm)
     reshape_views(gm)
+    own_small_views(gm)
     plan = record["plan"]
     step_t = getattr(state, "step", None)  # a TrainState's step counter (an owned donation re-homes only it)
     step_index = next((k for k, i in enumerate(sig.tensor_pos) if leaves[i] is step_t), None)
@@ -489,6 +490,63 @@ def _reshape_views(graph: torch.fx.Graph) -> int:
     for node in views:
         node.target = reshape
     return len(views)
+
+
+OWN_VIEW_LIMIT = 4096
+"""The most elements of a graph output that is a view which :func:`own_small_views` copies."""
+
+
+def own_small_views(gm: torch.fx.GraphModule) -> int:
+    """Give each small graph output that is a view (of an input or of an intermediate value: at most
+    :data:`OWN_VIEW_LIMIT` elements) its own storage: an ``aten.clone`` of it as the graph returns it; returns how
+    many.
+
+    Why: AOTAutograd rebuilds an output that aliases an input or an intermediate at every call, outside the
+    compiled code, by replaying the view on its base (its runtime wrapper's ``_alias_fn``). A metric that is a
+    view of the state is common: every optimizer's ``lr`` metric is a view of the state's hyper-parameter
+    tensor. That replay cost W1 ~15 us of a ~105 us compiled step (bench/README.md, issue 40). A clone of a few
+    elements costs nothing that shows. It is taken just before the graph returns, after every write the graph
+    makes (a write to the view's base shows in it, as in the replayed view): the values are the ones the
+    replay gave, bit for bit. A larger view is left a view (a copy could cost more than the replay); an output
+    that is an input itself (a leaf the step left unchanged) stays that tensor."""
+    graph = gm.graph
+    out = next((n for n in graph.nodes if n.op == "output"), None)
+    if out is None:
+        return 0
+    owned: dict = {}
+
+    def own(a: Any) -> Any:
+        if isinstance(a, (list, tuple)):
+            return type(a)(own(x) for x in a)
+        if not _is_view(a):
+            return a
+        val = a.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.numel() > OWN_VIEW_LIMIT:
+            return a
+        if a not in owned:
+            with graph.inserting_before(out):  # (its value as returned: after every write in the graph)
+                c = graph.call_function(torch.ops.aten.clone.default, (a,))
+            c.meta.update({k: v for k, v in a.meta.items() if k in ("val", "tensor_meta", "stack_trace")})
+            owned[a] = c
+        return owned[a]
+
+    out.args = (own(out.args[0]),) + tuple(out.args[1:])
+    if owned:
+        gm.recompile()
+    return len(owned)
+
+
+def _is_view(node: Any) -> bool:
+    """Whether an FX node's value is a view (its op's schema says its result aliases an argument; an element of
+    a ``split``/``unbind``/``chunk`` too)."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    target = node.target
+    if target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        target = node.args[0].target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
 
 
 def _lift_constants(gm: torch.fx.GraphModule) -> list:

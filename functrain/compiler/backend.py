@@ -29,6 +29,7 @@ from .fx_tracing import FX_TRACING
 from .graph_lock import compile_lock, graph_key
 from .cxx_units import entry_at_wrapper_level
 from .probe_memo import probe_memo
+from .rewrites import split_foreach_norms
 from .capture import tensor_metas  # noqa: F401 - re-exported: what a graph is compiled for
 from .memory import release, write_inputs
 from .options import Options
@@ -137,13 +138,19 @@ def make_backend(options: Options, lock_timeout: float = 600.0) -> CountingBacke
 
         class PerDevice(wrapper):  # type: ignore[misc, valid-type]
             """Inductor with :data:`CPU_GRAPH_OPTIONS` (those ``options`` does not set) for a graph whose inputs
-            are all on the CPU, its entry function at the wrapper's level."""
+            are all on the CPU, its entry function at the wrapper's level, its ``_foreach_norm`` as per-tensor
+            norms (:func:`~functrain.compiler.rewrites.split_foreach_norms`: a C++ wrapper calls it through
+            Python; done under the Python wrapper too, so that the two layouts compute the same bits)."""
 
             def __call__(self, model_: Any, inputs_: Any, *, config_patches: Any = None) -> Any:
                 if any(torch.is_tensor(t) and t.device.type != "cpu" for t in inputs_):
                     return super().__call__(model_, inputs_, config_patches=config_patches)
                 defaults = dict(cpu_defaults)
-                if _has_regions(model_) or _returns_a_list_of_one(model_):  # (see each)
+                if _has_regions(model_):  # (see it)
+                    defaults.pop("cpp_wrapper", None)
+                if isinstance(model_, torch.fx.GraphModule):  # (a C++ wrapper would call it through Python: see
+                    model_ = split_foreach_norms(model_)  # it; under either wrapper, so their numbers are the same)
+                if _returns_a_list_of_one(model_):  # (see it)
                     defaults.pop("cpp_wrapper", None)
                 config_patches = {**defaults, **(config_patches or {})}
                 with entry_at_wrapper_level():  # (the level: in config_patches or options, read at the unit's load)

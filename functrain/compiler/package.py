@@ -31,11 +31,9 @@ name and renamed.
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import hmac
 import json
-import operator
 import os
 import stat
 import tempfile
@@ -48,6 +46,7 @@ from . import cache as compile_cache
 from .cxx_units import side_by_side
 from .graph_lock import compile_lock
 from .probe_memo import machine, probe_memo
+from .rewrites import split_foreach_norms
 from . import trust
 
 __all__ = ["Packages", "PackageCall"]
@@ -141,8 +140,10 @@ class Packages:
     def _build(self, key: str, material: str, gm: torch.fx.GraphModule, inputs: list) -> Callable:
         from torch._inductor import aoti_compile_and_package
         package, sidecar = self._paths(key)
-        if _collective(gm):  # run without the GIL (_FreeRunner): every op in the graph's own code, none in Python
-            gm = _split_foreach_norms(gm)
+        if _collective(gm) or all(t.device.type == "cpu" for t in inputs if torch.is_tensor(t)):
+            # no op called through Python by the proxy executor: a GIL-free runner (_FreeRunner) has none, and on
+            # the CPU it is the direct path's graph (the backend splits its norms too): the same numbers
+            gm = split_foreach_norms(gm)
         program = torch.export.export(gm, tuple(inputs), strict=False)
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{key}-", suffix=".pt2")
         os.close(fd)
@@ -229,37 +230,6 @@ def takes(gm: torch.fx.GraphModule, device: torch.device) -> bool:
 
 def _collective(gm: torch.fx.GraphModule) -> bool:
     return any(n.op == "call_function" and str(n.target).startswith("_c10d_functional.") for n in gm.graph.nodes)
-
-
-def _split_foreach_norms(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of ``gm`` with each ``_foreach_norm`` as one ``linalg_vector_norm`` per tensor: AOTInductor has no C
-    shim for it and would call it through torch's proxy executor, which :class:`_FreeRunner` does not have.
-
-    Done on the graph itself (its results are read only by ``getitem``, as a traced graph's are), not by
-    ``ExportedProgram.run_decompositions``, which traces the whole program again (1.6 s of the main job's
-    2-rank package build). A graph without the op is returned as it is."""
-    def norms(graph: torch.fx.Graph) -> list:
-        return [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten._foreach_norm.Scalar]
-    if not norms(gm.graph):
-        return gm
-    graph = copy.deepcopy(gm.graph)
-    for node in norms(graph):
-        tensors = node.args[0]
-        ord_ = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", 2)
-        dtype = node.args[2] if len(node.args) > 2 else node.kwargs.get("dtype")
-        users = list(node.users)
-        if not all(u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int)
-                   for u in users):
-            raise ValueError(f"a _foreach_norm whose results are read other than one by one ({users})")
-        with graph.inserting_after(node):
-            one = [graph.call_function(torch.ops.aten.linalg_vector_norm.default, (t, ord_),
-                                       {"dtype": dtype} if dtype is not None else {}) for t in tensors]
-        for u in users:
-            u.replace_all_uses_with(one[u.args[1]])
-            graph.erase_node(u)
-        graph.erase_node(node)
-    graph.lint()
-    return torch.fx.GraphModule(gm, graph)
 
 
 def _check_self_contained(package: str) -> None:

@@ -1,4 +1,4 @@
-"""The capture's owned small views (functrain.compiler.capture.own_small_views, issue 40): a small graph output that
+"""The capture's owned small views (functrain.compiler.rewrites.own_small_views, issue 40): a small graph output that
 is a view gets its own storage (a clone as the graph returns it), so AOTAutograd does not replay the view on every
 call; the values are the same bit for bit, writes to the view's base included; an input returned as it is and a
 large view are left alone."""
@@ -13,7 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import functrain as ft
 from functrain.compiler import capture
-from functrain.compiler.capture import OWN_VIEW_LIMIT, _is_view, own_small_views
+from functrain.compiler.rewrites import OWN_VIEW_LIMIT, _is_view, own_small_views
 
 CLONE = torch.ops.aten.clone.default
 

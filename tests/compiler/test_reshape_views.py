@@ -1,4 +1,4 @@
-"""The capture's view-to-reshape pass (functrain.compiler.capture.reshape_views, issue 38): a view of a value the graph
+"""The capture's view-to-reshape pass (functrain.compiler.rewrites.reshape_views, issue 38): a view of a value the graph
 never writes in place becomes a reshape (the same numbers, and lowerable when a backend's decomposition changes the
 strides); a view whose base, or any alias of it, is written in place stays a view, so aliasing is kept."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from functrain.compiler.capture import reshape_views
+from functrain.compiler.rewrites import reshape_views
 
 VIEW, RESHAPE = torch.ops.aten.view.default, torch.ops.aten.reshape.default
 

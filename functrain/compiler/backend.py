@@ -146,12 +146,10 @@ def make_backend(options: Options, lock_timeout: float = 600.0) -> CountingBacke
                 if any(torch.is_tensor(t) and t.device.type != "cpu" for t in inputs_):
                     return super().__call__(model_, inputs_, config_patches=config_patches)
                 defaults = dict(cpu_defaults)
-                if _has_regions(model_):  # (see it)
+                if _has_regions(model_) or _returns_a_list_of_one(model_):  # (see each; the graph as traced)
                     defaults.pop("cpp_wrapper", None)
                 if isinstance(model_, torch.fx.GraphModule):  # (a C++ wrapper would call it through Python: see
                     model_ = split_foreach_norms(model_)  # it; under either wrapper, so their numbers are the same)
-                if _returns_a_list_of_one(model_):  # (see it)
-                    defaults.pop("cpp_wrapper", None)
                 config_patches = {**defaults, **(config_patches or {})}
                 with entry_at_wrapper_level():  # (the level: in config_patches or options, read at the unit's load)
                     return super().__call__(model_, inputs_, config_patches=config_patches)

@@ -81,7 +81,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Any, NamedTuple
+from typing import Any
 
 from ..core.state import TrainState
 from .budget import Budget
@@ -90,59 +90,13 @@ from .jobs import (DECLINED, FAILED, READY, RUNNING, TIMEOUT_ENV, FailedJob, Inl
                    ThreadJob, WorkerJob, WorkerPool, _first, leads_at_once)
 from .policy import VOTE_SIZE, Decision, from_vote, vote
 from .progress import Progress
+from .records import COMPILING, DECLINED_, GAVE_UP, HELD, INSTALLED, WAITING, Eager, Ready, Record
 from .settings import WorkerSettings
 
-__all__ = ["BackgroundCompiler", "Record", "Eager", "Ready", "Progress", "WORKER_ENV", "TIMEOUT_ENV", "RUNNING",
-           "READY", "FAILED"]
+__all__ = ["BackgroundCompiler", "Progress", "WORKER_ENV", "TIMEOUT_ENV", "RUNNING", "READY", "FAILED"]
 
 WORKER_ENV = "FUNCTRAIN_COMPILE_WORKER"
-WAITING, HELD, COMPILING, INSTALLED, GAVE_UP, DECLINED_ = "waiting", "held", "compiling", "ready", "failed", "declined"
 _BALLOT = 4  # a ballot's fields before the policy's vote (see BackgroundCompiler._ballot)
-
-
-class Eager(NamedTuple):
-    """A decision: this call ran the eager step (the graph is not compiled yet, or will not be); ``new``,
-    ``metrics`` are its result; ``paused``: the call did compile work on the caller's thread (the trace)."""
-
-    new: Any
-    metrics: dict
-    paused: bool
-
-
-class Ready(NamedTuple):
-    """A decision: the graph's code is ready: the runner installs ``capture`` with ``fn`` (``None``: it compiles
-    it itself, now: a package, a graph that could not be sent) and calls it; ``paused``: this call did compile
-    work (the load, a wait)."""
-
-    capture: Captured
-    fn: Any
-    paused: bool
-
-
-class Record:
-    """One input signature's compile in a run.
-
-    Attributes:
-        key: its signature key.
-        status: ``"waiting"`` (seen, not traced), ``"held"`` (traced, not in the caches: waiting for the policy),
-            ``"compiling"`` (a job; its own status says running, ready or failed until the ranks agree),
-            ``"ready"`` (its code was handed to the runner), ``"failed"`` or ``"declined"`` (eager for the run).
-        capture: the traced :class:`~functrain.compiler.capture.Captured`, or ``None``.
-        job: the compile :class:`~functrain.compiler.jobs.Job`, or ``None``.
-        decision: this process's :class:`~functrain.compiler.policy.Decision` for it, or ``None``.
-    """
-
-    __slots__ = ("key", "status", "capture", "job", "decision")
-
-    def __init__(self, key: Any) -> None:
-        self.key = key
-        self.status = WAITING
-        self.capture: Captured | None = None
-        self.job: Job | None = None
-        self.decision: Decision | None = None
-
-    def __repr__(self) -> str:
-        return f"Record({self.status!r}, job={type(self.job).__name__ if self.job else None})"
 
 
 class BackgroundCompiler:

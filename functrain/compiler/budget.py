@@ -5,7 +5,8 @@
 imports and the trace), knows how many steps the run has left (:meth:`Budget.expect`), reads this machine's
 compile history (:mod:`functrain.compiler.history`) once, and its cores, ranks and load when it judges. It answers
 the background compiler (:mod:`functrain.compiler.background`): whether to wait before judging
-(:meth:`Budget.waits`), and whether a graph's compile pays (:meth:`Budget.judge`: a
+(:meth:`Budget.waits`), what this process knows for the decision (:meth:`Budget.inputs`, which the ranks
+combine), and the decision on the run's combined inputs (:meth:`Budget.decide`: a
 :class:`~functrain.compiler.policy.Decision`, compile or decline). It records what the run measured into the
 history (:meth:`Budget.record_compile`, :meth:`Budget.record_rates`).
 
@@ -14,8 +15,9 @@ Example::
     >>> from functrain.compiler.budget import Budget
     >>> b = Budget(policy="never", mode=None)
     >>> b.expect(100)
-    >>> b.judge(None).compile, b.judge(None).why
-    (False, 'not compiling: FUNCTRAIN_COMPILE_POLICY=never')
+    >>> d = b.decide(b.inputs(None))
+    >>> d.compile, d.why, b.decision is d
+    (False, 'not compiling: FUNCTRAIN_COMPILE_POLICY=never', True)
 """
 from __future__ import annotations
 
@@ -106,11 +108,6 @@ class Budget:
         if (final or not d.compile) and self.decision is None:
             self.decision = d
         return d
-
-    def judge(self, cap: Any, bound: Any = None) -> Decision:
-        """The policy's decision from this process's own inputs (:meth:`inputs`, :meth:`decide`): a process
-        alone."""
-        return self.decide(self.inputs(cap, bound))
 
     def kind(self, cap: Any) -> str:
         """The history's kind of a capture (its device and inductor mode)."""

@@ -39,9 +39,10 @@ from ..core.checks import check_batch
 from ..core.rng import host_seed, with_rng
 from ..core.step import Step
 from .backend import CountingBackend, DynamoCall, compile_captured
-from .background import BackgroundCompiler, Eager, Ready
+from .background import BackgroundCompiler
 from .capture import CaptureError, Captured, Signature, flatten, trace
 from .errors import explain
+from .records import Eager, Ready
 from .host_draws import DrawCases
 from .jobs import compile_apart
 from .progress import PhaseRates, Progress
@@ -269,7 +270,7 @@ class Runner:
 
     def _find(self, state: Any, batch: Any, rng: Any) -> tuple | Eager:
         """The capture for a new signature: ``(capture, state, leaves, paused)``, where ``state`` is the one to
-        call it on; or the background compiler's :class:`~functrain.compiler.background.Eager` answer (the eager
+        call it on; or the background compiler's :class:`~functrain.compiler.records.Eager` answer (the eager
         step ran). Bad inputs (a donated state) raise their clear error here."""
         self.step.check_state(state)
         check_batch(batch)

@@ -5,13 +5,13 @@ large view are left alone."""
 from __future__ import annotations
 
 import optree
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import functrain as ft
+import functrain.testing as ftt
 from functrain.compiler import capture
 from functrain.compiler.rewrites import OWN_VIEW_LIMIT, _is_view, own_small_views
 
@@ -55,39 +55,20 @@ def test_small_views_are_owned_with_the_same_values(rows, cols):
     assert own_small_views(gm) == 0  # (nothing left to own)
 
 
-def _problem():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-    apply_fn, params, buffers = ft.functionalize(model)
-
-    def loss_fn(p, b, batch):
-        return torch.nn.functional.mse_loss(apply_fn(p, b, batch[0]), batch[1])
-
-    step = ft.train_step(loss_fn, ft.optim.adamw(1e-2))  # its lr metric is a view of the state's hyper tensor
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)) for _ in range(3)]
-    return step, step.init(params, buffers), batches
-
-
-def test_a_traced_step_returns_no_small_view():
-    """The lr metric (a view of the state's hyper-parameters) is the graph's own tensor once traced."""
-    step, state, batches = _problem()
-    cap = capture.trace(step.apply, state._replace(rng=None), batches[0], "fresh")
+@given(ftt.mlp_problems(n=1))
+@settings(max_examples=4, deadline=None)  # (each example compiles twice with aot_eager)
+def test_compiled_metrics_and_state_are_eagers(problem):
+    """Compiled with AOTAutograd (``aot_eager``), fresh and donating, on MLPs of drawn shapes whose adamw ``lr``
+    metric is a view of the state's hyper tensor: the traced graph returns no small view, and the state and the
+    metrics after 3 steps are eager's, bit for bit."""
+    step = ft.train_step(problem.loss_fn, ft.optim.adamw(1e-2))
+    state = step.init(problem.params)
+    cap = capture.trace(step.apply, state._replace(rng=None), problem.batch, "fresh")
     outs = _outputs(cap.gm)
-    small = [n for n in outs if _is_view(n) and n.meta["val"].numel() <= OWN_VIEW_LIMIT]
-    assert small == [] and any(n.target is CLONE for n in outs), [(n.name, n.target) for n in outs]
-
-
-@pytest.mark.parametrize("donate", [False, True])
-def test_compiled_metrics_and_state_are_eagers(donate):
-    """Compiled with AOTAutograd (``aot_eager``), fresh and donating: the state and the metrics (the lr among them)
-    after 3 steps are eager's, bit for bit."""
-    step, state, batches = _problem()
-    clone = lambda s: optree.tree_map(torch.clone, s)  # noqa: E731
-    e, run = clone(state), ft.compile(step, backend="aot_eager").runner(donate=donate)
-    c = clone(state)
-    for b in batches:
-        e, em = step(e, b)
-        c, cm = run(c, b)
-    for x, y in zip(optree.tree_leaves((e, em)), optree.tree_leaves((c, cm))):
-        assert torch.equal(x, y)
+    assert not [n for n in outs if _is_view(n) and n.meta["val"].numel() <= OWN_VIEW_LIMIT], outs
+    assert any(n.target is CLONE for n in outs)  # (the lr view was one: the pass ran)
+    want = ftt.run_steps(step, ftt.clone_tree(state), problem.batch, steps=3)
+    for donate in (False, True):
+        run = ft.compile(step, backend="aot_eager").runner(donate=donate)
+        ftt.assert_same_state(ftt.run_steps(run, ftt.clone_tree(state), problem.batch, steps=3), want,
+                              what=f"donate={donate}")

@@ -24,7 +24,8 @@ import torch
 from ..compiler.api import CompiledStep, compile
 from ..compiler.estimate import allocated_peak
 from ..compiler.estimate import memory as estimate_memory
-from ..compiler.runtime import DynamoRunner, Runner
+from ..compiler.dynamo_runner import DynamoRunner
+from ..compiler.runtime import Runner
 from ..core.state import TrainState
 from ..core.step import Step
 from ..core.validate import BadValue, check_int, describe

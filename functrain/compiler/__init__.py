@@ -16,7 +16,8 @@ from .api import CompiledStep, GraphBreakError, compile
 from .errors import BackendError
 from .estimate import MemoryEstimate, memory
 from .progress import PhaseRates, Progress
-from .runtime import DynamoRunner, Runner
+from .dynamo_runner import DynamoRunner
+from .runtime import Runner
 
 __all__ = ["compile", "CompiledStep", "GraphBreakError", "BackendError", "memory", "MemoryEstimate", "Runner", "DynamoRunner",
            "Progress", "PhaseRates"]

@@ -27,7 +27,8 @@ from .errors import GraphBreakError
 from .options import Options
 from .progress import Progress
 from .policy import FORCES as POLICIES
-from .runtime import DynamoRunner, Graphs, Runner
+from .dynamo_runner import DynamoRunner
+from .runtime import Graphs, Runner
 from .settings import WorkerSettings
 
 __all__ = ["compile", "CompiledStep", "GraphBreakError"]

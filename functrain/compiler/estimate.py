@@ -284,7 +284,8 @@ def prepare(step: Any, state: TrainState, batch: Any, *, donate: bool | None = N
     alone (``traced=False``, saying so): what the Trainer's memory line uses after the first step."""
     from .api import CompiledStep
     from .capture import CaptureError, trace as trace_step
-    from .runtime import DynamoRunner, Runner
+    from .dynamo_runner import DynamoRunner
+    from .runtime import Runner
 
     runner = step if isinstance(step, (Runner, DynamoRunner)) else None
     if runner is not None:

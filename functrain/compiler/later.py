@@ -45,6 +45,7 @@ class PackageLater:
         self.failed: list[str] = []
         self._jobs: dict[str, WorkerJob] = {}
         self._ended: set[str] = set()  # the keys whose build ended and was counted
+        self._unsent: set[str] = set()  # the keys whose graph could not be sent to a worker
 
     def start(self, gm: Any, metas: tuple, prekey: str | None, plan: dict | None, files: tuple[str, str]) -> bool:
         """Build the package of graph ``gm`` over inputs of ``metas`` in a worker, and its warm entry under
@@ -62,6 +63,7 @@ class PackageLater:
                 "folder": self.folder, "prekey": prekey, "plan": plan, "lock_timeout": self.lock_timeout})
         except Exception as e:  # noqa: BLE001 - a graph torch cannot serialize: no package for the next run
             self.failed.append(f"its graph cannot be sent to a worker ({type(e).__name__}: {e})")
+            self._unsent.add(prekey)
             return False
         job = WorkerJob(self.settings)
         job.send(payload)
@@ -80,6 +82,13 @@ class PackageLater:
             self._jobs[key].wait()
             self._poll(key)
         return self.built
+
+    def ended_without(self, prekey: str) -> bool:
+        """Whether this process's build for ``prekey`` ended without writing its package (failed, killed, or its
+        graph could not be sent); ``False`` while it runs, after it wrote it, or when this process built none."""
+        if prekey in self._unsent:
+            return True
+        return prekey in self._jobs and self._poll(prekey) not in (RUNNING, READY)
 
     def _poll(self, key: str) -> int:
         status = self._jobs[key].poll()

@@ -36,10 +36,14 @@ class Progress:
                      this runner would trace it itself, waiting for the compiler's imports.
         reason:      why the compile failed, or ``None``.
         background:  whether the runner compiles in the background (``False``: its first call compiles and waits).
+        runner:      which code serves the first graph after a race between a background compile's JIT code and the
+                     package built in the same run (:mod:`functrain.compiler.race`): ``"package"`` or ``"jit"``;
+                     ``None`` when there was no race.
+        runner_ratio: the package's time per call over the JIT code's in that race (the largest of the processes').
     """
 
     __slots__ = ("phase", "eager_calls", "compile_s", "worker_s", "worker_pid", "reason", "switch_at", "source",
-                 "workers", "traced", "background")
+                 "workers", "traced", "background", "runner", "runner_ratio")
 
     def __init__(self, switch_at: int | None = None, background: bool = True) -> None:
         self.switch_at = switch_at
@@ -53,6 +57,8 @@ class Progress:
         self.source: str | None = None
         self.workers = 0
         self.traced = False
+        self.runner: str | None = None
+        self.runner_ratio: float | None = None
 
     def __repr__(self) -> str:
         return (f"Progress(phase={self.phase!r}, eager_calls={self.eager_calls}, compile_s={self.compile_s}, "

@@ -38,7 +38,7 @@ import torch
 from ..core.checks import check_batch
 from ..core.rng import host_seed, with_rng
 from ..core.step import Step
-from .backend import CountingBackend, DynamoCall, compile_captured
+from .backend import CountingBackend, compile_captured
 from .background import BackgroundCompiler
 from .capture import CaptureError, Captured, Signature, flatten, trace
 from .errors import explain
@@ -46,9 +46,10 @@ from .records import Eager, Ready
 from .host_draws import DrawCases
 from .jobs import compile_apart
 from .progress import PhaseRates, Progress
+from .race import GONE, READY, WAIT, Race, chooses_package
 from .settings import DRAW_CAPTURES, WorkerSettings
 
-__all__ = ["Graphs", "Runner", "DynamoRunner", "next_rng", "signature_key"]
+__all__ = ["Graphs", "Runner", "next_rng", "signature_key"]
 
 _ONE = None
 
@@ -87,6 +88,8 @@ class Graphs:
         later: the packages built for the next run after a background compile
             (:class:`~functrain.compiler.later.PackageLater`), or ``None``.
         cold: the signature keys a warm start was tried for (found nothing, or its check failed): traced.
+        races: ``{id(JIT capture): Race}``: the CPU captures a background compile installed whose package is being
+            built in this run; the runner times the two once it is there (:mod:`functrain.compiler.race`).
     """
 
     def __init__(self, step: Step, backend: CountingBackend, *, memory: str, packages: Any = None,
@@ -105,6 +108,7 @@ class Graphs:
         self.captures: dict = {}
         self.pending: dict = {}
         self.draws = DrawCases(draw_captures)
+        self.races: dict = {}
 
     def trace(self, s: Any, state: Any, batch: Any) -> Captured:
         """Trace the graph for ``(s, batch)`` (not compiled: ``fn`` is ``None``); a step that is not one graph
@@ -159,9 +163,20 @@ class Graphs:
         if not takes(gm, _device(cap)):
             return
         prekey = self.prekeys.get(key) or self.warm.key(self.step, self.memory, s, batch)
-        if prekey is not None:
-            self.later.start(gm, cap.metas, prekey, self.warm.plan(cap),
-                             (self.warm.path(prekey), self.warm.refusal(prekey)))
+        plan = self.warm.plan(cap)
+        if prekey is None or plan is None:
+            return
+        files = (self.warm.path(prekey), self.warm.refusal(prekey))
+        self.later.start(gm, cap.metas, prekey, plan, files)
+        if _device(cap).type == "cpu":  # (every process, the leader's build or not: they race at the same calls)
+            self.races[id(cap)] = Race(key, prekey, cap, files)
+
+    def raced(self, race: Race, package: Captured | None) -> None:
+        """``race`` is over: ``package`` (its checked capture) serves its signature from now on, or (``None``) the
+        JIT code stays."""
+        self.races.pop(id(race.jit), None)
+        if package is not None:
+            self.warmed(race.key, package)
 
     def tries_warm(self, key: Any) -> bool:
         """Whether a call of signature ``key`` looks up a warm entry (there are warm starts, and it was not tried)."""
@@ -254,6 +269,10 @@ class Runner:
             self.last, self.trusted = cap, None
             if cap.warm is not None:  # loaded from a warm entry: its first call is checked against the eager step
                 return self._warm_call(cap, tensors, leaves, state, batch, rng)
+        if self.graphs.races:  # (a package built in this run, to be timed against this code: race.py)
+            race = self.graphs.races.get(id(cap))
+            if race is not None and race.jit is cap:
+                return self._raced(race, tensors, leaves, state, batch, rng, paused)
         new, metrics = self._call(cap, tensors, leaves, state, batch, rng)
         self.rates.record("compiled", paused)
         return new, metrics
@@ -305,12 +324,31 @@ class Runner:
             return cap, state, leaves, decision.paused
 
     def _warm_call(self, cap: Captured, tensors: list, leaves: list, state: Any, batch: Any, rng: Any) -> tuple:
-        """The first call of a capture loaded from a warm entry: the eager step runs first on the same inputs;
-        the loaded code's result is used if it agrees (:func:`~functrain.compiler.warm.disagreement`), and the
-        capture then serves its signature; otherwise a warning names the leaf, the entry is deleted and the eager
-        result is returned (the next call traces and compiles)."""
-        from .warm import disagreement
+        """A warm capture's first call, checked (:meth:`_checked`): then it serves its signature, or it is dropped."""
         prekey, spec_text, key, load_s = cap.warm
+        new, metrics, ok = self._checked(cap, tensors, leaves, state, batch, rng)
+        if not ok:
+            self.last, self.trusted = None, None
+            self.rates.record("eager", True)
+            return new, metrics
+        self.graphs.warmed(key, cap)
+        p = self.progress
+        if p.compile_s is None:
+            p.compile_s, p.source = load_s, "warm"
+        p.traced, p.phase = True, "compiled"
+        if self.background is not None:
+            self.background.found(key)
+        self.rates.record("compiled", True)
+        return new, metrics
+
+    def _checked(self, cap: Captured, tensors: list, leaves: list, state: Any, batch: Any, rng: Any,
+                 then: str = "the step is traced and compiled as without it") -> tuple:
+        """``(new, metrics, ok)``: the first call of a capture loaded from a warm entry (``cap.warm``), checked
+        against the eager step run first on the same inputs (:func:`~functrain.compiler.warm.disagreement`). Its
+        result if every process's check passed (``ok``); otherwise a warning names the leaf and what happens
+        ``then``, the entry is deleted and the eager result is returned."""
+        from .warm import disagreement
+        prekey, spec_text = cap.warm[:2]
         s = _without_rng(state)
         inputs = {id(t) for t in tensors}
         keep = lambda x: x.clone() if torch.is_tensor(x) and id(x) in inputs else x  # noqa: E731 (donation)
@@ -333,18 +371,54 @@ class Runner:
                 why = "its random-number state differs from the eager step's"
         if not self.step.agree(int(why is None)):  # (a rank whose check failed: every rank returns eager's)
             if why is not None:
-                self.graphs.warm.drop(prekey, f"its first call disagrees with the eager step ({why})")
-            self.last, self.trusted = None, None
-            self.rates.record("eager", True)
-            return eager_new, eager_metrics
-        self.graphs.warmed(key, cap)
-        p = self.progress
-        if p.compile_s is None:
-            p.compile_s, p.source = load_s, "warm"
-        p.traced, p.phase = True, "compiled"
-        if self.background is not None:
-            self.background.found(key)
-        self.rates.record("compiled", True)
+                self.graphs.warm.drop(prekey, f"its first call disagrees with the eager step ({why})", then)
+            return eager_new, eager_metrics, False
+        return new, metrics, True
+
+    def _raced(self, race: Race, tensors: list, leaves: list, state: Any, batch: Any, rng: Any,
+               paused: bool) -> tuple:
+        """A call of a JIT capture whose package is being built in this run (the protocol: :mod:`.race`): a plain
+        call while waiting, one look every ``POLL_EVERY`` calls (agreed), then the package's checked first call,
+        then the timed rounds on alternate runners, then the decision (agreed)."""
+        graphs = self.graphs
+        if race.package is None:
+            look = WAIT
+            if race.due():
+                look = self.step.agree(race.look(graphs.later.ended_without(race.prekey)))
+            if look == GONE:
+                graphs.raced(race, None)
+            if look != READY:
+                new, metrics = self._call(race.jit, tensors, leaves, state, batch, rng)
+                self.rates.record("compiled", paused)
+                return new, metrics
+            package = graphs.warm.load(race.prekey, self.memory, _without_rng(state), batch)
+            if not self.step.agree(int(package is not None)):  # (every process loads it, or none races)
+                graphs.raced(race, None)
+                new, metrics = self._call(race.jit, tensors, leaves, state, batch, rng)
+                self.rates.record("compiled", True)
+                return new, metrics
+            new, metrics, ok = self._checked(package, tensors, leaves, state, batch, rng,
+                                             "this run goes on with its JIT code")
+            if not ok:  # (the entry is dropped, said by name; the JIT code goes on)
+                graphs.raced(race, None)
+                self.last, self.trusted = None, None
+                self.rates.record("eager", True)
+                return new, metrics
+            race.start(package)
+            self.trusted = None
+            self.rates.record("compiled", True)
+            return new, metrics
+        cap = race.next()
+        t0 = time.perf_counter()
+        new, metrics = self._call(cap, tensors, leaves, state, batch, rng)
+        if race.timed(time.perf_counter() - t0):
+            ratio = -self.step.agree((-race.ratio(),))[0]  # (the largest: the package must gain on every process)
+            won = chooses_package(ratio)
+            graphs.raced(race, race.package if won else None)
+            self.progress.runner, self.progress.runner_ratio = ("package" if won else "jit"), ratio
+            if won:
+                self.last = race.package  # (same signature: the outputs just returned still fit it)
+        self.rates.record("compiled", paused)
         return new, metrics
 
     def _warm_allowed(self) -> bool:
@@ -496,65 +570,6 @@ class Runner:
         return f"Runner({self.step!r}, memory={self.memory!r}, background={self.background is not None})"
 
 
-class DynamoRunner:
-    """The Dynamo path's runner: ``torch.compile`` of the step on every call (guards, graph breaks allowed with
-    ``fullgraph=False``); its first call compiles and waits. The same attributes as :class:`Runner` where they
-    apply (``progress``, ``rates``, ``pauses``, ``compiles``)."""
-
-    background = None
-
-    def __init__(self, step: Step, options: Any, backend: CountingBackend):
-        self.step = step
-        self.call = DynamoCall(step, options, backend)
-        self.backend = backend
-        self.progress = Progress(background=False)
-        self.rates = PhaseRates()
-        self.pauses = 0
-
-    def __call__(self, state: Any, batch: Any) -> tuple[Any, dict]:
-        before = self.backend.count
-        t0 = time.perf_counter()
-        new, metrics = self.call(state, batch)
-        paused = self.backend.count != before  # (a compile, or a recompile)
-        if paused:
-            self.pauses += 1
-            self.progress.traced = True
-            if self.progress.compile_s is None:
-                self.progress.compile_s, self.progress.source = time.perf_counter() - t0, "here"
-        self.progress.phase = "compiled"
-        self.rates.record("compiled", paused)
-        return new, metrics
-
-    def may_start_warm(self) -> bool:
-        """Never: the Dynamo path has no warm starts (:meth:`Runner.may_start_warm`)."""
-        return False
-
-    def traced(self, state: Any, batch: Any) -> None:
-        """``None``: the Dynamo path keeps no capture (:func:`functrain.memory` traces afresh)."""
-        return None
-
-    def kept(self, state: Any, batch: Any) -> None:
-        """``None``: the Dynamo path keeps no capture."""
-        return None
-
-    def finish_after_exit(self, finish: bool = True) -> None:
-        """Nothing compiles in the background on the Dynamo path."""
-
-    def expect(self, steps: int | None) -> None:
-        """Nothing compiles in the background on the Dynamo path: nothing to weigh."""
-
-    def close(self) -> None:
-        """Nothing to stop on the Dynamo path."""
-
-    @property
-    def compiles(self) -> int:
-        """Graphs Dynamo's backend has built for this step (a recompile shows as an increase)."""
-        return self.backend.count
-
-    def __repr__(self) -> str:
-        return f"DynamoRunner({self.step!r})"
-
-
 def _unaliased(state: Any) -> Any:
     """``state`` with no two tensor leaves sharing storage (a duplicate is cloned): what a donating graph, which
     writes every leaf in place, needs of the state it takes over from the eager step."""
@@ -574,8 +589,9 @@ def _unaliased(state: Any) -> Any:
 
 def _paths_leaves(tree: Any) -> tuple[list, list]:
     """The leaves of ``tree`` and their paths as text (``state/params/0.weight``, ``metrics/loss``)."""
-    paths, leaves, _ = optree.tree_flatten_with_path(tree)
-    return ["/".join(("state", "metrics")[p[0]:p[0] + 1] + tuple(map(str, p[1:]))) for p in paths], leaves
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(tree)
+    names = [[str(getattr(e, "field", e.entry)) for e in a] for a in accessors]  # (a named tuple's field by name)
+    return ["/".join([("state", "metrics")[int(n[0])], *n[1:]]) for n in names], leaves
 
 
 def _device(cap: Captured) -> torch.device:

@@ -149,11 +149,11 @@ class WarmStarts:
         self.loaded += 1
         return cap
 
-    def drop(self, prekey: str, why: str | None) -> None:
-        """Delete the entry under ``prekey`` (a warning says ``why``, unless ``None``)."""
+    def drop(self, prekey: str, why: str | None, then: str = "the step is traced and compiled as without it") -> None:
+        """Delete the entry under ``prekey`` (a warning says ``why``, unless ``None``, and what happens ``then``)."""
         if why is not None:
             warnings.warn(f"ft.compile(package=True): the warm-start entry {self.path(prekey)!r} is not used: "
-                          f"{why}; it is deleted and the step is traced and compiled as without it", stacklevel=5)
+                          f"{why}; it is deleted and {then}", stacklevel=5)
         with contextlib.suppress(OSError):
             os.unlink(self.path(prekey))
         self.dropped += 1

@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from ..compiler import Runner
+from ..compiler.race import MARGIN
 
 __all__ = ["RunClock", "precompile"]
 
@@ -137,6 +138,10 @@ class RunClock:
         if self.switched_at is not None and "switched_at" not in self.reported:
             host["switched_at"] = self.switched_at
             self.reported.add("switched_at")
+        if self.progress.runner is not None and "compile_runner" not in self.reported:  # (a race: race.py)
+            host["compile_runner"] = self.progress.runner
+            host["compile_runner_ratio"] = round(self.progress.runner_ratio, 4)
+            self.reported.add("compile_runner")
         for path in ("eager", "compiled"):
             rate = self.rate(path)
             if rate is not None:
@@ -168,13 +173,18 @@ class RunClock:
         return self._compile_notes() + self._later_notes()
 
     def _later_notes(self) -> list[str]:
-        later = self.later
+        later, p = self.later, self.progress
+        raced = []
+        if p is not None and p.runner is not None:
+            ran = ("it served the rest of the run" if p.runner == "package" else
+                   f"the JIT code stayed (the package must take at most {1 - MARGIN:.2f} of its time)")
+            raced = [f"the package built in this run took {p.runner_ratio:.2f}x the JIT code's time per call: {ran}"]
         if later is None or not later.started:
-            return []
+            return raced
         running = later.poll()  # (their counts are current from here)
         if later.built:
-            return ["the package for the next run is written: a later run of this step starts compiled from its first "
-                    "step"]
+            return raced + ["the package for the next run is written: a later run of this step starts compiled from "
+                            "its first step"]
         if running:
             after = ("it goes on after this process exits (FUNCTRAIN_COMPILE_FINISH=1)" if later.settings.finish else
                      "it is stopped at exit (FUNCTRAIN_COMPILE_FINISH=1 lets it finish), and the next run loads the "

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import functrain as ft
 import functrain.testing as ftt
 from functrain.compiler import prekey, warm
+from functrain.compiler.race import chooses_package
 from functrain.optim import schedules
 
 
@@ -323,11 +324,24 @@ for i in range(6):
     c, m = run(c, batches[i % 3])
 imported = sorted(x for x in ("torch._dynamo", "torch._inductor", "sympy") if x in sys.modules)
 written = cstep.wait_for_packages()
+n = 6
+if mode == "first":  # the package is there within the run: timed against the JIT code, the faster kept (race.py)
+    for n in range(6, 200):
+        c, m = run(c, batches[n % 3])
+    n += 1
 e = state
-for i in range(6):
+for i in range(n):
     e, _ = step(e, batches[i % 3])
+from functrain.compiler.package import PackageCall
+from functrain.trainer.compiling import RunClock
+clock, host = RunClock(run, compiled=True, start=n), {}
+clock.tick(n + 1)
+clock.fields(n + 1, host)  # (what the Trainer records and says of this runner)
 print(json.dumps({"source": run.progress.source, "phase": run.progress.phase, "written": written,
+                  "host": {k: v for k, v in host.items() if k.startswith("compile_runner")}, "notes": clock.notes(),
                   "warm": cstep._warm.loaded, "built": cstep._packages.built, "imported": imported,
+                  "runner": run.progress.runner, "ratio": run.progress.runner_ratio, "races": len(run.graphs.races),
+                  "last_is_package": isinstance(run.last.fn, PackageCall),
                   "equal": bool(ft.tree.tree_allclose(c, e, rtol=1e-5, atol=1e-6))}))
 """
 
@@ -347,11 +361,21 @@ def test_a_background_compile_leaves_a_package_for_the_next_run(tmp_path):
 
     first = child("first")
     assert first["source"] == "worker" and first["phase"] == "compiled" and first["equal"], first
-    assert first["written"] == 1 and first["built"] == 0 and first["warm"] == 0, first  # (built by the worker)
+    assert first["written"] == 1 and first["built"] == 0, first  # (built by the worker)
+    assert first["warm"] == 1, first  # (loaded once, by the race below, not before any trace)
+    # the package, written within the run, was timed against the JIT code: the faster serves the rest of it
+    assert first["runner"] in ("package", "jit") and 0 < first["ratio"] < 10 and first["races"] == 0, first
+    assert first["last_is_package"] == (first["runner"] == "package") == chooses_package(first["ratio"]), first
+    assert first["host"] == {"compile_runner": first["runner"], "compile_runner_ratio": round(first["ratio"], 4)}
+    said = [x for x in first["notes"] if x.startswith("the package built in this run took ")]
+    assert said == [f"the package built in this run took {first['ratio']:.2f}x the JIT code's time per call: " +
+                    ("it served the rest of the run" if first["runner"] == "package" else
+                     "the JIT code stayed (the package must take at most 0.98 of its time)")], first["notes"]
     assert len(_entries(tmp_path)) == 1 and len(list((tmp_path / "cache" / "packages").glob("*.pt2"))) == 1
     later = child("later")
     assert later["source"] == "warm" and later["warm"] == 1 and later["imported"] == [], later
     assert later["written"] == 0 and later["equal"], later  # (its entry is there: nothing built again)
+    assert later["runner"] is None and later["last_is_package"], later  # (one runner from its first call: no race)
 
 
 def test_a_graph_that_cannot_be_packaged_is_said_once_and_not_built_again(tmp_path, monkeypatch):

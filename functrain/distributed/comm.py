@@ -62,8 +62,7 @@ def every_rank(flag: bool, group: Any = None) -> bool:
 
 
 class Vote:
-    """Whether ``flag`` is true on any rank of ``group``, asked now and answered later: :meth:`result`; and the
-    least of the ranks' ``every`` (:meth:`every`: how many steps until the next vote, agreed in the same message).
+    """Whether ``flag`` is true on any rank of ``group``, asked now and answered later: :meth:`result`.
 
     The all-reduce starts at once and is not waited for (``async_op``); the flag is a CPU number, so ``group``
     must take CPU tensors (gloo: :func:`gloo_group`) and reading the answer is no device sync. Every rank must
@@ -77,9 +76,8 @@ class Vote:
             ...
     """
 
-    def __init__(self, flag: bool, group: Any, every: int = 1):
-        # (one all-reduce, MAX: any rank's flag, and the least of the ranks' ``every`` proposals)
-        self.tensor = torch.tensor([1 if flag else 0, -int(every)], dtype=torch.int64)
+    def __init__(self, flag: bool, group: Any):
+        self.tensor = torch.tensor([1 if flag else 0], dtype=torch.int64)
         self.work = dist.all_reduce(self.tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
 
     def wait(self) -> None:
@@ -90,11 +88,6 @@ class Vote:
         """Wait for the vote and say whether any rank's flag was true (no ``item()``: a CPU read)."""
         self.work.wait()
         return bool(self.tensor.numpy()[0] > 0)
-
-    def every(self) -> int:
-        """Wait for the vote: the least ``every`` any rank proposed (what a caller spacing its votes agrees on)."""
-        self.work.wait()
-        return int(-self.tensor.numpy()[1])
 
 
 def gloo_group(timeout_s: float | datetime.timedelta) -> Any:

@@ -3,8 +3,8 @@ Ctrl-C do while ``train()`` runs.
 
 A stop is wanted on a rank when a signal came or a ``should_stop`` hook said so; every rank must stop at the same
 step (each saves its part of the checkpoint, and the collectives of the next step would wait forever for a rank that
-left). On several processes the ranks vote every few steps: :class:`~functrain.distributed.comm.Vote`, two CPU
-numbers on a gloo group of the agreement's own, read one step later; the second agrees when the next vote comes.
+left). On several processes the ranks vote at every step: :class:`~functrain.distributed.comm.Vote`, one CPU number
+on a gloo group of the agreement's own, read one step later.
 """
 from __future__ import annotations
 
@@ -18,38 +18,25 @@ from ..distributed import default_timeout
 from ..distributed.comm import Vote, gloo_group
 from ..distributed.faults import lost_steps, report_stop
 
-__all__ = ["StopAgreement", "StopSignals", "VOTE_PERIOD_S", "MAX_VOTE_EVERY"]
-
-VOTE_PERIOD_S = 0.05  # the stop votes' spacing in time on several processes (each rank proposes a step count)
-MAX_VOTE_EVERY = 64  # ... in steps, at most
+__all__ = ["StopAgreement", "StopSignals"]
 
 
 class StopAgreement:
     """Whether the run stops after this step: asked at every step (:meth:`agreed`), the same answer on every rank.
 
     A stop is wanted on this rank after :meth:`request` (a ``should_stop`` hook) or a signal (:attr:`signals`). On
-    one process the run stops at the step it was wanted in. On several, every rank starts a vote at the same steps
-    (:class:`~functrain.distributed.comm.Vote`, not waited for) and reads it at its next step, so the votes pair
-    up by step and every rank gets the same answer at the same step, whatever the step time does. Reading it
-    rarely waits: the step in between has synchronised the ranks already. A stop ends the voting (no vote is left
-    pending).
-
-    How often: each vote also carries each rank's proposal for the steps until the next one, about ``period_s``
-    of its own steps (measured since its last vote; at most :data:`MAX_VOTE_EVERY`, at least 1), and the least
-    proposal is agreed. A step slower than ``period_s`` votes every step, as before (a stop wanted during step
-    *k* is agreed at step *k + 1*); fast steps vote about every ``period_s`` (a stop is agreed within about
-    ``period_s`` plus a step), so the vote's all-reduce (~0.3 ms of host time on 2 gloo ranks) is not paid per
-    step: ~5 % of the 2-rank main job's compiled step on this project's 2-core machine.
+    one process the run stops at the step it was wanted in. On several, every rank starts exactly one vote per
+    step (:class:`~functrain.distributed.comm.Vote`, not waited for) and reads it at its next step, so the votes
+    pair up by step and every rank gets the same answer at the same step, whatever the step time does: a stop
+    wanted during step *k* anywhere is agreed at step *k + 1* everywhere. Reading it rarely waits: the step in
+    between has synchronised the ranks already. A stop ends the voting (no vote is left pending).
 
     Per ``train()`` call: :meth:`begin` (signal handlers in place, nothing wanted), :meth:`agreed` each step,
     :meth:`end_vote` after the loop, :meth:`restore` at the end whatever happened.
     """
 
-    def __init__(self, rank: int, world: int, checkpoints: Any, period_s: float = VOTE_PERIOD_S):
+    def __init__(self, rank: int, world: int, checkpoints: Any):
         self.rank, self.world = rank, world
-        self.period_s = period_s
-        self.next_vote = 0  # the first step at which a vote may start (agreed by the last vote)
-        self.voted: tuple[int, float] | None = None  # (step, time) of this rank's last vote
         self.signals = StopSignals(rank, checkpoints)
         self.requested = False  # a should_stop hook answered true on this rank
         self.group: Any = None  # gloo: the per-step votes (CPU numbers, never a device sync); made once
@@ -71,7 +58,6 @@ class StopAgreement:
         Every rank calls it (the vote's group is made at the first call)."""
         self.requested = False
         self.vote = None
-        self.next_vote, self.voted = 0, None
         if self.world > 1 and self.group is None:
             self.group = gloo_group(default_timeout())
         self.signals.install(clock, saves)
@@ -90,21 +76,11 @@ class StopAgreement:
             if self.vote is not None:
                 vote, self.vote = self.vote, None
                 stop = vote.result()  # a CPU number: no device sync
-                self.next_vote = step + vote.every() - 1  # (every=1: a vote again at this step)
-            if not stop and step >= self.next_vote:
-                self.vote = Vote(self.wanted, self.group, self._proposal(step))
+            if not stop:
+                self.vote = Vote(self.wanted, self.group)
         if stop and self.rank == 0:
             print(f"stopping at step {step} ({self.signals.signal or 'should_stop'}): saving", flush=True)
         return stop
-
-    def _proposal(self, step: int) -> int:
-        """The steps until the next vote this rank proposes: about ``period_s`` of its steps since its last vote
-        (1 at the first)."""
-        now, last, self.voted = time.perf_counter(), self.voted, (step, time.perf_counter())
-        if last is None or step <= last[0]:
-            return 1
-        per_step = (now - last[1]) / (step - last[0])
-        return max(1, min(MAX_VOTE_EVERY, int(self.period_s / per_step) if per_step > 0 else MAX_VOTE_EVERY))
 
     def end_vote(self) -> None:
         """Wait for the vote of the last step (started by every rank) so that none is left in flight."""

@@ -39,8 +39,6 @@ def _worker():
         pending.wait()
         answers.append(pending.result())
     out["votes"], out["vote_pulls"] = answers, pulls.n
-    proposals = Vote(False, group, every=3 + 5 * r)  # (each rank proposes; the least is agreed)
-    out["every"] = proposals.every()
     dist.barrier(group=other)
     return out
 
@@ -52,43 +50,3 @@ def test_flags_and_votes_give_every_rank_the_same_answer():
         assert out["on_group"] == [True, False, True]
         assert out["votes"] == [False, False, True, False]  # vote k answered whether any rank wanted it at k
         assert out["vote_pulls"] == 0  # a CPU number read directly: no item(), no device sync
-        assert out["every"] == 3  # the least of 3 and 8
-
-
-def _stopping_worker():
-    import torch.distributed as dist
-
-    from functrain.trainer.stopping import MAX_VOTE_EVERY, StopAgreement
-
-    r = dist.get_rank()
-    out = {}
-    for period in (0.0, 1e6):  # every step; as rarely as allowed (MAX_VOTE_EVERY steps)
-        agreement = StopAgreement(r, 2, None, period_s=period)
-        agreement.begin(None, None)
-        votes, stopped = 0, None
-        try:
-            for step in range(1, 400):
-                if r == 1 and step == 50:
-                    agreement.request()  # (rank 1 only)
-                before = agreement.vote
-                if agreement.agreed(step):
-                    stopped = step
-                    break
-                votes += agreement.vote is not None and agreement.vote is not before
-            agreement.end_vote()
-        finally:
-            agreement.restore()
-        out[str(period)] = {"stopped": stopped, "votes": votes}
-    out["max"] = MAX_VOTE_EVERY
-    return out
-
-
-def test_the_stop_votes_are_spaced_by_the_least_proposal_and_agree_on_the_step():
-    """A stop wanted on rank 1 at step 50 is agreed by both ranks at the same step: at step 51 when every step votes
-    (a proposal of 1), at the vote after it when the ranks propose the most spacing (votes at steps 1, 2, then every
-    MAX_VOTE_EVERY: the one at 2 + MAX_VOTE_EVERY carries it, read one step later)."""
-    reports = ft.launch(_stopping_worker, nprocs=2, timeout=240, dist_timeout=60)
-    spaced = 2 + reports[0]["max"] + 1
-    for out in reports:
-        assert out["0.0"] == {"stopped": 51, "votes": 50}, out  # (a vote at each of steps 1-50)
-        assert out["1000000.0"] == {"stopped": spaced, "votes": 3}, out  # (steps 1, 2 and 2 + MAX_VOTE_EVERY)

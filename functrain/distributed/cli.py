@@ -104,6 +104,7 @@ import traceback
 
 from ..core.validate import BadValue, check_int, check_real
 from .agent import Watch, watching
+from .prewarm import ENV as PREWARM_ENV, Prewarmed, handing_over
 from .faults import (LOST, OWN, STOP_REPORT, TIMEOUT, RankEnd, cause_of, describe_end, die_with_parent, left_early,
                      read_stop_reports, report_stop, root_cause, stop_outcome)
 
@@ -188,7 +189,7 @@ def _torchrun_argv(ns: argparse.Namespace, log_dir: str) -> list[str]:
     return argv
 
 
-def _boot_code() -> str:
+def _boot_code(*last: str) -> str:
     """What each worker runs first (``python -c``): nothing is imported from the current folder.
 
     ``python -m`` and ``python -c`` put the current folder first on ``sys.path``; in a folder another user can
@@ -196,6 +197,7 @@ def _boot_code() -> str:
     The code drops that entry before any import (on Python 3.10 too, where ``-P`` does not exist), loads
     functrain from the very folder the launcher imported it from, and runs the worker; the user's script gets
     its own folder (or, with ``-m``, the current folder) on the path only after that (:func:`_worker`).
+    ``last``: the lines that end it (default: the worker's ``main``).
     """
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../functrain
     init = os.path.join(package, "__init__.py")
@@ -209,9 +211,21 @@ def _boot_code() -> str:
         "module = importlib.util.module_from_spec(spec)",
         "sys.modules['functrain'] = module",
         "spec.loader.exec_module(module)",
-        "from functrain.distributed.cli import main",
-        "sys.exit(main())",
+        *(last or ("from functrain.distributed.cli import main", "sys.exit(main())")),
     ])
+
+
+def _prewarm_code() -> str:
+    """What a waiting process runs (``python -u -c CODE FD``): the worker's boot, then :func:`.prewarm.serve`."""
+    return _boot_code("from functrain.distributed.prewarm import serve", "serve(int(sys.argv[1]))")
+
+
+def _prewarm(ns: argparse.Namespace) -> Prewarmed | None:
+    """One waiting process per local rank, importing torch while the launcher does (:mod:`.prewarm`); ``None``
+    when ``FUNCTRAIN_LAUNCH_PREWARM=0`` or the process count is not a number (torchrun's ``auto``, ``gpu``)."""
+    if os.environ.get(PREWARM_ENV, "1") == "0" or not str(ns.nproc).isdigit():
+        return None
+    return Prewarmed(int(ns.nproc), [sys.executable, "-u", "-c", _boot_code(), _WORKER], _prewarm_code())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,6 +257,21 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ns.effective_dist_timeout = os.environ["FUNCTRAIN_DIST_TIMEOUT"]
 
+    prewarmed = _prewarm(ns)  # (the ranks' processes import torch now, while this one does)
+    try:
+        return _run(ns, prewarmed)
+    finally:
+        if prewarmed is not None:
+            prewarmed.close()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _run(ns: argparse.Namespace, prewarmed: Prewarmed | None) -> int:
+    """The launch itself, torchrun's agent underneath (the rest of :func:`main`)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -263,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         targs = torchrun.parse_args(_torchrun_argv(ns, log_dir))
         watch = None
         try:
-            with watching(ns.term_timeout) as watch:  # torchrun's agent, honouring --term-timeout on every stop
+            # torchrun's agent, honouring --term-timeout on every stop; its ranks in the waiting processes
+            with watching(ns.term_timeout) as watch, handing_over(prewarmed):
                 torchrun.run(targs)  # standalone c10d on one node without a port, else as asked; raises on failure
             return 0
         except ChildFailedError as e:
@@ -280,11 +310,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{_prog()}: the job could not start: {type(e).__name__}: {first}", file=sys.stderr)
             return 1
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         shutil.rmtree(scratch, ignore_errors=True)
         if keep_logs and ns.log_dir is None:
             print(f"{_prog()}: per-rank logs in {log_dir}", file=sys.stderr)

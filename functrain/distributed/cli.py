@@ -217,7 +217,8 @@ def _boot_code(*last: str) -> str:
 
 def _prewarm_code() -> str:
     """What a waiting process runs (``python -u -c CODE FD``): the worker's boot, then :func:`.prewarm.serve`."""
-    return _boot_code("from functrain.distributed.prewarm import serve", "serve(int(sys.argv[1]))")
+    return _boot_code("from functrain.distributed.prewarm import serve", "argv = serve(int(sys.argv[1]))",
+                      "from functrain.distributed.cli import main", "sys.exit(main(argv))")
 
 
 def _prewarm(ns: argparse.Namespace) -> Prewarmed | None:

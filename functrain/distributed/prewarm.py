@@ -6,8 +6,8 @@ launcher starts one waiting process per local rank (:class:`Prewarmed`): each im
 ``torch.distributed``, then waits on a private socket. When the agent starts a rank, the command it would run (the
 launcher's worker command, :func:`functrain.distributed.cli._boot_code`), its environment and its output files are
 handed to a waiting process instead of a new one (:func:`handing_over`, around the agent's
-``SubprocessHandler._popen``): that process takes the rank's environment and output, and runs the worker as the
-new one would have (:func:`serve`). The agent gets the waiting process's own ``Popen``: it polls, signals
+``SubprocessHandler._popen``): that process takes the rank's environment and output (:func:`serve`), and runs the
+worker as the new one would have. The agent gets the waiting process's own ``Popen``: it polls, signals
 (``killpg``: started in a session of its own, as torchrun starts ranks) and reaps it exactly as a process it
 started itself.
 
@@ -123,9 +123,10 @@ def handing_over(prewarmed: Prewarmed | None) -> Iterator[None]:
         handler._popen = original
 
 
-def serve(fd: int) -> None:
+def serve(fd: int) -> list[str]:
     """A waiting process: import torch, wait for a rank's command on socket ``fd`` (the launcher's end closed:
-    exit), then become that rank (its environment, its output files) and run the worker."""
+    exit), then become that rank (its environment, its output files); returns the worker's arguments (what the
+    launcher's boot code then runs: ``functrain.distributed.cli.main(argv)``)."""
     from .faults import die_with_parent
 
     launcher = os.environ.get("FUNCTRAIN_LAUNCHER_PID", "")
@@ -148,9 +149,6 @@ def serve(fd: int) -> None:
         os.close(f)
     os.environ.clear()
     os.environ.update(order["env"])
-    args = order["args"]
     global served
     served = True
-    from .cli import main
-
-    sys.exit(main(args[4:]))  # (args: python -u -c BOOT __functrain_worker__ ...)
+    return order["args"][4:]  # (args: python -u -c BOOT __functrain_worker__ ...)

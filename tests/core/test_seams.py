@@ -27,6 +27,8 @@ ALLOWED_PATCHES = {
     ("compiler/cache.py", "module.default_cache_dir"): "inductor's default folder replaced by a trusted one",
     ("compiler/host_sync.py", "builtins.print"): "print refused while a step is traced, restored after",
     ("distributed/agent.py", "context.close"): "torchrun's agent context closed within --term-timeout",
+    ("distributed/prewarm.py", "handler._popen"): "torchrun's agent hands a rank to a process that imported torch "
+                                                  "beside the launcher (handing_over), restored",
 }
 
 

@@ -74,10 +74,10 @@ class Prewarmed:
             try:
                 socket.send_fds(sock, [message], files)
             except OSError:  # (it died meanwhile, or the message is too large: a new process instead)
+                sock.close()  # (first: the waiting process then reads the end and exits by itself)
                 _end(proc)
                 continue
-            finally:
-                sock.close()
+            sock.close()
             return proc
         return None
 

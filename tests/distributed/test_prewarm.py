@@ -14,7 +14,6 @@ import re
 import subprocess
 import sys
 
-import functrain
 from functrain.distributed.cli import _WORKER, _boot_code, _prewarm_code
 from functrain.distributed.prewarm import Prewarmed
 from functrain.distributed.spawn import free_port
@@ -80,4 +79,3 @@ def test_waiting_processes_never_used_exit_when_told(tmp_path):
     assert waiting.take(("python", "other"), {}, None, None) is None  # (not the worker command: a new process)
     waiting.close()
     assert [p.returncode for p in procs] == [0, 0]  # (exited by themselves on the closed socket, not killed)
-    assert functrain  # (imported from this checkout)
